@@ -1,0 +1,1 @@
+"""Workload balancing: cost models, decentralized grouped reordering and encoder resharding plans."""

@@ -1,0 +1,151 @@
+"""WebDataModule: the plain (non-balancing) streaming data module over multimodal webdataset shards."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import braceexpand
+from lightning.pytorch import LightningDataModule
+from torchdata.stateful_dataloader import StatefulDataLoader
+from typing_extensions import override
+
+from omni_lightning.datamodules.streaming import ShardStream
+from omni_lightning.datamodules.synthetic import make_synthetic_shards
+
+__all__ = ["SyntheticShards", "WebDataModule", "expand_shards"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SyntheticShards:
+    """Shards to generate on first use when the configured ones do not exist (see ``omni-lightning make-shards``)."""
+
+    workload: str = "omni_mix"
+    num_shards: int = 8
+    samples_per_shard: int = 64
+    seed: int = 0
+    length_scale: float = 0.05
+    max_llm_tokens: int | None = 512
+
+
+def expand_shards(shards: str | list[str]) -> list[str]:
+    """Expand brace patterns (``train-{000000..000007}.tar``), globs and directories into a sorted shard list."""
+    patterns = [shards] if isinstance(shards, str) else list(shards)
+    paths: list[str] = []
+    for pattern in patterns:
+        for expanded in braceexpand.braceexpand(pattern):
+            if os.path.isdir(expanded):
+                paths.extend(sorted(glob.glob(os.path.join(expanded, "*.tar"))))
+            elif any(ch in expanded for ch in "*?["):
+                paths.extend(sorted(glob.glob(expanded)))
+            else:
+                paths.append(expanded)
+    return paths
+
+
+class WebDataModule(LightningDataModule):
+    """Streams packed micro-batches from webdataset shards, each data-parallel rank reading its own shards.
+
+    Args:
+        shards: brace pattern, glob, directory or list of ``.tar`` shards.
+        batch_size: samples per micro-batch on each data-parallel rank.
+        num_workers: loader worker processes per rank (each needs at least one shard).
+        seed: seeds the per-epoch shard order.
+        synthetic: generate synthetic shards into the directory of ``shards`` if none exist yet.
+        val_shards: optional validation shards (same format).
+        val_batches: micro-batches per validation pass on every rank (equal counts keep FSDP collectives aligned).
+        patch_size, vision_merge, audio_downsample: must match the model's vision/audio configuration.
+
+    The data-parallel rank and size come from ``trainer.strategy.distributed_sampler_kwargs``, so TP/CP/PP peers
+    of OmniStrategy read the same samples and any other strategy works too.
+    """
+
+    def __init__(
+        self,
+        shards: str | list[str] = "data/tiny/train-{000000..000007}.tar",
+        *,
+        batch_size: int = 4,
+        num_workers: int = 0,
+        seed: int = 0,
+        synthetic: SyntheticShards | None = None,
+        val_shards: str | list[str] | None = None,
+        val_batches: int = 4,
+        patch_size: int = 14,
+        vision_merge: int = 4,
+        audio_downsample: int = 4,
+    ) -> None:
+        super().__init__()
+        self.shards = shards
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.seed = seed
+        self.synthetic = synthetic
+        self.val_shards = val_shards
+        self.val_batches = val_batches
+        self.pack_kwargs = {
+            "patch_size": patch_size, "vision_merge": vision_merge, "audio_downsample": audio_downsample
+        }
+        self.dp_rank, self.dp_size = 0, 1
+
+    @override
+    def prepare_data(self) -> None:
+        paths = expand_shards(self.shards)
+        if self.synthetic is None or all(os.path.exists(p) for p in paths):
+            return
+        out_dir = Path(paths[0]).parent if paths else Path(str(self.shards))
+        prefix = Path(paths[0]).name.split("-")[0] if paths else "train"
+        log.info("writing %d synthetic shards to %s", self.synthetic.num_shards, out_dir)
+        make_synthetic_shards(
+            out_dir,
+            workload=self.synthetic.workload,
+            num_shards=self.synthetic.num_shards,
+            samples_per_shard=self.synthetic.samples_per_shard,
+            seed=self.synthetic.seed,
+            length_scale=self.synthetic.length_scale,
+            max_llm_tokens=self.synthetic.max_llm_tokens,
+            patch_size=self.pack_kwargs["patch_size"],
+            prefix=prefix,
+        )
+
+    @override
+    def setup(self, stage: str) -> None:
+        trainer = self.trainer
+        if trainer is not None and trainer.world_size > 1:
+            kwargs = trainer.strategy.distributed_sampler_kwargs
+            self.dp_rank, self.dp_size = kwargs["rank"], kwargs["num_replicas"]
+
+    def stream(self, shards: str | list[str], *, dp_rank: int | None = None, dp_size: int | None = None,
+               num_workers: int | None = None, max_batches: int | None = None) -> ShardStream:
+        """The stream of one data-parallel rank (this process's rank unless given)."""
+        paths = expand_shards(shards)
+        missing = [p for p in paths if not os.path.exists(p)]
+        if not paths or missing:
+            raise ValueError(f"shards {shards!r}: {'no files match' if not paths else f'missing {missing[:3]}'};"
+                             " run `omni-lightning make-shards` or set data.synthetic to generate them")
+        return ShardStream(
+            paths,
+            dp_rank=self.dp_rank if dp_rank is None else dp_rank,
+            dp_size=self.dp_size if dp_size is None else dp_size,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers if num_workers is None else num_workers,
+            seed=self.seed,
+            pack_kwargs=self.pack_kwargs,
+            max_batches=max_batches,
+        )
+
+    @override
+    def train_dataloader(self) -> StatefulDataLoader:
+        return StatefulDataLoader(self.stream(self.shards), batch_size=None, num_workers=self.num_workers)
+
+    @override
+    def val_dataloader(self) -> Any:
+        if self.val_shards is None:
+            return []
+        stream = self.stream(self.val_shards, num_workers=0, max_batches=self.val_batches)
+        return StatefulDataLoader(stream, batch_size=None, num_workers=0)

@@ -1,0 +1,116 @@
+"""Configuration of the reference multimodal LLM and the token ids it reserves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = [
+    "PAD_ID",
+    "BOS_ID",
+    "IMAGE_ID",
+    "AUDIO_ID",
+    "FIRST_TEXT_ID",
+    "VisionEncoderConfig",
+    "AudioEncoderConfig",
+    "LLMConfig",
+    "ReferenceMLLMConfig",
+]
+
+# Ids below FIRST_TEXT_ID never appear as text: placeholders mark where encoder outputs replace embeddings.
+PAD_ID = 0
+BOS_ID = 1
+IMAGE_ID = 2  # one per merged vision token (images and video frames)
+AUDIO_ID = 3  # one per downsampled audio frame
+FIRST_TEXT_ID = 4
+
+
+@dataclass
+class VisionEncoderConfig:
+    """ViT on native-resolution images: patches of ``patch_size`` pixels, a 2x2 spatial merge (``merge=4``)."""
+
+    patch_size: int = 14
+    in_channels: int = 3
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    mlp_ratio: float = 4.0
+    merge: int = 4
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.patch_size * self.patch_size
+
+
+@dataclass
+class AudioEncoderConfig:
+    """Whisper-style encoder: two stride-2 convolutions over mel frames (``downsample=4``), then a transformer."""
+
+    n_mels: int = 80
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    mlp_ratio: float = 4.0
+    downsample: int = 4
+
+
+@dataclass
+class LLMConfig:
+    """Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU (or top-k MoE every ``moe_every`` layers)."""
+
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_hidden: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    moe_every: int = 0
+    n_experts: int = 4
+    moe_top_k: int = 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe_every > 0 and (index + 1) % self.moe_every == 0
+
+
+@dataclass
+class ReferenceMLLMConfig:
+    """A vision encoder and an audio encoder, each with a projector, feeding a decoder LLM."""
+
+    vision: VisionEncoderConfig = field(default_factory=VisionEncoderConfig)
+    audio: AudioEncoderConfig = field(default_factory=AudioEncoderConfig)
+    llm: LLMConfig = field(default_factory=LLMConfig)
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        llm = self.llm
+        if llm.dim % llm.n_heads:
+            raise ValueError(f"llm.dim={llm.dim} must be divisible by llm.n_heads={llm.n_heads}")
+        if llm.n_heads % llm.n_kv_heads:
+            raise ValueError(f"llm.n_heads={llm.n_heads} must be a multiple of llm.n_kv_heads={llm.n_kv_heads}")
+        if llm.vocab_size <= FIRST_TEXT_ID:
+            raise ValueError(f"llm.vocab_size={llm.vocab_size} must exceed the {FIRST_TEXT_ID} reserved ids")
+        if llm.moe_every and not 1 <= llm.moe_top_k <= llm.n_experts:
+            raise ValueError(f"llm.moe_top_k={llm.moe_top_k} must be in [1, n_experts={llm.n_experts}]")
+        for name, enc in (("vision", self.vision), ("audio", self.audio)):
+            if enc.dim % enc.n_heads:
+                raise ValueError(f"{name}.dim={enc.dim} must be divisible by {name}.n_heads={enc.n_heads}")
+        if self.vision.merge not in (1, 4):
+            raise ValueError(f"vision.merge={self.vision.merge} must be 1 or 4 (a 2x2 spatial merge)")
+        if self.audio.downsample != 4:
+            raise ValueError(f"audio.downsample={self.audio.downsample} must be 4 (two stride-2 convolutions)")
+        if self.attention_backend not in ("auto", "sdpa", "flash"):
+            raise ValueError(f"attention_backend={self.attention_backend!r} must be 'auto', 'sdpa' or 'flash'")
+
+    @classmethod
+    def tiny(cls, *, moe: bool = False) -> ReferenceMLLMConfig:
+        """Small enough for multi-process CPU tests, real in shape (GQA, RoPE, SwiGLU, optional MoE)."""
+        return cls(
+            vision=VisionEncoderConfig(dim=32, n_layers=2, n_heads=4),
+            audio=AudioEncoderConfig(n_mels=80, dim=32, n_layers=1, n_heads=4),
+            llm=LLMConfig(dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=128, moe_every=2 if moe else 0),
+        )

@@ -1,0 +1,102 @@
+"""Modality encoders of the reference MLLM: a native-resolution ViT and a Whisper-style audio encoder.
+
+Both take packed items (all images of a micro-batch back to back, all audio clips back to back) and return one
+LLM-width embedding per placeholder token, in item order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omni_lightning.models.attention import AttentionBackend
+from omni_lightning.models.config import AudioEncoderConfig, VisionEncoderConfig
+from omni_lightning.models.layers import EncoderBlock, GeluMLP, sincos_features
+
+__all__ = ["VisionEncoder", "AudioEncoder", "cu_seqlens_from_lengths"]
+
+
+def cu_seqlens_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    """``[l0, l1, ...]`` -> int32 ``[0, l0, l0+l1, ...]``."""
+    return F.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
+
+
+class VisionEncoder(nn.Module):
+    """ViT over native-resolution images.
+
+    Inputs (packed by the collate function): ``patches [n_patches, patch_dim]`` with the patches of each 2x2 merge
+    window adjacent, ``positions [n_patches, 2]`` (row, column) and ``grids [n_items, 2]`` (rows, columns per item;
+    video frames are items too). Output: ``[n_patches // merge, llm_dim]``.
+    """
+
+    def __init__(self, config: VisionEncoderConfig, llm_dim: int, backend: AttentionBackend = "auto") -> None:
+        super().__init__()
+        self.config = config
+        self.patch_embed = nn.Linear(config.patch_dim, config.dim)
+        self.blocks = nn.ModuleList(
+            EncoderBlock(config.dim, config.n_heads, config.mlp_ratio, backend) for _ in range(config.n_layers)
+        )
+        self.norm = nn.LayerNorm(config.dim)
+        self.projector = GeluMLP(config.dim * config.merge, llm_dim, llm_dim)
+
+    def forward(self, patches: torch.Tensor, positions: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+        half = self.config.dim // 2
+        x = self.patch_embed(patches)
+        # 2-D position: half the channels encode the row, half the column, so any resolution works.
+        pos = torch.cat([sincos_features(positions[:, 0], half), sincos_features(positions[:, 1], half)], dim=-1)
+        x = x + pos.to(x.dtype)
+        cu_seqlens = cu_seqlens_from_lengths(grids[:, 0] * grids[:, 1])
+        for block in self.blocks:
+            x = block(x, cu_seqlens)
+        x = self.norm(x)
+        return self.projector(x.reshape(-1, self.config.dim * self.config.merge))
+
+    def dummy_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A single 2x2-patch item, run by a rank that has no images so that its collectives match the others'."""
+        positions = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]], device=device)
+        return torch.zeros(4, self.config.patch_dim, device=device), positions, torch.tensor([[2, 2]], device=device)
+
+
+class AudioEncoder(nn.Module):
+    """Two stride-2 convolutions over mel frames (4x downsampling per clip), a transformer, and a projector.
+
+    Inputs: ``mels [n_frames, n_mels]`` of all clips back to back and ``lengths [n_clips]`` (each a multiple of 4).
+    Output: ``[n_frames // 4, llm_dim]``.
+    """
+
+    def __init__(self, config: AudioEncoderConfig, llm_dim: int, backend: AttentionBackend = "auto") -> None:
+        super().__init__()
+        self.config = config
+        self.conv1 = nn.Conv1d(config.n_mels, config.dim, kernel_size=3, stride=2, padding=1)
+        self.conv2 = nn.Conv1d(config.dim, config.dim, kernel_size=3, stride=2, padding=1)
+        self.blocks = nn.ModuleList(
+            EncoderBlock(config.dim, config.n_heads, config.mlp_ratio, backend) for _ in range(config.n_layers)
+        )
+        self.norm = nn.LayerNorm(config.dim)
+        self.projector = GeluMLP(config.dim, llm_dim, llm_dim)
+
+    def forward(self, mels: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        if lengths.numel() == 0 or bool((lengths % self.config.downsample).any()):
+            raise ValueError(
+                f"audio clip lengths {lengths.tolist()} must be non-empty multiples of {self.config.downsample}"
+            )
+        # Convolve clip by clip: a kernel sliding across a clip boundary would mix two recordings.
+        clips = [
+            F.gelu(self.conv2(F.gelu(self.conv1(clip.t().unsqueeze(0))))).squeeze(0).t()
+            for clip in mels.split(lengths.tolist())
+        ]
+        positions = torch.cat([torch.arange(clip.shape[0], device=mels.device) for clip in clips])
+        x = torch.cat(clips)
+        x = x + sincos_features(positions, self.config.dim).to(x.dtype)
+        cu_seqlens = cu_seqlens_from_lengths(lengths // self.config.downsample)
+        for block in self.blocks:
+            x = block(x, cu_seqlens)
+        return self.projector(self.norm(x))
+
+    def dummy_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """One clip of ``downsample`` frames for a rank without audio (see :meth:`VisionEncoder.dummy_inputs`)."""
+        return (
+            torch.zeros(self.config.downsample, self.config.n_mels, device=device),
+            torch.tensor([self.config.downsample], device=device),
+        )

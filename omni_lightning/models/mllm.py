@@ -1,0 +1,70 @@
+"""The reference multimodal LLM: encoders whose outputs replace placeholder embeddings of a decoder LLM."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omni_lightning.models.config import AUDIO_ID, IMAGE_ID, ReferenceMLLMConfig
+from omni_lightning.models.encoders import AudioEncoder, VisionEncoder
+from omni_lightning.models.llm import Decoder
+
+__all__ = ["ReferenceMLLM", "IGNORE_INDEX", "next_token_loss_sum"]
+
+IGNORE_INDEX = -100
+
+
+class ReferenceMLLM(nn.Module):
+    """Vision + audio encoders feeding a Llama-style decoder over one packed micro-batch.
+
+    ``forward(batch)`` takes the packed micro-batch built by
+    :func:`omni_lightning.datamodules.collate.pack_samples` and returns logits ``[tokens, vocab]``.
+    Every encoder runs on every call, on a dummy item when the micro-batch has none of its modality, so that
+    all data-parallel ranks issue the same FSDP collectives whatever their data.
+    """
+
+    def __init__(self, config: ReferenceMLLMConfig) -> None:
+        super().__init__()
+        self.config = config
+        backend = config.attention_backend  # type: ignore[assignment]
+        self.vision = VisionEncoder(config.vision, config.llm.dim, backend)
+        self.audio = AudioEncoder(config.audio, config.llm.dim, backend)
+        self.llm = Decoder(config.llm, backend)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        input_ids = batch["input_ids"]
+        embeddings = self.llm.tok_embeddings(input_ids)
+        vision_ids = input_ids == IMAGE_ID
+        audio_ids = input_ids == AUDIO_ID
+        if batch["vision_grids"].shape[0] > 0:
+            vision = self.vision(batch["vision_patches"], batch["vision_positions"], batch["vision_grids"])
+            embeddings = _scatter(embeddings, vision_ids, vision, "vision")
+        else:
+            embeddings = embeddings + 0.0 * self.vision(*self.vision.dummy_inputs(input_ids.device)).sum()
+            _scatter(embeddings, vision_ids, embeddings.new_zeros(0, embeddings.shape[1]), "vision")
+        if batch["audio_lengths"].shape[0] > 0:
+            audio = self.audio(batch["audio_mels"], batch["audio_lengths"])
+            embeddings = _scatter(embeddings, audio_ids, audio, "audio")
+        else:
+            embeddings = embeddings + 0.0 * self.audio(*self.audio.dummy_inputs(input_ids.device)).sum()
+            _scatter(embeddings, audio_ids, embeddings.new_zeros(0, embeddings.shape[1]), "audio")
+        return self.llm(embeddings, batch["position_ids"], batch["cu_seqlens"])
+
+
+def _scatter(embeddings: torch.Tensor, where: torch.Tensor, values: torch.Tensor, what: str) -> torch.Tensor:
+    placeholders = int(where.sum())
+    if placeholders != values.shape[0]:
+        raise ValueError(
+            f"the micro-batch has {placeholders} {what} placeholder tokens but the {what} encoder produced "
+            f"{values.shape[0]} embeddings; sample metadata and media disagree"
+        )
+    if placeholders == 0:
+        return embeddings
+    return embeddings.masked_scatter(where[:, None], values.to(embeddings.dtype))
+
+
+def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy over positions whose label is not ``IGNORE_INDEX``, and how many there were."""
+    loss_sum = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss_sum, (labels != IGNORE_INDEX).sum()

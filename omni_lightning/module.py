@@ -1,0 +1,186 @@
+"""OmniModule: the LightningModule that trains a multimodal LLM under OmniStrategy (or on one device)."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from omni_lightning.models.config import ReferenceMLLMConfig
+from omni_lightning.models.mllm import ReferenceMLLM, next_token_loss_sum
+from omni_lightning.parallel.mesh import OmniMeshes
+from omni_lightning.parallel.parallelize import parallelize_mllm
+
+__all__ = ["OmniModule", "initial_state_dict", "clip_grad_norm_"]
+
+
+def initial_state_dict(
+    config: ReferenceMLLMConfig, *, init_checkpoint: str | Path | None = None, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """The full (unsharded) initial weights: a seed checkpoint file if given, else a seeded fresh model.
+
+    Every layout starts from these exact tensors, so runs under different layouts are comparable step by step.
+    """
+    if init_checkpoint is not None:
+        return torch.load(init_checkpoint, map_location="cpu", weights_only=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return ReferenceMLLM(config).state_dict()
+
+
+class OmniModule(LightningModule):
+    """Next-token training of a multimodal LLM on packed micro-batches.
+
+    Args:
+        model: configuration of the reference MLLM (``ReferenceMLLMConfig.tiny()`` when omitted).
+        learning_rate, weight_decay, betas, warmup_steps: AdamW with linear warm-up.
+        init_checkpoint: a seed checkpoint (a full ``state_dict`` saved with ``torch.save``) to start from;
+            otherwise weights come from ``init_seed``. Either way every rank and every layout starts identically.
+        init_seed: seed of the initial weights when no seed checkpoint is given.
+        param_dtype: FSDP compute dtype for parameters (e.g. ``"bfloat16"`` on GPUs); ``None`` keeps fp32.
+
+    The loss is the sum of next-token cross-entropies over text positions divided by the number of such
+    positions in the *global* batch, so gradients do not depend on how samples are spread over ranks.
+    Logged: ``train/loss`` (global mean), ``train/tokens_per_s`` and ``train/samples_per_s`` (global).
+    """
+
+    def __init__(
+        self,
+        model: ReferenceMLLMConfig | None = None,
+        *,
+        learning_rate: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        init_checkpoint: str | None = None,
+        init_seed: int = 0,
+        param_dtype: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = model if model is not None else ReferenceMLLMConfig.tiny()
+        self.model: ReferenceMLLM | None = None
+        self.omni_meshes: OmniMeshes | None = None
+        self._param_dtype = getattr(torch, param_dtype) if param_dtype else None
+        self._last_step_time: float | None = None
+
+    @override
+    def configure_model(self) -> None:
+        """Build on the meta device, parallelise, then materialise from the initial weights (idempotent)."""
+        if self.model is not None:
+            return
+        with torch.device("meta"):
+            model = ReferenceMLLM(self.config)
+        if self.omni_meshes is not None:
+            parallelize_mllm(model, self.omni_meshes, param_dtype=self._param_dtype)
+        device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
+        model.to_empty(device=device)
+        state = initial_state_dict(
+            self.config, init_checkpoint=self.hparams.init_checkpoint, seed=self.hparams.init_seed
+        )
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
+        self.model = model
+
+    def forward(self, batch: dict[str, Any]) -> torch.Tensor:
+        assert self.model is not None, "configure_model() has not run"
+        return self.model(batch)
+
+    @override
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, torch.Tensor]:
+        loss, stats = self._loss_and_stats(batch)
+        now = time.perf_counter()
+        if self._last_step_time is not None:
+            elapsed = now - self._last_step_time
+            self.log("train/tokens_per_s", stats["tokens"] / elapsed, prog_bar=True)
+            self.log("train/samples_per_s", stats["samples"] / elapsed)
+        self._last_step_time = now
+        self.log("train/loss", stats["loss"], prog_bar=True)
+        return {"loss": loss, "global_loss": stats["loss"]}
+
+    @override
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        _, stats = self._loss_and_stats(batch)
+        self.log("val/loss", stats["loss"], prog_bar=True)
+        return stats["loss"]
+
+    def _loss_and_stats(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss_sum, loss_tokens = next_token_loss_sum(self(batch), batch["labels"])
+        meshes = self.omni_meshes
+        cp = meshes.size("cp") if meshes is not None else 1
+        # One collective for everything that needs the global batch: CP peers share samples, so count 1/cp each.
+        totals = torch.stack(
+            [
+                loss_sum.detach().double(),
+                loss_tokens.double(),
+                torch.tensor(batch["input_ids"].numel() / cp, dtype=torch.float64, device=loss_sum.device),
+                torch.tensor(batch["num_samples"] / cp, dtype=torch.float64, device=loss_sum.device),
+            ]
+        )
+        loss_mesh = meshes.get("dp_cp") if meshes is not None else None
+        if loss_mesh is not None:
+            dist.all_reduce(totals, group=loss_mesh.get_group())
+        global_loss_tokens = totals[1].clamp(min=1.0)
+        # FSDP averages gradients over the dp_cp ranks; scaling by their number makes the result the gradient of
+        # (sum of token losses) / (global loss tokens), the same as one process running the whole batch.
+        data_parallel = loss_mesh.size() if loss_mesh is not None else 1
+        loss = loss_sum * (data_parallel / global_loss_tokens.float())
+        stats = {"loss": (totals[0] / global_loss_tokens).float(), "tokens": totals[2], "samples": totals[3]}
+        return loss, stats
+
+    @override
+    def configure_optimizers(self) -> Any:
+        assert self.model is not None, "configure_model() has not run"
+        optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.hparams.learning_rate,
+            betas=tuple(self.hparams.betas),
+            weight_decay=self.hparams.weight_decay,
+        )
+        warmup = self.hparams.warmup_steps
+        if warmup <= 0:
+            return optimizer
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    @override
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        if gradient_clip_val is None:
+            return
+        if gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: only 'norm' is supported")
+        assert self.model is not None
+        clip_grad_norm_(list(self.model.parameters()), gradient_clip_val)
+
+
+def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip by the global gradient norm across parameters sharded on different meshes (plain tensors too).
+
+    ``torch.nn.utils.clip_grad_norm_`` stacks per-parameter norms, which fails when DTensors live on different
+    meshes (decoder on ``dp x tp``, encoders on ``dp``); reducing each norm to a plain scalar first avoids that.
+    """
+    squares = []
+    for p in parameters:
+        if p.grad is None:
+            continue
+        norm = p.grad.norm()
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).double() ** 2)
+    if not squares:
+        return torch.zeros(())
+    total = torch.stack(squares).sum().sqrt()
+    scale = max_norm / (float(total) + 1e-6)
+    if scale < 1.0 and math.isfinite(scale):
+        for p in parameters:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return total

@@ -1,0 +1,37 @@
+"""FSDP2 (``fully_shard``) for the reference MLLM: one unit per transformer block, then the root."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+__all__ = ["apply_fsdp", "set_gradient_sync"]
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    blocks: list[nn.Module],
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+) -> None:
+    """Shard every module in ``blocks`` as its own FSDP unit, then ``model`` as the root unit (in place).
+
+    ``mesh`` is 1-D for FSDP or 2-D ``(dp_replicate, dp_shard_cp)`` for HSDP. Gradients are averaged over all of
+    its ranks, which is why the loss is scaled by the data-parallel size (see ``OmniModule``).
+    """
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Turn gradient reduction of every FSDP unit in ``model`` on or off (off while accumulating)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(enabled, recurse=False)

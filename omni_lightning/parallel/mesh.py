@@ -1,0 +1,90 @@
+"""Materialise the groups computed by :class:`ParallelDims` as a DeviceMesh and encoder process groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from omni_lightning.parallel.dims import FLATTENED_DIMS, ParallelDims
+
+__all__ = ["OmniMeshes", "build_meshes"]
+
+
+@dataclass
+class OmniMeshes:
+    """The LLM mesh, its flattened views and the encoder groups of this rank.
+
+    ``get(name)`` returns the 1-D mesh of a dimension or flattened view, or ``None`` when its degree is 1 (no
+    group exists for it), so callers write ``if (tp := meshes.get("tp")) is not None``.
+    """
+
+    parallel_dims: ParallelDims
+    world: DeviceMesh | None
+    views: dict[str, DeviceMesh]
+    encoder_group: dist.ProcessGroup | None
+    encoder_sp_group: dist.ProcessGroup | None
+
+    def get(self, name: str) -> DeviceMesh | None:
+        self.parallel_dims.size(name)  # raises on an unknown name
+        return self.views.get(name)
+
+    def size(self, name: str) -> int:
+        return self.parallel_dims.size(name)
+
+    def local_rank(self, name: str) -> int:
+        """This rank's index inside its ``name`` group (0 when the dimension has degree 1)."""
+        mesh = self.views.get(name)
+        return 0 if mesh is None else mesh.get_local_rank()
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """Mesh for ``fully_shard``: 2-D ``(dp_replicate, dp_shard_cp)`` for HSDP, else the 1-D sharding mesh."""
+        return self.views.get("hsdp") or self.views.get("dp_shard_cp") or self.views.get("dp_replicate")
+
+
+def build_meshes(parallel_dims: ParallelDims, device_type: str) -> OmniMeshes:
+    """Create the LLM DeviceMesh (dimensions of degree > 1 only), its flattened views and the encoder groups.
+
+    Group creation is collective: every rank must call this with the same ``parallel_dims``; the order of creation
+    is fixed here, so it is the same on every rank.
+    """
+    if dist.get_world_size() != parallel_dims.world_size:
+        raise ValueError(
+            f"the process group has {dist.get_world_size()} ranks but ParallelDims was built for "
+            f"world_size={parallel_dims.world_size}"
+        )
+    names = parallel_dims.materialized_dims
+    views: dict[str, DeviceMesh] = {}
+    world: DeviceMesh | None = None
+    if names:
+        world = init_device_mesh(
+            device_type, tuple(parallel_dims.degrees[n] for n in names), mesh_dim_names=names
+        )
+        views.update({name: world[name] for name in names})
+        mesh_dim_of: dict[str, str] = {}  # view name -> the dim name the root mesh knows it by
+        for flat_name, components in FLATTENED_DIMS.items():
+            present = tuple(d for d in components if d in names)
+            if len(present) == 1:
+                views[flat_name], mesh_dim_of[flat_name] = world[present[0]], present[0]
+            elif len(present) > 1:
+                # Keep the returned mesh: slicing a flattened dim back off the root is being deprecated.
+                views[flat_name], mesh_dim_of[flat_name] = world[present]._flatten(flat_name), flat_name
+        shard_dim = mesh_dim_of.get("dp_shard_cp")
+        if "dp_replicate" in names and shard_dim is not None:
+            views["hsdp"] = world["dp_replicate", shard_dim]
+
+    rank = dist.get_rank()
+    encoder_group = _new_subgroups(parallel_dims.groups("encoder"), rank)
+    encoder_sp_group = _new_subgroups(parallel_dims.groups("enc_sp"), rank)
+    return OmniMeshes(parallel_dims, world, views, encoder_group, encoder_sp_group)
+
+
+def _new_subgroups(groups: list[list[int]], rank: int) -> dist.ProcessGroup | None:
+    if len(groups[0]) == 1:
+        return None
+    mine, _ = dist.new_subgroups_by_enumeration(groups)
+    if rank not in dist.get_process_group_ranks(mine):
+        raise AssertionError(f"rank {rank} landed in the wrong subgroup {dist.get_process_group_ranks(mine)}")
+    return mine

@@ -1,0 +1,54 @@
+"""Tensor parallelism (Megatron-style column/row splits) for the reference decoder.
+
+Attention heads and SwiGLU hidden units are split over the TP mesh; activations between blocks stay replicated,
+so the encoders' outputs can be written into the embeddings without any resharding. Encoders are not split:
+they are small, and their balance comes from data and sequence parallelism instead (see DESIGN.md).
+MoE feed-forward layers stay replicated over TP (expert parallelism is a separate dimension).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from omni_lightning.models.config import LLMConfig
+from omni_lightning.models.llm import Decoder, FeedForward
+
+__all__ = ["apply_tp", "check_tp_compatible"]
+
+
+def check_tp_compatible(config: LLMConfig, tp: int) -> None:
+    """Raise ``ValueError`` naming the first model size that ``tp`` does not divide."""
+    for name in ("n_heads", "n_kv_heads", "ffn_hidden", "vocab_size"):
+        value = getattr(config, name)
+        if value % tp:
+            raise ValueError(f"llm.{name}={value} is not divisible by tp={tp}; choose a tp that divides it")
+
+
+def apply_tp(decoder: Decoder, tp_mesh: DeviceMesh) -> None:
+    """Split the decoder's projections, embedding and head over ``tp_mesh`` (in place)."""
+    check_tp_compatible(decoder.config, tp_mesh.size())
+    parallelize_module(
+        decoder,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
+    for block in decoder.layers:
+        plan: dict[str, nn.Module] = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(),
+        }
+        if isinstance(block.feed_forward, FeedForward):
+            plan |= {
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(),
+            }
+        parallelize_module(block, tp_mesh, plan)

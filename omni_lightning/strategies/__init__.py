@@ -1,0 +1,5 @@
+"""Lightning strategies."""
+
+from omni_lightning.strategies.omni import OmniStrategy
+
+__all__ = ["OmniStrategy"]

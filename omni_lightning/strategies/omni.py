@@ -1,0 +1,222 @@
+"""OmniStrategy: Lightning's ModelParallelStrategy grown to the full parallel topology of an MLLM job."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Generator
+from contextlib import contextmanager
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch.distributed as dist
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from omni_lightning.parallel.dims import ParallelDims
+from omni_lightning.parallel.fsdp import set_gradient_sync
+from omni_lightning.parallel.mesh import OmniMeshes, build_meshes
+
+__all__ = ["OmniStrategy"]
+
+log = logging.getLogger(__name__)
+
+LauncherName = Literal["subprocess", "fork", "spawn"]
+
+# Where Lightning keeps the train loader state inside a checkpoint (written from rank 0 only).
+_LOADER_STATE_PATH = ("loops", "fit_loop", "state_dict", "combined_loader")
+
+
+class OmniStrategy(ModelParallelStrategy):
+    """Multimodal-LLM training over ``pp x dp_replicate x dp_shard x cp x tp`` ranks, with encoder SP groups.
+
+    Args:
+        pp, dp_replicate, dp_shard, cp, tp, ep, enc_sp: parallel degrees (see :class:`ParallelDims`);
+            ``dp_shard=-1`` takes what the other degrees leave of the world.
+        launcher: how Lightning starts local processes when no cluster environment does: ``"subprocess"``
+            (default; re-runs the script, for scripts and the CLI), ``"fork"`` (tests and notebooks) or
+            ``"spawn"``. Under torchrun or SLURM the cluster starts the processes and this is ignored.
+        timeout: process-group timeout in seconds; collectives that wait longer fail instead of hanging.
+        process_group_backend: defaults to gloo on CPU and nccl on CUDA.
+        save_distributed_checkpoint: write sharded torch.distributed.checkpoint directories (resumable under
+            another layout) rather than one consolidated file.
+
+    The LLM mesh, its flattened views and the encoder groups are built in :meth:`setup_environment`, before the
+    data module's ``setup`` and the model's ``configure_model``, and exposed as :attr:`parallel_dims` and
+    :attr:`meshes` (also as ``lightning_module.omni_meshes``).
+    """
+
+    strategy_name = "omni"
+
+    def __init__(
+        self,
+        *,
+        pp: int = 1,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        cp: int = 1,
+        tp: int = 1,
+        ep: int = 1,
+        enc_sp: int = 1,
+        launcher: LauncherName = "subprocess",
+        timeout: float = 1800.0,
+        process_group_backend: str | None = None,
+        save_distributed_checkpoint: bool = True,
+    ) -> None:
+        if launcher not in ("subprocess", "fork", "spawn"):
+            raise ValueError(f"launcher={launcher!r} must be 'subprocess', 'fork' or 'spawn'")
+        if timeout <= 0:
+            raise ValueError(f"timeout={timeout} must be a positive number of seconds")
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=timeout),
+        )
+        self._degrees = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp,
+                         "ep": ep, "enc_sp": enc_sp}
+        # Validate what can be checked before the world size is known, so a typo fails at construction.
+        ParallelDims(world_size=_smallest_world(self._degrees), **self._degrees)
+        self._launcher_name = launcher
+        self._parallel_dims: ParallelDims | None = None
+        self._meshes: OmniMeshes | None = None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="omni-lightning: decoupled encoder/LLM parallelism", override=True
+        )
+
+    # ------------------------------------------------------------------------------------------- topology
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """Degrees resolved for this job's world size (available once the world size is known)."""
+        if self._parallel_dims is None:
+            self._parallel_dims = ParallelDims(world_size=self.num_nodes * self.num_processes, **self._degrees)
+        return self._parallel_dims
+
+    @property
+    def meshes(self) -> OmniMeshes:
+        if self._meshes is None:
+            raise RuntimeError("OmniStrategy.meshes exist only after setup_environment() created the process groups")
+        return self._meshes
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Fail on a bad layout in the launching process, before any worker or process group exists.
+        _ = self.parallel_dims
+        if self.cluster_environment.creates_processes_externally:
+            self._launcher = None
+        elif self._launcher_name == "subprocess":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _NoWeightsMultiProcessingLauncher(self, start_method=self._launcher_name)
+
+    @override
+    def setup_environment(self) -> None:
+        dims = self.parallel_dims
+        ParallelStrategy.setup_environment(self)
+        self._setup_distributed()
+        if dist.get_world_size() != dims.world_size:
+            raise ValueError(f"OmniStrategy expected {dims.world_size} processes, the process group has "
+                             f"{dist.get_world_size()}")
+        self._meshes = build_meshes(dims, self.root_device.type)
+        self._device_mesh = self._meshes.world
+        module = self.lightning_module
+        module._device_mesh = self._meshes.world
+        module.omni_meshes = self._meshes
+        log.info("rank %d: %s", self.global_rank, dims)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """Samplers split data over the data-parallel ranks only: TP/CP/PP peers must see the same samples."""
+        return {"num_replicas": self.parallel_dims.dp, "rank": self.meshes.local_rank("dp")}
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip FSDP gradient reduction on accumulation micro-batches; the last one reduces the sum."""
+        set_gradient_sync(self.model, False)
+        try:
+            yield
+        finally:
+            set_gradient_sync(self.model, True)
+
+    # ----------------------------------------------------------------------------------------- checkpoints
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        # Lightning writes loop state (with the loader position) from rank 0 only; each data-parallel rank reads
+        # its own shards, so gather every rank's loader state into the checkpoint.
+        loader_state = _get_path(checkpoint, _LOADER_STATE_PATH)
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, {"dp_rank": self.meshes.local_rank("dp"), "loader": loader_state})
+        checkpoint["omni"] = {"parallel_dims": _dims_record(self.parallel_dims), "ranks": gathered}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        saved = checkpoint.get("omni")
+        loop_state = _get_path(checkpoint, _LOADER_STATE_PATH[:-1])
+        if saved is None or loop_state is None:
+            return checkpoint
+        saved_dp = saved["parallel_dims"]["dp"]
+        if saved_dp != self.parallel_dims.dp:
+            rank_zero_warn(
+                f"the checkpoint was written with {saved_dp} data-parallel ranks and this run has "
+                f"{self.parallel_dims.dp}: loader positions cannot be mapped, so every data-parallel rank restarts "
+                "its shard stream from the beginning (model, optimizer and step count are restored)"
+            )
+            loop_state.pop(_LOADER_STATE_PATH[-1], None)
+            return checkpoint
+        my_dp_rank = self.meshes.local_rank("dp")
+        state = next(r["loader"] for r in saved["ranks"] if r["dp_rank"] == my_dp_rank)
+        if state is None:
+            loop_state.pop(_LOADER_STATE_PATH[-1], None)
+        else:
+            loop_state[_LOADER_STATE_PATH[-1]] = state
+        return checkpoint
+
+
+class _NoWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Fork/spawn launcher that does not ship rank 0's weights back to the parent.
+
+    The stock launcher pickles rank 0's state dict for the main process, which fails for DTensor shards and is
+    meaningless for a sharded model; results and trainer state still come back.
+    """
+
+    @override
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> _WorkerOutput | None:
+        if self._strategy.local_rank != 0:
+            return None
+        checkpoint_callback = trainer.checkpoint_callback
+        best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
+        return _WorkerOutput(best_model_path, None, trainer.state, results, self.get_extra_results(trainer))
+
+
+def _smallest_world(degrees: dict[str, int]) -> int:
+    dp_shard = degrees["dp_shard"] if degrees["dp_shard"] != -1 else math.lcm(degrees["ep"], degrees["enc_sp"])
+    return degrees["pp"] * degrees["dp_replicate"] * dp_shard * degrees["cp"] * degrees["tp"]
+
+
+def _dims_record(dims: ParallelDims) -> dict[str, int]:
+    record = {k: v for k, v in asdict(dims).items() if not k.startswith("_")}
+    record["dp_shard"] = dims.dp_shard_size
+    record["dp"] = dims.dp
+    return record
+
+
+def _get_path(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree

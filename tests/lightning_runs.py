@@ -1,0 +1,137 @@
+"""Fork-launched Lightning runs of the reference MLLM, and the single-process reference they are compared with."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from distributed import free_port
+from torch.distributed.tensor import DTensor
+
+from omni_lightning import OmniModule, OmniStrategy, ReferenceMLLM, ReferenceMLLMConfig, WebDataModule
+from omni_lightning.datamodules.collate import pack_samples
+from omni_lightning.models.mllm import next_token_loss_sum
+
+LEARNING_RATE = 1e-3
+BATCH_SIZE = 2  # samples per micro-batch per data-parallel rank
+
+
+class RecordRun(pl.Callback):
+    """Rank 0 writes global losses by step number (1 = first step) and optionally first-step gradients and final
+    weights to ``out_dir``."""
+
+    def __init__(self, out_dir: Path, *, grads: bool = False, weights_at_end: bool = False) -> None:
+        self.out_dir = out_dir
+        self.grads = grads
+        self.weights_at_end = weights_at_end
+        self.losses: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.losses[trainer.global_step] = float(outputs["global_loss"])  # global_step already counts this step
+        if trainer.global_rank == 0:
+            (self.out_dir / "losses.json").write_text(json.dumps(self.losses))
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
+        if self.grads and trainer.global_step == 0:
+            # full_tensor() is collective: every rank calls it, rank 0 keeps the result.
+            grads = {name: _full(p.grad) for name, p in module.model.named_parameters()}
+            if trainer.global_rank == 0:
+                torch.save(grads, self.out_dir / "grads.pt")
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if self.weights_at_end:
+            weights = {name: _full(p.data) for name, p in module.model.named_parameters()}
+            if trainer.global_rank == 0:
+                torch.save(weights, self.out_dir / f"weights_step{trainer.global_step}.pt")
+
+
+class StartWeights(pl.Callback):
+    """Rank 0 saves the full weights right after a (resumed) run has restored its checkpoint."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        weights = {name: _full(p.data) for name, p in module.model.named_parameters()}
+        if trainer.global_rank == 0:
+            torch.save({"step": trainer.global_step, "weights": weights}, self.out_dir / "start_weights.pt")
+
+
+class KillAtStep(pl.Callback):
+    """Every rank dies abruptly when ``step`` is reached, as in a node failure after a checkpoint."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            os._exit(17)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def fit(
+    out_dir: Path,
+    shards: str,
+    seed_checkpoint: Path,
+    *,
+    layout: dict[str, int],
+    max_steps: int,
+    devices: int = 4,
+    callbacks: list[pl.Callback] | None = None,
+    ckpt_path: str | None = None,
+    **trainer_kwargs: Any,
+) -> None:
+    """Fit the tiny reference MLLM on ``devices`` fork-started CPU ranks."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["MASTER_PORT"] = str(free_port())  # Lightning reuses the parent's port otherwise
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=OmniStrategy(launcher="fork", timeout=120, **layout),
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks or []),
+        callbacks=callbacks or [],
+        **trainer_kwargs,
+    )
+    module = OmniModule(ReferenceMLLMConfig.tiny(), learning_rate=LEARNING_RATE, init_checkpoint=str(seed_checkpoint))
+    trainer.fit(module, datamodule=WebDataModule(shards, batch_size=BATCH_SIZE), ckpt_path=ckpt_path)
+
+
+def reference_run(
+    shards: str, seed_checkpoint: Path, *, dp_size: int, steps: int
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process runs the global batch of every step: the union of what the ``dp_size`` ranks read.
+
+    Returns the per-step losses and the gradients of the first step.
+    """
+    data = WebDataModule(shards, batch_size=BATCH_SIZE)
+    streams = [data.stream(shards, dp_rank=r, dp_size=dp_size, num_workers=0).iter_samples() for r in range(dp_size)]
+    config = ReferenceMLLMConfig.tiny()
+    model = ReferenceMLLM(config)
+    model.load_state_dict(torch.load(seed_checkpoint, weights_only=True))
+    module = OmniModule(config, learning_rate=LEARNING_RATE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=module.hparams.betas, weight_decay=0.0)
+    losses, first_grads = [], {}
+    for step in range(steps):
+        samples = [next(stream) for stream in streams for _ in range(BATCH_SIZE)]
+        batch = pack_samples(samples)
+        loss_sum, count = next_token_loss_sum(model(batch), batch["labels"])
+        loss = loss_sum / count
+        optimizer.zero_grad()
+        loss.backward()
+        if step == 0:
+            first_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, first_grads

@@ -1,0 +1,60 @@
+"""build_meshes creates exactly the groups ParallelDims computes, on real gloo worlds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+
+from omni_lightning.parallel.dims import ParallelDims
+from omni_lightning.parallel.mesh import build_meshes
+
+pytestmark = pytest.mark.distributed
+
+VIEWS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp")
+
+
+def _check_groups(rank: int, world_size: int, degrees: dict[str, int]) -> None:
+    dims = ParallelDims(world_size=world_size, **degrees)
+    meshes = build_meshes(dims, "cpu")
+    assert meshes.world is not None
+    assert meshes.world.mesh_dim_names == dims.materialized_dims
+    for name in VIEWS:
+        mesh = meshes.get(name)
+        if dims.size(name) == 1:
+            assert mesh is None, name
+            continue
+        ranks = dist.get_process_group_ranks(mesh.get_group())
+        assert sorted(ranks) == dims.group_of(name, rank), name
+        assert mesh.get_local_rank() == dims.local_rank_in(name, rank), name
+    for name, group in (("encoder", meshes.encoder_group), ("enc_sp", meshes.encoder_sp_group)):
+        assert sorted(dist.get_process_group_ranks(group)) == dims.group_of(name, rank), name
+    fsdp = meshes.fsdp_mesh
+    expected_fsdp_shape = tuple(d for d in (dims.dp_replicate, dims.dp_shard_cp) if d > 1)
+    assert tuple(fsdp.shape) == expected_fsdp_shape
+    # The groups are usable: a sum over the data-parallel view counts its members.
+    count = torch.ones(())
+    dist.all_reduce(count, group=meshes.get("dp").get_group())
+    assert int(count) == dims.dp
+
+
+@pytest.mark.parametrize(
+    ("world_size", "degrees"),
+    [
+        (8, {"pp": 2, "dp_shard": 2, "tp": 2, "enc_sp": 2}),
+        (8, {"dp_replicate": 2, "dp_shard": 2, "cp": 2, "ep": 2, "enc_sp": 2}),
+        (4, {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "enc_sp": 2}),
+    ],
+)
+def test_meshes_match_parallel_dims(world_size: int, degrees: dict[str, int]) -> None:
+    run_distributed(_check_groups, world_size, degrees)
+
+
+def _check_world_size_mismatch(rank: int, world_size: int) -> None:
+    with pytest.raises(ValueError, match="process group has 2 ranks"):
+        build_meshes(ParallelDims(world_size=4, tp=2), "cpu")
+
+
+def test_world_size_mismatch_is_reported() -> None:
+    run_distributed(_check_world_size_mismatch, 2)

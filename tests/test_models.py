@@ -1,0 +1,165 @@
+"""Reference MLLM: attention backends against a naive reference, packing, encoders, MoE and the loss mask."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from omni_lightning.datamodules.collate import DecodedSample, pack_samples, patchify
+from omni_lightning.models.attention import flash_attn_available, varlen_attention
+from omni_lightning.models.config import AUDIO_ID, BOS_ID, IMAGE_ID, ReferenceMLLMConfig
+from omni_lightning.models.llm import MoEFeedForward
+from omni_lightning.models.mllm import IGNORE_INDEX, ReferenceMLLM, next_token_loss_sum
+
+
+def naive_varlen_attention(q, k, v, cu_seqlens, causal):
+    """Item-by-item softmax(QK^T / sqrt(d)) V with explicit loops: the ground truth for both backends."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = torch.empty_like(q)
+    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True):
+        qi, ki, vi = q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+        scores = qi @ ki.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        if causal:
+            n = end - start
+            scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        out[start:end] = (scores.softmax(-1) @ vi).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
+def test_sdpa_varlen_matches_naive_reference(causal: bool, heads: int, kv_heads: int) -> None:
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 5, 6, 17, 30], dtype=torch.int32)
+    q = torch.randn(30, heads, 8, requires_grad=True)
+    k = torch.randn(30, kv_heads, 8, requires_grad=True)
+    v = torch.randn(30, kv_heads, 8, requires_grad=True)
+    out = varlen_attention(q, k, v, cu, causal=causal, backend="sdpa")
+    ref = naive_varlen_attention(q, k, v, cu, causal)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not flash_attn_available(), reason="flash-attn needs CUDA and the flash_attn package")
+def test_flash_varlen_matches_sdpa() -> None:
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 7, 40, 64], dtype=torch.int32, device="cuda")
+    q = torch.randn(64, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(64, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(64, 2, 64, device="cuda", dtype=torch.bfloat16)
+    flash = varlen_attention(q, k, v, cu, causal=True, backend="flash")
+    sdpa = varlen_attention(q, k, v, cu, causal=True, backend="sdpa")
+    torch.testing.assert_close(flash.float(), sdpa.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_empty_attention_keeps_inputs_in_the_graph() -> None:
+    q = torch.zeros(0, 4, 8, requires_grad=True)
+    k = torch.zeros(0, 4, 8, requires_grad=True)
+    out = varlen_attention(q, k, k, torch.tensor([0], dtype=torch.int32), causal=True)
+    assert out.shape == (0, 4, 8)
+    out.sum().backward()
+    assert q.grad is not None and k.grad is not None
+
+
+def _sample(rng: np.random.Generator, key: str, *, images: int = 0, audio_frames: int = 0) -> DecodedSample:
+    return DecodedSample(
+        key,
+        rng.integers(4, 256, int(rng.integers(3, 12))).astype(np.int32),
+        [rng.integers(0, 256, (28 * int(rng.integers(1, 3)), 28 * 2, 3), dtype=np.uint8) for _ in range(images)],
+        rng.standard_normal((audio_frames, 80)).astype(np.float16) if audio_frames else None,
+    )
+
+
+def test_patchify_groups_each_2x2_window() -> None:
+    image = np.arange(28 * 56 * 3, dtype=np.uint8).reshape(28, 56, 3)
+    patches, positions, grid = patchify(image, 14, merge=4)
+    assert grid == (2, 4)
+    assert positions.tolist()[:8] == [[0, 0], [0, 1], [1, 0], [1, 1], [0, 2], [0, 3], [1, 2], [1, 3]]
+    # Patch (row 1, col 2) holds pixels [14:28, 28:42] in (channel, y, x) order.
+    expected = torch.from_numpy(image[14:28, 28:42].astype(np.float32)).div(127.5).sub(1).permute(2, 0, 1)
+    torch.testing.assert_close(patches[6], expected.reshape(-1))
+    with pytest.raises(ValueError, match="even"):
+        patchify(np.zeros((14, 28, 3), dtype=np.uint8), 14, merge=4)
+
+
+def test_pack_layout_and_loss_mask() -> None:
+    rng = np.random.default_rng(0)
+    samples = [_sample(rng, "a", images=1), _sample(rng, "b"), _sample(rng, "c", audio_frames=8)]
+    batch = pack_samples(samples)
+    ids, labels, cu = batch["input_ids"], batch["labels"], batch["cu_seqlens"].tolist()
+    vision_tokens = int(batch["vision_grids"].prod(-1).sum()) // 4
+    assert int((ids == IMAGE_ID).sum()) == vision_tokens
+    assert int((ids == AUDIO_ID).sum()) == 2
+    assert ids[cu[:-1]].tolist() == [BOS_ID] * 3
+    assert batch["position_ids"][cu[:-1]].tolist() == [0, 0, 0]
+    for start, end, sample in zip(cu[:-1], cu[1:], samples, strict=True):
+        text = torch.from_numpy(sample.tokens.astype(np.int64))
+        # Every text token is predicted exactly once, from the position before it; nothing else is a target.
+        assert labels[start:end][labels[start:end] != IGNORE_INDEX].tolist() == text.tolist()
+        assert labels[end - 1] == IGNORE_INDEX
+
+
+def test_packing_equals_running_samples_one_by_one() -> None:
+    """Block-diagonal masks and per-sample positions make a packed batch equal to its samples run alone."""
+    torch.manual_seed(0)
+    model = ReferenceMLLM(ReferenceMLLMConfig.tiny(moe=True))
+    rng = np.random.default_rng(1)
+    samples = [_sample(rng, "a", images=2), _sample(rng, "b", audio_frames=12), _sample(rng, "c", images=1)]
+    packed = model(pack_samples(samples))
+    alone = torch.cat([model(pack_samples([s])) for s in samples])
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_every_parameter_gets_a_gradient_without_media() -> None:
+    """A text-only micro-batch still runs both encoders (dummy items), so FSDP reduces the same tensors everywhere."""
+    torch.manual_seed(0)
+    model = ReferenceMLLM(ReferenceMLLMConfig.tiny(moe=True))
+    batch = pack_samples([_sample(np.random.default_rng(2), "t")])
+    loss_sum, count = next_token_loss_sum(model(batch), batch["labels"])
+    (loss_sum / count).backward()
+    missing = [name for name, p in model.named_parameters() if p.grad is None]
+    assert missing == []
+
+
+def test_placeholder_mismatch_is_reported() -> None:
+    model = ReferenceMLLM(ReferenceMLLMConfig.tiny())
+    batch = pack_samples([_sample(np.random.default_rng(3), "x", images=1)])
+    batch["input_ids"][1] = 10  # one vision placeholder fewer than the encoder produces
+    with pytest.raises(ValueError, match="vision placeholder"):
+        model(batch)
+
+
+def test_moe_matches_dense_top_k_reference() -> None:
+    torch.manual_seed(0)
+    moe = MoEFeedForward(dim=16, hidden=32, n_experts=4, top_k=2)
+    x = torch.randn(20, 16)
+    probs = moe.router(x).softmax(-1)
+    weights, chosen = probs.topk(2, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    expected = torch.stack(
+        [sum(w * moe.experts[int(e)](x[t]) for w, e in zip(weights[t], chosen[t], strict=True)) for t in range(20)]
+    )
+    torch.testing.assert_close(moe(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"n_heads": 5}, "divisible by llm.n_heads"),
+        ({"n_kv_heads": 3}, "multiple of llm.n_kv_heads"),
+        ({"vocab_size": 3}, "reserved ids"),
+    ],
+)
+def test_bad_model_config_is_named(change: dict[str, int], message: str) -> None:
+    config = ReferenceMLLMConfig.tiny()
+    for key, value in change.items():
+        setattr(config.llm, key, value)
+    with pytest.raises(ValueError, match=message):
+        ReferenceMLLMConfig(vision=config.vision, audio=config.audio, llm=config.llm)
