@@ -62,9 +62,10 @@ def make_shards_main(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "make-shards":
-        make_shards_main(argv[1:])
+    """Entry point of ``omni-lightning``; ``argv`` defaults to the command line."""
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "make-shards":
+        make_shards_main(args[1:])
         return
     OmniCLI(args=argv)
 

@@ -21,13 +21,11 @@ BATCH_SIZE = 2  # samples per micro-batch per data-parallel rank
 
 
 class RecordRun(pl.Callback):
-    """Rank 0 writes global losses by step number (1 = first step) and optionally first-step gradients and final
-    weights to ``out_dir``."""
+    """Rank 0 writes global losses by step number (1 = first step), optionally first-step gradients."""
 
-    def __init__(self, out_dir: Path, *, grads: bool = False, weights_at_end: bool = False) -> None:
+    def __init__(self, out_dir: Path, *, grads: bool = False) -> None:
         self.out_dir = out_dir
         self.grads = grads
-        self.weights_at_end = weights_at_end
         self.losses: dict[int, float] = {}
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,
@@ -43,23 +41,31 @@ class RecordRun(pl.Callback):
             if trainer.global_rank == 0:
                 torch.save(grads, self.out_dir / "grads.pt")
 
-    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        if self.weights_at_end:
-            weights = {name: _full(p.data) for name, p in module.model.named_parameters()}
-            if trainer.global_rank == 0:
-                torch.save(weights, self.out_dir / f"weights_step{trainer.global_step}.pt")
 
+class Snapshot(pl.Callback):
+    """Rank 0 saves full weights and AdamW moments at a step, or at train start (after a checkpoint restore)."""
 
-class StartWeights(pl.Callback):
-    """Rank 0 saves the full weights right after a (resumed) run has restored its checkpoint."""
-
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, *, step: int | None = None) -> None:
         self.out_dir = out_dir
+        self.step = step
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        weights = {name: _full(p.data) for name, p in module.model.named_parameters()}
+        if self.step is None:
+            self._save(trainer, module, "start")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            self._save(trainer, module, f"step{self.step}")
+
+    def _save(self, trainer: pl.Trainer, module: pl.LightningModule, tag: str) -> None:
+        optimizer_state = trainer.optimizers[0].state
+        snapshot = {
+            "step": trainer.global_step,
+            "weights": {name: _full(p.data) for name, p in module.model.named_parameters()},
+            "exp_avg": {name: _full(optimizer_state[p]["exp_avg"]) for name, p in module.model.named_parameters()},
+        }
         if trainer.global_rank == 0:
-            torch.save({"step": trainer.global_step, "weights": weights}, self.out_dir / "start_weights.pt")
+            torch.save(snapshot, self.out_dir / f"snapshot_{tag}.pt")
 
 
 class KillAtStep(pl.Callback):

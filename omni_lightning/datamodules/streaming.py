@@ -83,6 +83,7 @@ class ShardStream(IterableDataset):
             raise ValueError(f"batch_size={batch_size} must be at least 1")
         self.worker_shards = assign_shards(shards, dp_rank=dp_rank, dp_size=dp_size, num_workers=num_workers)
         self.dp_rank = dp_rank
+        self.dp_size = dp_size
         self.batch_size = batch_size
         self.seed = seed
         self.shuffle_shards = shuffle_shards
@@ -92,9 +93,14 @@ class ShardStream(IterableDataset):
         self._consumed = 0
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "consumed": self._consumed}
+        return {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "epoch": self._epoch, "consumed": self._consumed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        if (state["dp_rank"], state["dp_size"]) != (self.dp_rank, self.dp_size):
+            raise ValueError(
+                f"loader state of data-parallel rank {state['dp_rank']}/{state['dp_size']} cannot resume rank "
+                f"{self.dp_rank}/{self.dp_size}: each rank streams different shards"
+            )
         self._epoch, self._consumed = int(state["epoch"]), int(state["consumed"])
 
     def epoch_shards(self, worker: int, epoch: int) -> list[str]:

@@ -14,6 +14,7 @@ from lightning.pytorch import LightningDataModule
 from torchdata.stateful_dataloader import StatefulDataLoader
 from typing_extensions import override
 
+from omni_lightning.datamodules.resumable import ResumableLoader
 from omni_lightning.datamodules.streaming import ShardStream
 from omni_lightning.datamodules.synthetic import make_synthetic_shards
 
@@ -99,7 +100,7 @@ class WebDataModule(LightningDataModule):
         if self.synthetic is None or all(os.path.exists(p) for p in paths):
             return
         out_dir = Path(paths[0]).parent if paths else Path(str(self.shards))
-        prefix = Path(paths[0]).name.split("-")[0] if paths else "train"
+        prefix = Path(paths[0]).name.rsplit("-", 1)[0] if paths else "train"  # shards are named PREFIX-NNNNNN.tar
         log.info("writing %d synthetic shards to %s", self.synthetic.num_shards, out_dir)
         make_synthetic_shards(
             out_dir,
@@ -140,8 +141,10 @@ class WebDataModule(LightningDataModule):
         )
 
     @override
-    def train_dataloader(self) -> StatefulDataLoader:
-        return StatefulDataLoader(self.stream(self.shards), batch_size=None, num_workers=self.num_workers)
+    def train_dataloader(self) -> ResumableLoader:
+        return ResumableLoader(
+            StatefulDataLoader(self.stream(self.shards), batch_size=None, num_workers=self.num_workers)
+        )
 
     @override
     def val_dataloader(self) -> Any:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 __all__ = [
     "PAD_ID",
     "BOS_ID",
@@ -114,3 +116,8 @@ class ReferenceMLLMConfig:
             audio=AudioEncoderConfig(n_mels=80, dim=32, n_layers=1, n_heads=4),
             llm=LLMConfig(dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=128, moe_every=2 if moe else 0),
         )
+
+
+# Checkpoints store the module's hyperparameters, these configs among them; Lightning loads them with
+# ``weights_only=True``, which accepts only allow-listed classes.
+torch.serialization.add_safe_globals([VisionEncoderConfig, AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig])

@@ -12,17 +12,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch.distributed as dist
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from omni_lightning.datamodules.resumable import commit_consumed
 from omni_lightning.parallel.dims import ParallelDims
 from omni_lightning.parallel.fsdp import set_gradient_sync
 from omni_lightning.parallel.mesh import OmniMeshes, build_meshes
 
-__all__ = ["OmniStrategy"]
+__all__ = ["OmniStrategy", "loader_state_for_rank"]
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,11 @@ class OmniStrategy(ModelParallelStrategy):
         finally:
             set_gradient_sync(self.model, True)
 
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # The loader position a checkpoint records is the last batch training took, not the prefetched one.
+        commit_consumed(batch)
+
     # ----------------------------------------------------------------------------------------- checkpoints
     @override
     def save_checkpoint(
@@ -164,26 +170,34 @@ class OmniStrategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-        saved = checkpoint.get("omni")
         loop_state = _get_path(checkpoint, _LOADER_STATE_PATH[:-1])
-        if saved is None or loop_state is None:
+        if "omni" not in checkpoint or loop_state is None:
             return checkpoint
-        saved_dp = saved["parallel_dims"]["dp"]
-        if saved_dp != self.parallel_dims.dp:
-            rank_zero_warn(
-                f"the checkpoint was written with {saved_dp} data-parallel ranks and this run has "
-                f"{self.parallel_dims.dp}: loader positions cannot be mapped, so every data-parallel rank restarts "
-                "its shard stream from the beginning (model, optimizer and step count are restored)"
-            )
-            loop_state.pop(_LOADER_STATE_PATH[-1], None)
-            return checkpoint
-        my_dp_rank = self.meshes.local_rank("dp")
-        state = next(r["loader"] for r in saved["ranks"] if r["dp_rank"] == my_dp_rank)
+        state = loader_state_for_rank(checkpoint["omni"], self.meshes.local_rank("dp"), self.parallel_dims.dp)
         if state is None:
             loop_state.pop(_LOADER_STATE_PATH[-1], None)
         else:
             loop_state[_LOADER_STATE_PATH[-1]] = state
         return checkpoint
+
+
+def loader_state_for_rank(saved: dict[str, Any], dp_rank: int, dp_size: int) -> Any:
+    """The loader state a resuming data-parallel rank continues from, or ``None`` to restart its stream.
+
+    Ranks are matched by data-parallel rank (TP/CP/PP peers share a stream), so any layout with the same
+    data-parallel size resumes exactly. With another data-parallel size the shards are dealt out differently and no
+    saved position applies: every rank restarts its stream (with a warning) while model, optimizer and step count
+    are still restored.
+    """
+    saved_dp = saved["parallel_dims"]["dp"]
+    if saved_dp != dp_size:
+        rank_zero_warn(
+            f"the checkpoint was written with {saved_dp} data-parallel ranks and this run has {dp_size}: loader "
+            "positions cannot be mapped, so every data-parallel rank restarts its shard stream from the beginning "
+            "(model, optimizer and step count are restored)"
+        )
+        return None
+    return next(rank["loader"] for rank in saved["ranks"] if rank["dp_rank"] == dp_rank)
 
 
 class _NoWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
