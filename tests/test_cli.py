@@ -79,6 +79,7 @@ def test_user_datamodule_trains_through_the_cli(tmp_path: Path) -> None:
     main([
         "fit",
         "--trainer.accelerator", "cpu", "--trainer.devices", "4", "--trainer.max_steps", "3",
+        "--trainer.default_root_dir", str(tmp_path),
         "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
         "--trainer.enable_progress_bar", "false",
         "--trainer.strategy", "omni_lightning.OmniStrategy",
