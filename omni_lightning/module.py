@@ -97,18 +97,21 @@ class OmniModule(LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, torch.Tensor]:
         loss, stats = self._loss_and_stats(batch)
         now = time.perf_counter()
+        samples = batch["num_samples"]
         if self._last_step_time is not None:
             elapsed = now - self._last_step_time
-            self.log("train/tokens_per_s", stats["tokens"] / elapsed, prog_bar=True)
-            self.log("train/samples_per_s", stats["samples"] / elapsed)
+            self.log("train/tokens_per_s", stats["tokens"] / elapsed, prog_bar=True, batch_size=samples)
+            self.log("train/samples_per_s", stats["samples"] / elapsed, batch_size=samples)
         self._last_step_time = now
-        self.log("train/loss", stats["loss"], prog_bar=True)
+        # Already reduced over the data-parallel ranks: no sync_dist needed.
+        self.log("train/loss", stats["loss"], prog_bar=True, batch_size=samples)
         return {"loss": loss, "global_loss": stats["loss"]}
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         _, stats = self._loss_and_stats(batch)
-        self.log("val/loss", stats["loss"], prog_bar=True)
+        # Each value is already global; sync_dist only averages identical per-rank epoch means.
+        self.log("val/loss", stats["loss"], prog_bar=True, batch_size=batch["num_samples"], sync_dist=True)
         return stats["loss"]
 
     def _loss_and_stats(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -21,21 +21,25 @@ BATCH_SIZE = 2  # samples per micro-batch per data-parallel rank
 
 
 class RecordRun(pl.Callback):
-    """Rank 0 writes global losses by step number (1 = first step), optionally first-step gradients."""
+    """Rank 0 writes global losses by step number (1 = first step) and by micro-batch, optionally the gradients of
+    the first optimizer step."""
 
     def __init__(self, out_dir: Path, *, grads: bool = False) -> None:
         self.out_dir = out_dir
         self.grads = grads
         self.losses: dict[int, float] = {}
+        self.batch_losses: list[float] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.losses[trainer.global_step] = float(outputs["global_loss"])  # global_step already counts this step
+        self.batch_losses.append(float(outputs["global_loss"]))
         if trainer.global_rank == 0:
             (self.out_dir / "losses.json").write_text(json.dumps(self.losses))
+            (self.out_dir / "batch_losses.json").write_text(json.dumps(self.batch_losses))
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
-        if self.grads and trainer.global_step == 0:
+        if self.grads and trainer.global_step == 0:  # after the last accumulated micro-batch of the first step
             # full_tensor() is collective: every rank calls it, rank 0 keeps the result.
             grads = {name: _full(p.grad) for name, p in module.model.named_parameters()}
             if trainer.global_rank == 0:
@@ -66,6 +70,19 @@ class Snapshot(pl.Callback):
         }
         if trainer.global_rank == 0:
             torch.save(snapshot, self.out_dir / f"snapshot_{tag}.pt")
+
+
+class GradientPresence(pl.Callback):
+    """Rank 0 records, after each backward, whether the sharded parameters hold reduced gradients yet."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.present: list[bool] = []
+
+    def on_after_backward(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.present.append(any(p.grad is not None for p in module.model.parameters()))
+        if trainer.global_rank == 0:
+            (self.out_dir / "grad_presence.json").write_text(json.dumps(self.present))
 
 
 class KillAtStep(pl.Callback):
@@ -115,11 +132,12 @@ def fit(
 
 
 def reference_run(
-    shards: str, seed_checkpoint: Path, *, dp_size: int, steps: int
+    shards: str, seed_checkpoint: Path, *, dp_size: int, steps: int, accumulate: int = 1
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process runs the global batch of every step: the union of what the ``dp_size`` ranks read.
+    """One process runs the global batch of every micro-batch: the union of what the ``dp_size`` ranks read.
 
-    Returns the per-step losses and the gradients of the first step.
+    With ``accumulate`` > 1 each optimizer step averages that many micro-batch losses, as Lightning does.
+    Returns every micro-batch's loss and the gradients of the first optimizer step.
     """
     data = WebDataModule(shards, batch_size=BATCH_SIZE)
     streams = [data.stream(shards, dp_rank=r, dp_size=dp_size, num_workers=0).iter_samples() for r in range(dp_size)]
@@ -130,14 +148,14 @@ def reference_run(
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=module.hparams.betas, weight_decay=0.0)
     losses, first_grads = [], {}
     for step in range(steps):
-        samples = [next(stream) for stream in streams for _ in range(BATCH_SIZE)]
-        batch = pack_samples(samples)
-        loss_sum, count = next_token_loss_sum(model(batch), batch["labels"])
-        loss = loss_sum / count
         optimizer.zero_grad()
-        loss.backward()
+        for _ in range(accumulate):
+            batch = pack_samples([next(stream) for stream in streams for _ in range(BATCH_SIZE)])
+            loss_sum, count = next_token_loss_sum(model(batch), batch["labels"])
+            loss = loss_sum / count
+            (loss / accumulate).backward()
+            losses.append(loss.item())
         if step == 0:
             first_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         optimizer.step()
-        losses.append(loss.item())
     return losses, first_grads

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning_runs import RecordRun, fit, reference_run
+from lightning_runs import GradientPresence, RecordRun, fit, reference_run
 
 pytestmark = pytest.mark.distributed
 
@@ -37,6 +37,13 @@ def references(tiny_shards: str, seed_checkpoint: Path) -> dict[int, tuple[list[
     return {dp: reference_run(tiny_shards, seed_checkpoint, dp_size=dp, steps=STEPS) for dp in sorted(sizes)}
 
 
+def _assert_grads_match(grads: dict[str, torch.Tensor], ref_grads: dict[str, torch.Tensor], what: str) -> None:
+    assert grads.keys() == ref_grads.keys()
+    for param, ref in ref_grads.items():
+        error = (grads[param] - ref).norm().item()
+        assert error <= 1e-4 * ref.norm().item() + 1e-8, f"{what}: gradient of {param} differs by {error:.3g}"
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(
     name: str, tmp_path: Path, tiny_shards: str, seed_checkpoint: Path, references: dict
@@ -48,8 +55,19 @@ def test_layout_matches_single_process(
     losses = json.loads((tmp_path / "losses.json").read_text())
     assert [int(k) for k in losses] == list(range(1, STEPS + 1))
     torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor(ref_losses), rtol=1e-4, atol=0)
-    grads = torch.load(tmp_path / "grads.pt", weights_only=True)
-    assert grads.keys() == ref_grads.keys()
-    for param, ref in ref_grads.items():
-        error = (grads[param] - ref).norm().item()
-        assert error <= 1e-4 * ref.norm().item() + 1e-8, f"{name}: gradient of {param} differs by {error:.3g}"
+    _assert_grads_match(torch.load(tmp_path / "grads.pt", weights_only=True), ref_grads, name)
+
+
+def test_gradient_accumulation_skips_intermediate_reduction(
+    tmp_path: Path, tiny_shards: str, seed_checkpoint: Path
+) -> None:
+    """Two accumulated micro-batches on dp_shard=2: FSDP skips the first reduction and the step still matches."""
+    steps, accumulate = 3, 2
+    fit(tmp_path, tiny_shards, seed_checkpoint, layout={"dp_shard": 2}, devices=2, max_steps=steps,
+        accumulate_grad_batches=accumulate, callbacks=[RecordRun(tmp_path, grads=True), GradientPresence(tmp_path)])
+    # Without gradient sync FSDP2 keeps unreduced gradients on its unsharded buffers: no sharded .grad yet.
+    assert json.loads((tmp_path / "grad_presence.json").read_text()) == [False, True] * steps
+    ref_losses, ref_grads = reference_run(tiny_shards, seed_checkpoint, dp_size=2, steps=steps, accumulate=accumulate)
+    losses = json.loads((tmp_path / "batch_losses.json").read_text())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+    _assert_grads_match(torch.load(tmp_path / "grads.pt", weights_only=True), ref_grads, "accumulation")

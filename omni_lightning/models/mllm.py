@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from omni_lightning.models.config import AUDIO_ID, IMAGE_ID, ReferenceMLLMConfig
 from omni_lightning.models.encoders import AudioEncoder, VisionEncoder
@@ -19,7 +21,8 @@ class ReferenceMLLM(nn.Module):
     """Vision + audio encoders feeding a Llama-style decoder over one packed micro-batch.
 
     ``forward(batch)`` takes the packed micro-batch built by
-    :func:`omni_lightning.datamodules.collate.pack_samples` and returns logits ``[tokens, vocab]``.
+    :func:`omni_lightning.datamodules.collate.pack_samples` and returns logits ``[tokens, vocab]`` (a
+    vocabulary-sharded DTensor under tensor parallelism; see :func:`next_token_loss_sum`).
     Every encoder runs on every call, on a dummy item when the micro-batch has none of its modality, so that
     all data-parallel ranks issue the same FSDP collectives whatever their data.
     """
@@ -65,6 +68,15 @@ def _scatter(embeddings: torch.Tensor, where: torch.Tensor, values: torch.Tensor
 
 
 def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed cross-entropy over positions whose label is not ``IGNORE_INDEX``, and how many there were."""
-    loss_sum = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    """Summed cross-entropy over positions whose label is not ``IGNORE_INDEX``, and how many there were.
+
+    Vocabulary-sharded logits (a DTensor from tensor parallelism) are reduced without gathering them; the backward
+    pass must then also run under ``loss_parallel`` (OmniStrategy.backward does that).
+    """
+    if isinstance(logits, DTensor):
+        with loss_parallel():
+            loss_sum = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        loss_sum = loss_sum.to_local()
+    else:
+        loss_sum = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
     return loss_sum, (labels != IGNORE_INDEX).sum()

@@ -190,53 +190,78 @@ class ParallelDims:
         """
         if name in self.degrees:
             return self._groups_over((name,))
-        if name in FLATTENED_DIMS:
-            return self._groups_over(FLATTENED_DIMS[name])
-        if name == "ep":
-            return sorted(
-                (g[i : i + self.ep] for g in self._groups_over(FLATTENED_DIMS["dp_shard_cp"])
-                 for i in range(0, len(g), self.ep)),
-                key=lambda group: group[0],
-            )
-        if name == "efsdp":
-            return sorted(
-                (g[i :: self.ep] for g in self._groups_over(FLATTENED_DIMS["dp_shard_cp"]) for i in range(self.ep)),
-                key=lambda group: group[0],
-            )
-        if name == "encoder":
-            return self._groups_over(FLATTENED_DIMS["dp"])
-        if name == "enc_sp":
-            return sorted(
-                (g[i : i + self.enc_sp] for g in self._groups_over(FLATTENED_DIMS["dp"])
-                 for i in range(0, len(g), self.enc_sp)),
-                key=lambda group: group[0],
-            )
+        if name in FLATTENED_DIMS or name == "encoder":
+            return self._groups_over(FLATTENED_DIMS.get(name, FLATTENED_DIMS["dp"]))
+        if name in ("ep", "efsdp", "enc_sp"):
+            parent_dims = FLATTENED_DIMS["dp" if name == "enc_sp" else "dp_shard_cp"]
+            chunk = self.enc_sp if name == "enc_sp" else self.ep
+            if name == "efsdp":
+                children = [g[i::chunk] for g in self._groups_over(parent_dims) for i in range(chunk)]
+            else:
+                children = [g[i : i + chunk] for g in self._groups_over(parent_dims) for i in range(0, len(g), chunk)]
+            return sorted(children, key=lambda group: group[0])
         self.size(name)  # raises the "unknown dimension" error
         raise AssertionError("unreachable")
 
     def group_of(self, name: str, rank: int) -> list[int]:
-        """The group of dimension ``name`` that holds ``rank``."""
+        """The group of dimension ``name`` that holds ``rank``, as a sorted rank list."""
         self._check_rank(rank)
-        for group in self.groups(name):
-            if rank in group:
-                return group
-        raise AssertionError(f"rank {rank} is in no {name} group")
+        if name in self.degrees:
+            return self._group_through(rank, (name,))
+        if name in FLATTENED_DIMS:
+            return self._group_through(rank, FLATTENED_DIMS[name])
+        if name in ("ep", "efsdp"):
+            parent = self._group_through(rank, FLATTENED_DIMS["dp_shard_cp"])
+            index = parent.index(rank)
+            if name == "ep":  # consecutive chunks: EP peers sit as close together as the FSDP group allows
+                return parent[index - index % self.ep : index - index % self.ep + self.ep]
+            return parent[index % self.ep :: self.ep]
+        if name in ("encoder", "enc_sp"):
+            parent = self._group_through(rank, FLATTENED_DIMS["dp"])
+            if name == "encoder":
+                return parent
+            start = parent.index(rank) - parent.index(rank) % self.enc_sp
+            return parent[start : start + self.enc_sp]
+        self.size(name)  # raises the "unknown dimension" error
+        raise AssertionError("unreachable")
 
     def local_rank_in(self, name: str, rank: int) -> int:
         """Index of ``rank`` inside its ``name`` group (e.g. the data-parallel rank for ``name='dp'``)."""
         return self.group_of(name, rank).index(rank)
 
+    def _group_through(self, rank: int, dims: tuple[str, ...]) -> list[int]:
+        """Ranks that share every coordinate of ``rank`` except those along ``dims`` (row-major, so sorted)."""
+        base = self.coordinate(rank)
+        for name in dims:
+            base[name] = 0
+        start = self.rank_of(base)
+        return [start + offset for offset in self._offsets(dims)]
+
     def _groups_over(self, dims: tuple[str, ...]) -> list[list[int]]:
         degrees = self.degrees
         fixed = [d for d in MESH_DIM_NAMES if d not in dims]
-        groups = []
-        for fixed_index in itertools.product(*(range(degrees[d]) for d in fixed)):
-            base = dict(zip(fixed, fixed_index, strict=True))
-            groups.append(
-                [self.rank_of({**base, **dict(zip(dims, varying, strict=True))})
-                 for varying in itertools.product(*(range(degrees[d]) for d in dims))]
-            )
-        return sorted(groups, key=lambda group: group[0])
+        offsets = self._offsets(dims)
+        starts = sorted(
+            self.rank_of(dict(zip(fixed, index, strict=True)))
+            for index in itertools.product(*(range(degrees[d]) for d in fixed))
+        )
+        return [[start + offset for offset in offsets] for start in starts]
+
+    def _offsets(self, dims: tuple[str, ...]) -> list[int]:
+        """Rank offsets of the members of a group along ``dims`` from its first member, in row-major order."""
+        strides = self._strides()
+        degrees = self.degrees
+        return [
+            sum(strides[d] * i for d, i in zip(dims, index, strict=True))
+            for index in itertools.product(*(range(degrees[d]) for d in dims))
+        ]
+
+    def _strides(self) -> dict[str, int]:
+        strides, stride = {}, 1
+        for name in reversed(MESH_DIM_NAMES):
+            strides[name] = stride
+            stride *= self.degrees[name]
+        return strides
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:

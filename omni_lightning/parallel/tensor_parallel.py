@@ -1,7 +1,8 @@
 """Tensor parallelism (Megatron-style column/row splits) for the reference decoder.
 
 Attention heads and SwiGLU hidden units are split over the TP mesh; activations between blocks stay replicated,
-so the encoders' outputs can be written into the embeddings without any resharding. Encoders are not split:
+so the encoders' outputs can be written into the embeddings without any resharding. The LM head's logits stay
+sharded over the vocabulary (a DTensor) and the loss is computed under ``loss_parallel``. Encoders are not split:
 they are small, and their balance comes from data and sequence parallelism instead (see DESIGN.md).
 MoE feed-forward layers stay replicated over TP (expert parallelism is a separate dimension).
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from omni_lightning.models.config import LLMConfig
@@ -35,7 +36,9 @@ def apply_tp(decoder: Decoder, tp_mesh: DeviceMesh) -> None:
         tp_mesh,
         {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Replicate()),
+            # Logits stay sharded over the vocabulary; the loss runs under ``loss_parallel`` so they are never
+            # gathered (a [tokens, vocab] all-gather per step is the largest activation of the model).
+            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
         },
     )
     for block in decoder.layers:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -16,6 +16,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from omni_lightning.datamodules.resumable import commit_consumed
@@ -148,6 +151,12 @@ class OmniStrategy(ModelParallelStrategy):
             yield
         finally:
             set_gradient_sync(self.model, True)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        # Under TP the loss was taken over vocabulary-sharded logits; their backward needs the same context.
+        with loss_parallel() if self.parallel_dims.tp_enabled else nullcontext():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
