@@ -40,7 +40,9 @@ class OmniModule(LightningModule):
     """Next-token training of a multimodal LLM on packed micro-batches.
 
     Args:
-        model: configuration of the reference MLLM (``ReferenceMLLMConfig.tiny()`` when omitted).
+        model: configuration of the reference MLLM (``ReferenceMLLMConfig.tiny()`` when omitted), or a built
+            :class:`ReferenceMLLM` (e.g. with your own encoders in place of ``vision``/``audio``), whose rank-0 weights
+            every rank starts from.
         learning_rate, weight_decay, betas, warmup_steps: AdamW with linear warm-up.
         init_checkpoint: a seed checkpoint (a full ``state_dict`` saved with ``torch.save``) to start from;
             otherwise weights come from ``init_seed``. Either way every rank and every layout starts identically.
@@ -54,7 +56,7 @@ class OmniModule(LightningModule):
 
     def __init__(
         self,
-        model: ReferenceMLLMConfig | None = None,
+        model: ReferenceMLLMConfig | ReferenceMLLM | None = None,
         *,
         learning_rate: float = 1e-3,
         weight_decay: float = 0.0,
@@ -65,8 +67,11 @@ class OmniModule(LightningModule):
         param_dtype: str | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
-        self.config = model if model is not None else ReferenceMLLMConfig.tiny()
+        built = model if isinstance(model, ReferenceMLLM) else None
+        self.save_hyperparameters(ignore=["model"] if built is not None else None)
+        self.config = built.config if built is not None else model or ReferenceMLLMConfig.tiny()
+        # Held in a tuple so the module is not registered (and saved) twice before configure_model adopts it.
+        self._built_model: tuple[ReferenceMLLM, ...] = (built,) if built is not None else ()
         self.model: ReferenceMLLM | None = None
         self.omni_meshes: OmniMeshes | None = None
         self._param_dtype = getattr(torch, param_dtype) if param_dtype else None
@@ -74,20 +79,30 @@ class OmniModule(LightningModule):
 
     @override
     def configure_model(self) -> None:
-        """Build on the meta device, parallelise, then materialise from the initial weights (idempotent)."""
+        """Build on the meta device (or adopt the given model), parallelise, then load the initial weights.
+
+        Idempotent, as Lightning requires: a second call finds the model in place.
+        """
         if self.model is not None:
             return
-        with torch.device("meta"):
-            model = ReferenceMLLM(self.config)
+        if self._built_model:
+            (model,) = self._built_model
+            state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+        else:
+            with torch.device("meta"):
+                model = ReferenceMLLM(self.config)
+            state = initial_state_dict(
+                self.config, init_checkpoint=self.hparams.init_checkpoint, seed=self.hparams.init_seed
+            )
         if self.omni_meshes is not None:
             parallelize_mllm(model, self.omni_meshes, param_dtype=self._param_dtype)
         device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
         model.to_empty(device=device)
-        state = initial_state_dict(
-            self.config, init_checkpoint=self.hparams.init_checkpoint, seed=self.hparams.init_seed
-        )
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
+        # Rank 0's copy wins, so a model built with unseeded randomness on each rank still starts identically.
+        options = StateDictOptions(full_state_dict=True, strict=True, broadcast_from_rank0=dist.is_initialized())
+        set_model_state_dict(model, state, options=options)
         self.model = model
+        self._built_model = ()
 
     def forward(self, batch: dict[str, Any]) -> torch.Tensor:
         assert self.model is not None, "configure_model() has not run"

@@ -110,9 +110,10 @@ def fit(
     devices: int = 4,
     callbacks: list[pl.Callback] | None = None,
     ckpt_path: str | None = None,
+    module: OmniModule | None = None,
     **trainer_kwargs: Any,
 ) -> None:
-    """Fit the tiny reference MLLM on ``devices`` fork-started CPU ranks."""
+    """Fit the tiny reference MLLM (or ``module``) on ``devices`` fork-started CPU ranks."""
     out_dir.mkdir(parents=True, exist_ok=True)
     os.environ["MASTER_PORT"] = str(free_port())  # Lightning reuses the parent's port otherwise
     trainer = pl.Trainer(
@@ -127,7 +128,10 @@ def fit(
         callbacks=callbacks or [],
         **trainer_kwargs,
     )
-    module = OmniModule(ReferenceMLLMConfig.tiny(), learning_rate=LEARNING_RATE, init_checkpoint=str(seed_checkpoint))
+    if module is None:
+        module = OmniModule(
+            ReferenceMLLMConfig.tiny(), learning_rate=LEARNING_RATE, init_checkpoint=str(seed_checkpoint)
+        )
     trainer.fit(module, datamodule=WebDataModule(shards, batch_size=BATCH_SIZE), ckpt_path=ckpt_path)
 
 

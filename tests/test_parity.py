@@ -12,9 +12,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
-from lightning_runs import GradientPresence, RecordRun, fit, reference_run
+from lightning_runs import LEARNING_RATE, GradientPresence, RecordRun, fit, reference_run
+
+from omni_lightning import OmniModule, ReferenceMLLM, ReferenceMLLMConfig
 
 pytestmark = pytest.mark.distributed
 
@@ -71,3 +74,26 @@ def test_gradient_accumulation_skips_intermediate_reduction(
     losses = json.loads((tmp_path / "batch_losses.json").read_text())
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
     _assert_grads_match(torch.load(tmp_path / "grads.pt", weights_only=True), ref_grads, "accumulation")
+
+
+class _PerturbNonZeroRanks(pl.Callback):
+    """Before configure_model, give every rank but 0 different weights, as unseeded per-rank construction would."""
+
+    def setup(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
+        if trainer.global_rank != 0:
+            with torch.no_grad():
+                for p in module._built_model[0].parameters():
+                    p.add_(torch.randn_like(p))
+
+
+def test_user_built_model_starts_from_rank_zero_weights(tmp_path: Path, tiny_shards: str) -> None:
+    torch.manual_seed(7)
+    built = ReferenceMLLM(ReferenceMLLMConfig.tiny())
+    seed_file = tmp_path / "built.pt"
+    torch.save(built.state_dict(), seed_file)
+    module = OmniModule(built, learning_rate=LEARNING_RATE)
+    fit(tmp_path, tiny_shards, seed_file, layout={"dp_shard": 2, "tp": 2}, max_steps=3, module=module,
+        callbacks=[RecordRun(tmp_path), _PerturbNonZeroRanks()])
+    ref_losses, _ = reference_run(tiny_shards, seed_file, dp_size=2, steps=3)
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor(ref_losses), rtol=1e-4, atol=0)

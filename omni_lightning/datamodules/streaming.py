@@ -45,11 +45,11 @@ def decode_sample(raw: dict[str, Any]) -> DecodedSample:
     try:
         meta = json.loads(raw["json"])
         tokens = np.load(io.BytesIO(raw["tokens.npy"]))
+        images = [
+            np.asarray(Image.open(io.BytesIO(raw[f"img{i}.png"])).convert("RGB")) for i in range(len(meta["images"]))
+        ]
     except KeyError as missing:
         raise ValueError(f"sample {key}: member {missing} is missing") from None
-    images = [
-        np.asarray(Image.open(io.BytesIO(raw[f"img{i}.png"])).convert("RGB")) for i in range(len(meta["images"]))
-    ]
     if "video.npy" in raw:
         images.extend(np.load(io.BytesIO(raw["video.npy"])))
     mel = np.load(io.BytesIO(raw["mel.npy"])) if "mel.npy" in raw else None

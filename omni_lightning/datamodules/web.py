@@ -50,6 +50,15 @@ def expand_shards(shards: str | list[str]) -> list[str]:
     return paths
 
 
+def _synthetic_target(shards: str | list[str], paths: list[str]) -> tuple[Path, str]:
+    """Directory and file prefix for generated shards: named like the pattern's ``PREFIX-NNNNNN.tar`` files, or
+    ``train-NNNNNN.tar`` inside a directory (or a glob's directory) that holds no shards yet."""
+    if paths and paths[0].endswith(".tar"):
+        return Path(paths[0]).parent, Path(paths[0]).name.rsplit("-", 1)[0]
+    pattern = Path(shards if isinstance(shards, str) else shards[0])
+    return (pattern.parent if any(ch in str(pattern) for ch in "*?[") else pattern), "train"
+
+
 class WebDataModule(LightningDataModule):
     """Streams packed micro-batches from webdataset shards, each data-parallel rank reading its own shards.
 
@@ -97,10 +106,9 @@ class WebDataModule(LightningDataModule):
     @override
     def prepare_data(self) -> None:
         paths = expand_shards(self.shards)
-        if self.synthetic is None or all(os.path.exists(p) for p in paths):
+        if self.synthetic is None or (paths and all(os.path.exists(p) for p in paths)):
             return
-        out_dir = Path(paths[0]).parent if paths else Path(str(self.shards))
-        prefix = Path(paths[0]).name.rsplit("-", 1)[0] if paths else "train"  # shards are named PREFIX-NNNNNN.tar
+        out_dir, prefix = _synthetic_target(self.shards, paths)
         log.info("writing %d synthetic shards to %s", self.synthetic.num_shards, out_dir)
         make_synthetic_shards(
             out_dir,
