@@ -1,0 +1,379 @@
+"""Decentralized grouped reordering: a balanced (rank, step, micro-batch) plan for a group of buffered samples.
+
+Every data-parallel rank buffers the samples of its next ``steps`` steps. The ranks of a *balance group* all-gather
+small integer metadata of those samples, and each rank runs :func:`plan_balance_group` on the same inputs, so all
+of them derive the same plan without a coordinator. Only payloads that the plan moves travel, once.
+
+The plan minimises the largest predicted cost of any (rank, step): longest-processing-time-first (LPT) over the
+``ranks x steps`` bins, subject to a token budget per micro-batch, then LPT again to split each bin into
+micro-batches, then (with pipeline parallelism) DistTrain's 1F1B order of the micro-batches. Bins of one step are
+finally matched to the ranks that already hold most of their payload bytes, which keeps the exchange small.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "ReorderConfig",
+    "GroupPlan",
+    "plan_balance_group",
+    "plan_naive",
+    "balance_groups",
+    "order_for_1f1b",
+    "lower_bound",
+]
+
+
+@dataclass(frozen=True)
+class ReorderConfig:
+    """Shape of one planning group.
+
+    Args:
+        steps: optimizer steps planned together (the group of G steps each rank buffers).
+        micro_batches: micro-batches per step on every rank (gradient accumulation or pipeline micro-batches).
+        token_budget: most LLM tokens one micro-batch may hold (``None``: unlimited).
+        pp: pipeline stages; with ``pp > 1`` the micro-batches of each step are ordered for 1F1B.
+    """
+
+    steps: int
+    micro_batches: int = 1
+    token_budget: int | None = None
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "micro_batches", "pp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ValueError(f"token_budget={self.token_budget} must be positive or None")
+
+
+@dataclass
+class GroupPlan:
+    """Where every buffered sample goes.
+
+    ``micro_batches[rank][step][m]`` lists sample ids (positions in the gathered metadata arrays) in the order to
+    pack them; ``step_cost[rank, step]`` is the predicted cost of that rank's step; ``leftover`` are ids that did
+    not fit any micro-batch's token budget and wait for the next group.
+    """
+
+    micro_batches: list[list[list[list[int]]]]
+    step_cost: np.ndarray
+    leftover: list[int]
+    samples_moved: int
+    bytes_moved: int
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean predicted (rank, step) cost."""
+        mean = float(self.step_cost.mean())
+        return float(self.step_cost.max()) / mean if mean > 0 else 1.0
+
+
+def lower_bound(costs: np.ndarray, n_bins: int) -> float:
+    """No assignment of these samples to ``n_bins`` bins can have a smaller maximum bin cost."""
+    return max(float(costs.sum()) / n_bins, float(costs.max(initial=0.0)))
+
+
+def balance_groups(dp_size: int, group_size: int | None) -> list[list[int]]:
+    """Data-parallel ranks split into balance groups of ``group_size`` consecutive ranks (``None``: all of them).
+
+    Consecutive data-parallel ranks share a node first (ParallelDims puts data parallelism outside TP and CP), so
+    the payload exchange stays inside a node or a few neighbouring ones.
+    """
+    size = dp_size if group_size is None else group_size
+    if size < 1 or dp_size % size:
+        raise ValueError(f"balance group size {group_size} must divide the data-parallel size {dp_size}")
+    return [list(range(start, start + size)) for start in range(0, dp_size, size)]
+
+
+def plan_balance_group(
+    costs: np.ndarray,
+    tokens: np.ndarray,
+    owners: np.ndarray,
+    nbytes: np.ndarray,
+    *,
+    n_ranks: int,
+    config: ReorderConfig,
+    seed: int,
+    epoch: int,
+    group_index: int,
+) -> GroupPlan:
+    """Plan one balance group; a pure function, identical on every rank given the same gathered inputs.
+
+    Args:
+        costs: predicted cost of each sample (what is balanced).
+        tokens: LLM tokens of each sample (what the micro-batch budget limits).
+        owners: the rank (0..n_ranks-1 within the group) that holds each sample's payload now.
+        nbytes: payload size of each sample, for the movement counters.
+        n_ranks: ranks in the balance group.
+        config: steps, micro-batches, token budget and pipeline degree.
+        seed, epoch, group_index: break ties among equal costs reproducibly, differently per group.
+    """
+    costs = np.asarray(costs, dtype=np.float64)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    budget = config.token_budget
+    if budget is not None and tokens.size and int(tokens.max()) > budget:
+        raise ValueError(
+            f"a sample of {int(tokens.max())} tokens exceeds the micro-batch token budget {budget}; apply the "
+            "max_seq_len policy (truncate/drop/error) before planning"
+        )
+    n_bins = n_ranks * config.steps
+    capacity = None if budget is None else budget * config.micro_batches
+    tie_break = np.random.default_rng([seed, epoch, group_index]).permutation(costs.size)
+    # Descending cost; the seeded permutation decides among equal costs.
+    order = tie_break[np.argsort(-costs[tie_break], kind="stable")]
+
+    members, leftover = _assign_bins(order, costs, tokens, n_bins, capacity)
+
+    micro: list[list[list[int]]] = []
+    for b in range(n_bins):
+        split, spilled = _split_bin(members[b], costs, tokens, config)
+        micro.append(split)
+        leftover.extend(spilled)
+
+    # Bins of a step are interchangeable: give each to the rank that already holds most of its payload bytes.
+    owners = np.asarray(owners, dtype=np.int64)
+    nbytes = np.asarray(nbytes, dtype=np.int64)
+    plan: list[list[list[list[int]]]] = [[[] for _ in range(config.steps)] for _ in range(n_ranks)]
+    step_cost = np.zeros((n_ranks, config.steps))
+    moved = moved_bytes = 0
+    for step in range(config.steps):
+        step_bins = list(range(step * n_ranks, (step + 1) * n_ranks))
+        for b, rank in zip(step_bins, _match_bins_to_ranks(step_bins, members, owners, nbytes, n_ranks), strict=True):
+            plan[rank][step] = micro[b]
+            placed = [s for mb in micro[b] for s in mb]
+            step_cost[rank, step] = costs[placed].sum() if placed else 0.0
+            away = [s for s in placed if owners[s] != rank]
+            moved += len(away)
+            moved_bytes += int(nbytes[away].sum()) if away else 0
+    return GroupPlan(plan, step_cost, sorted(leftover), moved, moved_bytes)
+
+
+def _assign_bins(
+    order: np.ndarray, costs: np.ndarray, tokens: np.ndarray, n_bins: int, capacity: int | None
+) -> tuple[list[list[int]], list[int]]:
+    """LPT of samples (given in descending cost order) over ``n_bins`` bins of ``capacity`` tokens.
+
+    Samples worth more than a quarter of a bin's fair share go one by one to the least-loaded bin that fits
+    (exact LPT, a heap). The many small ones that follow go in vectorised rounds: each round hands the next
+    largest samples to the bins still below the fair share, the largest to the least loaded. That keeps LPT's
+    behaviour where it matters and plans a 512-rank group in a fraction of the time.
+    """
+    bin_load = np.zeros(n_bins)
+    bin_tokens = np.zeros(n_bins, dtype=np.int64)
+    assigned_bin = np.full(costs.size, -1, dtype=np.int64)
+    fair_share = float(costs.sum()) / n_bins
+    n_large = int(np.count_nonzero(costs[order] > fair_share / 4))
+    heap = [(0.0, b) for b in range(n_bins)]
+    retry: list[int] = []
+    for sample in order[:n_large].tolist():
+        rejected = []
+        while heap:
+            load, b = heapq.heappop(heap)
+            if capacity is None or bin_tokens[b] + tokens[sample] <= capacity:
+                assigned_bin[sample] = b
+                bin_load[b] = load + costs[sample]
+                bin_tokens[b] += tokens[sample]
+                heapq.heappush(heap, (bin_load[b], b))
+                break
+            rejected.append((load, b))
+        else:
+            retry.append(sample)
+        for item in rejected:
+            heapq.heappush(heap, item)
+
+    pending = order[n_large:]
+    while pending.size:
+        by_load = np.argsort(bin_load, kind="stable")
+        below = by_load[bin_load[by_load] < fair_share]
+        targets = (below if below.size else by_load)[: pending.size]
+        chunk, pending = pending[: targets.size], pending[targets.size :]
+        fits = np.ones(chunk.size, dtype=bool) if capacity is None else bin_tokens[targets] + tokens[chunk] <= capacity
+        assigned_bin[chunk[fits]] = targets[fits]
+        bin_load[targets[fits]] += costs[chunk[fits]]
+        bin_tokens[targets[fits]] += tokens[chunk[fits]]
+        if not fits.all():
+            misfits = chunk[~fits]
+            if fits.any():
+                pending = np.concatenate([misfits, pending])  # loads moved: other bins come up next round
+            else:
+                retry.extend(misfits.tolist())  # the round is stuck: settle these one by one below
+
+    leftover = []
+    for sample in retry:  # any bin with room, least loaded first
+        room = np.flatnonzero(bin_tokens + tokens[sample] <= capacity) if capacity is not None else np.arange(n_bins)
+        if room.size == 0:
+            leftover.append(sample)
+            continue
+        b = int(room[np.argmin(bin_load[room])])
+        assigned_bin[sample] = b
+        bin_load[b] += costs[sample]
+        bin_tokens[b] += tokens[sample]
+    placed = order[assigned_bin[order] >= 0]
+    members: list[list[int]] = [[] for _ in range(n_bins)]
+    for sample, b in zip(placed.tolist(), assigned_bin[placed].tolist(), strict=True):
+        members[b].append(sample)
+    _refine(members, bin_load, bin_tokens, costs, tokens, capacity)
+    for bin_members in members:
+        bin_members.sort(key=lambda s: -costs[s])  # descending cost inside each bin, for the micro-batch split
+    return members, leftover
+
+
+def _refine(
+    members: list[list[int]],
+    bin_load: np.ndarray,
+    bin_tokens: np.ndarray,
+    costs: np.ndarray,
+    tokens: np.ndarray,
+    capacity: int | None,
+) -> None:
+    """Lower the peak: move a sample, or swap two, between the most- and the least-loaded bin while that helps.
+
+    The rounds of :func:`_assign_bins` can overshoot by a small sample, and a bin filled with large samples alone
+    can sit above the fair share; a move or swap that shifts about half the gap between the two bins fixes both.
+    Lazy heaps keep each step O(log bins).
+    """
+    n_bins = bin_load.size
+    version = [0] * n_bins
+    highs = [(-bin_load[b], b, 0) for b in range(n_bins)]
+    lows = [(bin_load[b], b, 0) for b in range(n_bins)]
+    heapq.heapify(highs)
+    heapq.heapify(lows)
+    for _ in range(4 * n_bins):
+        while highs[0][2] != version[highs[0][1]]:
+            heapq.heappop(highs)
+        while lows[0][2] != version[lows[0][1]]:
+            heapq.heappop(lows)
+        hi, lo = highs[0][1], lows[0][1]
+        if hi == lo:
+            return
+        exchange = _best_exchange(members[hi], members[lo], bin_load[hi] - bin_load[lo], bin_tokens[lo],
+                                  bin_tokens[hi], costs, tokens, capacity)
+        if exchange is None:
+            return
+        out_of_hi, out_of_lo = exchange
+        for sample in out_of_hi:
+            members[hi].remove(sample)
+            members[lo].append(sample)
+        for sample in out_of_lo:
+            members[lo].remove(sample)
+            members[hi].append(sample)
+        shift = costs[list(out_of_hi)].sum() - costs[list(out_of_lo)].sum()
+        token_shift = int(tokens[list(out_of_hi)].sum() - tokens[list(out_of_lo)].sum())
+        for b, sign in ((hi, -1), (lo, 1)):
+            bin_load[b] += sign * shift
+            bin_tokens[b] += sign * token_shift
+            version[b] += 1
+            heapq.heappush(highs, (-bin_load[b], b, version[b]))
+            heapq.heappush(lows, (bin_load[b], b, version[b]))
+
+
+def _split_bin(
+    samples: list[int], costs: np.ndarray, tokens: np.ndarray, config: ReorderConfig
+) -> tuple[list[list[int]], list[int]]:
+    """LPT of one (rank, step) bin over its micro-batches within the token budget; returns them and any spill."""
+    m = config.micro_batches
+    if m == 1:  # the bin's token capacity is the micro-batch budget: everything fits, in cost order
+        return [samples], []
+    loads = [0.0] * m
+    used = [0] * m
+    batches: list[list[int]] = [[] for _ in range(m)]
+    spilled = []
+    for sample in samples:  # already in descending cost order
+        candidates = [
+            i for i in range(m) if config.token_budget is None or used[i] + tokens[sample] <= config.token_budget
+        ]
+        if not candidates:
+            spilled.append(sample)  # the bin's total fits, its fragments do not
+            continue
+        target = min(candidates, key=lambda i: (loads[i], i))
+        batches[target].append(sample)
+        loads[target] += costs[sample]
+        used[target] += int(tokens[sample])
+    if config.pp > 1:
+        batches = [batches[i] for i in order_for_1f1b(loads, config.pp)]
+    return batches, spilled
+
+
+def order_for_1f1b(micro_batch_costs: list[float], pp: int) -> list[int]:
+    """DistTrain's inter-micro-batch order for 1F1B: the smallest first, the ``pp - 1`` next smallest kept for the
+    cool-down (descending, so the pipeline drains on the lightest work), the rest ascending in between.
+
+    Returns indices into ``micro_batch_costs``.
+    """
+    ascending = sorted(range(len(micro_batch_costs)), key=lambda i: (micro_batch_costs[i], i))
+    if len(ascending) <= 1:
+        return ascending
+    first, rest = ascending[0], ascending[1:]
+    tail = rest[: pp - 1]
+    middle = rest[pp - 1 :]
+    return [first, *middle, *reversed(tail)]
+
+
+def _match_bins_to_ranks(
+    step_bins: list[int], members: list[list[int]], owners: np.ndarray, nbytes: np.ndarray, n_ranks: int
+) -> list[int]:
+    """Greedy maximum-weight matching of a step's bins to ranks by payload bytes already local.
+
+    Only (bin, owner) pairs that hold bytes are ranked, so the cost grows with the samples, not with ranks**2.
+    """
+    rows = np.concatenate([np.full(len(members[b]), row, dtype=np.int64) for row, b in enumerate(step_bins)])
+    samples = np.concatenate([np.asarray(members[b], dtype=np.int64) for b in step_bins])
+    weight = np.bincount(rows * n_ranks + owners[samples], weights=nbytes[samples], minlength=len(step_bins) * n_ranks)
+    assignment = [-1] * len(step_bins)
+    taken = [False] * n_ranks
+    nonzero = np.flatnonzero(weight)
+    # Heaviest first; the stable sort leaves ties to the lower (bin, rank) pair, identically on every rank.
+    for key in nonzero[np.argsort(-weight[nonzero], kind="stable")].tolist():
+        row, rank = divmod(key, n_ranks)
+        if assignment[row] == -1 and not taken[rank]:
+            assignment[row], taken[rank] = rank, True
+    free = iter(rank for rank in range(n_ranks) if not taken[rank])
+    return [rank if rank != -1 else next(free) for rank in assignment]
+
+
+def _best_exchange(
+    high: list[int],
+    low: list[int],
+    gap: float,
+    low_tokens: int,
+    high_tokens: int,
+    costs: np.ndarray,
+    tokens: np.ndarray,
+    capacity: int | None,
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The move (one sample high -> low) or swap (one each way) whose cost shift is nearest ``gap / 2``, among
+    those that lower the peak (shift strictly between 0 and ``gap``) and respect the token capacity."""
+    best: tuple[float, tuple[int, ...], tuple[int, ...]] | None = None
+    for x in high:
+        for y in (None, *low):
+            shift = costs[x] - (0.0 if y is None else costs[y])
+            moved_tokens = tokens[x] - (0 if y is None else tokens[y])
+            if not 0.0 < shift < gap:
+                continue
+            if capacity is not None and (low_tokens + moved_tokens > capacity or high_tokens - moved_tokens > capacity):
+                continue
+            score = abs(shift - gap / 2)
+            if best is None or score < best[0]:
+                best = (score, (x,), () if y is None else (y,))
+    return None if best is None else (best[1], best[2])
+
+
+def plan_naive(
+    costs: np.ndarray, owners: np.ndarray, *, n_ranks: int, config: ReorderConfig
+) -> np.ndarray:
+    """Per-(rank, step) cost of the naive split: every rank trains on its own samples in arrival order, the same
+    number per step. The baseline the balanced plan is measured against."""
+    costs = np.asarray(costs, dtype=np.float64)
+    owners = np.asarray(owners)
+    step_cost = np.zeros((n_ranks, config.steps))
+    for rank in range(n_ranks):
+        mine = costs[owners == rank]
+        for step, chunk in enumerate(np.array_split(mine, config.steps)):
+            step_cost[rank, step] = chunk.sum()
+    return step_cost
