@@ -8,7 +8,9 @@ prints max/mean predicted (rank, step) cost for
 * llm-only: the grouped planner balancing LLM cost alone (what an LLM-only balancer would do);
 * grouped: the grouped planner on the full per-sample cost, in balance groups of ``--group`` ranks;
 
-beside the lower bound max(mean load, largest sample) / mean. It also times planning one balance group and one
+beside the lower bound max(mean load, largest sample) / mean, and, because ranks wait for each other every step,
+the time each plan takes relative to perfect balance: sum over steps of the busiest rank / (total work / ranks).
+It also times planning one balance group and one
 global plan over the largest data-parallel size. The last line is ``worst grouped/bound: X``, the largest ratio of
 grouped max cost to the bound over rows with 64 or more ranks.
 
@@ -76,7 +78,8 @@ def main() -> None:
     config = ReorderConfig(steps=args.steps)
     per_rank = args.steps * args.samples_per_step
     worst = 0.0
-    print(f"{'workload':<14}{'dp':>6}{'naive':>9}{'llm-only':>10}{'grouped':>9}{'bound':>8}{'grouped/bound':>15}")
+    print(f"{'workload':<14}{'dp':>6}{'naive':>9}{'llm-only':>10}{'grouped':>9}{'bound':>8}{'grouped/bound':>15}"
+          f"{'time/ideal: naive':>19}{'llm-only':>10}{'grouped':>9}")
     for path in args.workload:
         spec = load_workload(path)
         rng = np.random.default_rng(args.seed)
@@ -97,8 +100,11 @@ def main() -> None:
             ratio = grouped.max() / bound
             if dp >= 64:
                 worst = max(worst, ratio)
+            ideal = total.sum() / dp
             print(f"{spec.name:<14}{dp:>6}{naive.max() / mean:>9.3f}{llm_only.max() / mean:>10.3f}"
-                  f"{grouped.max() / mean:>9.3f}{bound / mean:>8.3f}{ratio:>15.4f}")
+                  f"{grouped.max() / mean:>9.3f}{bound / mean:>8.3f}{ratio:>15.4f}"
+                  f"{naive.max(axis=0).sum() / ideal:>19.3f}{llm_only.max(axis=0).sum() / ideal:>10.3f}"
+                  f"{grouped.max(axis=0).sum() / ideal:>9.3f}")
 
     timing_group = 8
     n = timing_group * per_rank

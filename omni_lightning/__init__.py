@@ -5,13 +5,14 @@ Importing the package registers ``strategy="omni"`` with Lightning's strategy re
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from omni_lightning.datamodules import SyntheticShards, WebDataModule
+from omni_lightning.datamodules import OmniDataModule, SyntheticShards, WebDataModule
 from omni_lightning.models import ReferenceMLLM, ReferenceMLLMConfig
 from omni_lightning.module import OmniModule
 from omni_lightning.parallel import OmniMeshes, ParallelDims, build_meshes
 from omni_lightning.strategies import OmniStrategy
 
 __all__ = [
+    "OmniDataModule",
     "OmniModule",
     "OmniStrategy",
     "OmniMeshes",

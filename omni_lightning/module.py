@@ -120,6 +120,8 @@ class OmniModule(LightningModule):
         self._last_step_time = now
         # Already reduced over the data-parallel ranks: no sync_dist needed.
         self.log("train/loss", stats["loss"], prog_bar=True, batch_size=samples)
+        if "balance" in batch:  # loader-side plan statistics of OmniDataModule (this rank's view)
+            self.log_dict({f"balance/{k}": float(v) for k, v in batch["balance"].items()}, batch_size=samples)
         return {"loss": loss, "global_loss": stats["loss"]}
 
     @override

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import io
 import json
+import tarfile
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 import numpy as np
 from PIL import Image
@@ -19,8 +21,17 @@ from torch.utils.data import IterableDataset, get_worker_info
 from webdataset.tariterators import tarfile_samples
 
 from omni_lightning.datamodules.collate import DecodedSample, pack_samples
+from omni_lightning.models.config import FIRST_TEXT_ID
 
-__all__ = ["ShardStream", "decode_sample", "assign_shards"]
+__all__ = [
+    "BadSample",
+    "ByteTokenizer",
+    "ShardStream",
+    "Tokenizer",
+    "assign_shards",
+    "decode_sample",
+    "open_shard",
+]
 
 
 def assign_shards(shards: list[str], *, dp_rank: int, dp_size: int, num_workers: int = 1) -> list[list[str]]:
@@ -39,21 +50,99 @@ def assign_shards(shards: list[str], *, dp_rank: int, dp_size: int, num_workers:
     return [mine[w :: max(num_workers, 1)] for w in range(max(num_workers, 1))]
 
 
-def decode_sample(raw: dict[str, Any]) -> DecodedSample:
-    """Decode one webdataset sample written by ``make_synthetic_shards`` (or in the same format)."""
+class Tokenizer(Protocol):
+    """Turns raw sample text (a ``txt`` member) into token ids >= ``FIRST_TEXT_ID``."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens, shifted past the reserved ids: needs no download, covers any text (vocab >= 260)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [FIRST_TEXT_ID + byte for byte in text.encode("utf-8")]
+
+
+@dataclass(frozen=True)
+class BadSample:
+    """A sample (or the rest of a shard) that could not be used, kept so that the skip is counted and logged."""
+
+    shard: str
+    key: str
+    reason: str
+
+
+def decode_sample(
+    raw: dict[str, Any], *, patch_size: int | None = None, tokenizer: Tokenizer | None = None
+) -> DecodedSample:
+    """Decode one webdataset sample written by ``make_synthetic_shards`` (or in the same format) and check it
+    against its metadata; raises ``ValueError`` naming the sample and the problem.
+
+    Text comes from ``tokens.npy`` or, if absent, from ``txt`` through ``tokenizer`` (bytes by default).
+    """
     key = raw.get("__key__", "?")
     try:
         meta = json.loads(raw["json"])
-        tokens = np.load(io.BytesIO(raw["tokens.npy"]))
-        images = [
-            np.asarray(Image.open(io.BytesIO(raw[f"img{i}.png"])).convert("RGB")) for i in range(len(meta["images"]))
-        ]
+        if "tokens.npy" in raw:
+            tokens = np.load(io.BytesIO(raw["tokens.npy"]))
+        elif "txt" in raw:
+            text = raw["txt"].decode("utf-8") if isinstance(raw["txt"], bytes) else raw["txt"]
+            tokens = np.asarray((tokenizer or ByteTokenizer()).encode(text), dtype=np.int64)
+        else:
+            raise KeyError("tokens.npy")
+        images = [_decode_image(raw[f"img{i}.png"], key, i) for i in range(len(meta["images"]))]
     except KeyError as missing:
-        raise ValueError(f"sample {key}: member {missing} is missing") from None
+        name = missing.args[0]
+        alternative = " (and there is no 'txt' to tokenize)" if name == "tokens.npy" else ""
+        raise ValueError(f"sample {key}: member '{name}' is missing{alternative}") from None
     if "video.npy" in raw:
         images.extend(np.load(io.BytesIO(raw["video.npy"])))
     mel = np.load(io.BytesIO(raw["mel.npy"])) if "mel.npy" in raw else None
-    return DecodedSample(key=key, tokens=tokens, images=images, mel=mel, meta=meta)
+    sample = DecodedSample(key=key, tokens=tokens, images=images, mel=mel, meta=meta)
+    _check_against_meta(sample, patch_size)
+    return sample
+
+
+def _decode_image(data: bytes, key: str, index: int) -> np.ndarray:
+    try:
+        return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"sample {key}: img{index}.png cannot be decoded ({error})") from None
+
+
+def _check_against_meta(sample: DecodedSample, patch_size: int | None) -> None:
+    """Metadata drives balancing; a payload that disagrees with it would unbalance or break a step."""
+    meta, key = sample.meta, sample.key
+    problems = []
+    if "text_tokens" in meta and len(sample.tokens) != meta["text_tokens"]:
+        problems.append(f"{len(sample.tokens)} text tokens, metadata says {meta['text_tokens']}")
+    if len(sample.tokens) == 0:
+        problems.append("no text tokens")
+    if patch_size is not None:
+        grids = [tuple(g) for g in meta.get("images", [])] + [tuple(meta.get("video_grid", (0, 0)))] * int(
+            meta.get("video_frames", 0)
+        )
+        shapes = [(img.shape[0] // patch_size, img.shape[1] // patch_size) for img in sample.images]
+        if len(shapes) != len(grids) or any(a != b for a, b in zip(shapes, grids, strict=False)):
+            problems.append(f"image grids {shapes} (in {patch_size}-pixel patches), metadata says {grids}")
+    frames = 0 if sample.mel is None else sample.mel.shape[0]
+    if frames != int(meta.get("audio_frames", frames)):
+        problems.append(f"{frames} mel frames, metadata says {meta['audio_frames']}")
+    if sample.mel is not None and frames == 0:
+        problems.append("a zero-length audio clip")
+    if problems:
+        raise ValueError(f"sample {key}: " + "; ".join(problems))
+
+
+def open_shard(url: str) -> Iterator[dict[str, Any]]:
+    """Raw samples of one shard: a local path, or any fsspec URL (``s3://``, ``gs://``, ``memory://``, ...)."""
+    if "://" in url and not url.startswith("file://"):
+        import fsspec
+
+        with fsspec.open(url, "rb") as stream:
+            yield from tarfile_samples([{"url": url, "stream": stream}])
+    else:
+        yield from tarfile_samples([{"url": url.removeprefix("file://")}])
 
 
 class ShardStream(IterableDataset):
@@ -77,10 +166,16 @@ class ShardStream(IterableDataset):
         shuffle_shards: bool = True,
         pack_kwargs: dict[str, int] | None = None,
         max_batches: int | None = None,
+        on_bad_sample: Literal["skip", "error"] = "error",
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be at least 1")
+        if on_bad_sample not in ("skip", "error"):
+            raise ValueError(f"on_bad_sample={on_bad_sample!r} must be 'skip' or 'error'")
+        self.on_bad_sample = on_bad_sample
+        self.tokenizer = tokenizer
         self.worker_shards = assign_shards(shards, dp_rank=dp_rank, dp_size=dp_size, num_workers=num_workers)
         self.dp_rank = dp_rank
         self.dp_size = dp_size
@@ -88,6 +183,7 @@ class ShardStream(IterableDataset):
         self.seed = seed
         self.shuffle_shards = shuffle_shards
         self.pack_kwargs = pack_kwargs or {}
+        self.patch_size = self.pack_kwargs.get("patch_size", 14)
         self.max_batches = max_batches
         self._epoch = 0
         self._consumed = 0
@@ -111,25 +207,48 @@ class ShardStream(IterableDataset):
             shards = [shards[i] for i in order]
         return shards
 
-    def iter_samples(self, worker: int = 0) -> Iterator[DecodedSample]:
-        """Decoded samples from the current position on, epoch after epoch; advances the position."""
+    def iter_samples(self, worker: int = 0) -> Iterator[DecodedSample | BadSample]:
+        """Decoded samples from the current position on, epoch after epoch; advances the position.
+
+        Unusable input (a corrupt or truncated shard, a missing member, an undecodable image, a payload that
+        contradicts its metadata) raises ``ValueError`` naming shard and key with ``on_bad_sample="error"``, and
+        comes out as a :class:`BadSample` with ``"skip"`` (the rest of a broken shard counts as one).
+        """
         while True:
-            raw_stream = tarfile_samples({"url": url} for url in self.epoch_shards(worker, self._epoch))
-            for index, raw in enumerate(raw_stream):
-                if index < self._consumed:
-                    continue  # fast-forward to the resumed position without decoding
-                self._consumed += 1
-                yield decode_sample(raw)
-            if self._consumed == 0:
+            index = 0
+            for url in self.epoch_shards(worker, self._epoch):
+                key = "(shard start)"
+                try:
+                    for raw in open_shard(url):
+                        key = raw.get("__key__", "?")
+                        index += 1
+                        if index <= self._consumed:
+                            continue  # fast-forward to the resumed position without decoding
+                        self._consumed += 1
+                        try:
+                            yield decode_sample(raw, patch_size=self.patch_size, tokenizer=self.tokenizer)
+                        except ValueError as error:
+                            yield self._bad(url, key, str(error))
+                except (tarfile.TarError, OSError, EOFError) as error:
+                    index += 1
+                    if index > self._consumed:
+                        self._consumed += 1
+                        yield self._bad(url, key, f"unreadable shard after {key}: {error!r}")
+            if index == 0:
                 raise ValueError(f"the shards of data-parallel rank {self.dp_rank} hold no samples")
             self._epoch, self._consumed = self._epoch + 1, 0
+
+    def _bad(self, shard: str, key: str, reason: str) -> BadSample:
+        if self.on_bad_sample == "error":
+            raise ValueError(f"shard {shard}, sample {key}: {reason}")
+        return BadSample(shard, key, reason)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self.max_batches is not None:
             # A bounded pass (validation) starts over each time and yields the same count on every rank.
             self._epoch, self._consumed = 0, 0
         info = get_worker_info()
-        samples = self.iter_samples(info.id if info is not None else 0)
+        samples = (s for s in self.iter_samples(info.id if info is not None else 0) if isinstance(s, DecodedSample))
         produced = 0
         while self.max_batches is None or produced < self.max_batches:
             yield pack_samples([next(samples) for _ in range(self.batch_size)], **self.pack_kwargs)

@@ -18,7 +18,7 @@ from omni_lightning.datamodules.resumable import ResumableLoader
 from omni_lightning.datamodules.streaming import ShardStream
 from omni_lightning.datamodules.synthetic import make_synthetic_shards
 
-__all__ = ["SyntheticShards", "WebDataModule", "expand_shards"]
+__all__ = ["SyntheticShards", "WebDataModule", "existing_shards", "expand_shards"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,16 @@ def _synthetic_target(shards: str | list[str], paths: list[str]) -> tuple[Path, 
         return Path(paths[0]).parent, Path(paths[0]).name.rsplit("-", 1)[0]
     pattern = Path(shards if isinstance(shards, str) else shards[0])
     return (pattern.parent if any(ch in str(pattern) for ch in "*?[") else pattern), "train"
+
+
+def existing_shards(shards: str | list[str]) -> list[str]:
+    """The expanded shard list; ``ValueError`` if it is empty or names missing local files (URLs are not checked)."""
+    paths = expand_shards(shards)
+    missing = [p for p in paths if "://" not in p and not os.path.exists(p)]
+    if not paths or missing:
+        raise ValueError(f"shards {shards!r}: {'no files match' if not paths else f'missing {missing[:3]}'};"
+                         " run `omni-lightning make-shards` or set data.synthetic to generate them")
+    return paths
 
 
 class WebDataModule(LightningDataModule):
@@ -132,13 +142,8 @@ class WebDataModule(LightningDataModule):
     def stream(self, shards: str | list[str], *, dp_rank: int | None = None, dp_size: int | None = None,
                num_workers: int | None = None, max_batches: int | None = None) -> ShardStream:
         """The stream of one data-parallel rank (this process's rank unless given)."""
-        paths = expand_shards(shards)
-        missing = [p for p in paths if not os.path.exists(p)]
-        if not paths or missing:
-            raise ValueError(f"shards {shards!r}: {'no files match' if not paths else f'missing {missing[:3]}'};"
-                             " run `omni-lightning make-shards` or set data.synthetic to generate them")
         return ShardStream(
-            paths,
+            existing_shards(shards),
             dp_rank=self.dp_rank if dp_rank is None else dp_rank,
             dp_size=self.dp_size if dp_size is None else dp_size,
             batch_size=self.batch_size,

@@ -1,0 +1,154 @@
+"""OmniDataModule: streaming multimodal shards with decentralized grouped reordering and exact resume."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch.distributed as dist
+from torchdata.stateful_dataloader import StatefulDataLoader
+from typing_extensions import override
+
+from omni_lightning.balance.cost import CostModel
+from omni_lightning.balance.reorder import balance_groups
+from omni_lightning.datamodules.balanced import BalancedStream, BalanceSettings, LengthPolicy
+from omni_lightning.datamodules.resumable import ResumableLoader
+from omni_lightning.datamodules.streaming import ShardStream, Tokenizer
+from omni_lightning.datamodules.web import SyntheticShards, WebDataModule, existing_shards
+from omni_lightning.models.config import ReferenceMLLMConfig
+
+__all__ = ["OmniDataModule", "SampleStream"]
+
+
+class SampleStream(ShardStream):
+    """One decoded sample (or :class:`~omni_lightning.datamodules.streaming.BadSample`) at a time, for balancing."""
+
+    @override
+    def __iter__(self) -> Any:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        return self.iter_samples(info.id if info is not None else 0)
+
+
+def _unbatched(item: Any) -> Any:
+    return item  # samples stay Python objects; packing happens after the plan
+
+
+class OmniDataModule(WebDataModule):
+    """Multimodal webdataset shards, balanced across data-parallel ranks without a coordinator.
+
+    Each data-parallel rank streams its own shards (TP/CP peers read the same ones) and, every ``group_steps``
+    steps, plans with the other ranks of its balance group which (rank, step, micro-batch) trains on which sample,
+    so that every rank's step costs about the same. See :mod:`omni_lightning.balance.reorder`.
+
+    Args:
+        shards: brace pattern, glob, directory, list or fsspec URLs of ``.tar`` shards.
+        samples_per_step: samples each rank reads per step (on average; a rank may train on more or fewer).
+        group_steps: steps planned together (each rank buffers ``group_steps * samples_per_step`` samples).
+        micro_batches: micro-batches per step; use with ``accumulate_grad_batches=micro_batches``.
+        workload_balance: ``"grouped"`` (reorder) or ``"none"`` (each rank trains on what it read, in order).
+        balance_group_size: data-parallel ranks planned together: 1 (local only), k, or ``None`` for all.
+        token_budget: most LLM tokens in one micro-batch; ``max_seq_len``: longest sample, handled by
+            ``max_seq_len_policy`` (``"truncate"``, ``"drop"`` or ``"error"``).
+        on_bad_sample: ``"skip"`` (log with shard and key, count, keep steps aligned) or ``"error"``.
+        cost_model: prices samples; by default derived from the LightningModule's ``config`` if it is a
+            ``ReferenceMLLMConfig``, else from ``ReferenceMLLMConfig.tiny()``.
+        tokenizer: turns ``txt`` members into ids (UTF-8 bytes by default).
+        Other arguments as in :class:`WebDataModule`.
+    """
+
+    def __init__(
+        self,
+        shards: str | list[str] = "data/tiny_omni/train-{000000..000007}.tar",
+        *,
+        samples_per_step: int = 4,
+        group_steps: int = 8,
+        micro_batches: int = 1,
+        workload_balance: Literal["grouped", "none"] = "grouped",
+        balance_group_size: int | None = 8,
+        token_budget: int | None = None,
+        max_seq_len: int | None = None,
+        max_seq_len_policy: LengthPolicy = "truncate",
+        on_bad_sample: Literal["skip", "error"] = "skip",
+        cost_model: CostModel | None = None,
+        tokenizer: Tokenizer | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+        synthetic: SyntheticShards | None = None,
+        val_shards: str | list[str] | None = None,
+        val_batches: int = 4,
+        patch_size: int = 14,
+        vision_merge: int = 4,
+        audio_downsample: int = 4,
+    ) -> None:
+        super().__init__(
+            shards, batch_size=samples_per_step, num_workers=num_workers, seed=seed, synthetic=synthetic,
+            val_shards=val_shards, val_batches=val_batches, patch_size=patch_size, vision_merge=vision_merge,
+            audio_downsample=audio_downsample,
+        )
+        if workload_balance not in ("grouped", "none"):
+            raise ValueError(f"workload_balance={workload_balance!r} must be 'grouped' or 'none'")
+        if on_bad_sample not in ("skip", "error"):
+            raise ValueError(f"on_bad_sample={on_bad_sample!r} must be 'skip' or 'error'")
+        self.settings = BalanceSettings(
+            samples_per_step=samples_per_step,
+            group_steps=group_steps,
+            micro_batches=micro_batches,
+            token_budget=token_budget,
+            max_seq_len=max_seq_len,
+            length_policy=max_seq_len_policy,
+            balance=workload_balance == "grouped",
+        )
+        self.balance_group_size = balance_group_size
+        self.on_bad_sample = on_bad_sample
+        self.cost_model = cost_model
+        self.tokenizer = tokenizer
+        self.balance_group: dist.ProcessGroup | None = None
+        self.balance_group_index = 0
+
+    @override
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if self.balance_group_size is not None and self.dp_size % self.balance_group_size:
+            raise ValueError(
+                f"balance_group_size={self.balance_group_size} must divide the data-parallel size {self.dp_size}"
+            )
+        if self.cost_model is None:
+            config = getattr(self.trainer.lightning_module, "config", None)
+            config = config if isinstance(config, ReferenceMLLMConfig) else ReferenceMLLMConfig.tiny()
+            self.cost_model = CostModel.from_config(config)
+        if stage == "fit" and self.dp_size > 1:
+            self._create_balance_groups()
+
+    def _create_balance_groups(self) -> None:
+        """One process group per balance group of every data-parallel group, created in the same order everywhere
+        (group creation is collective). TP/CP/PP peers form parallel balance groups and compute the same plans."""
+        dims = getattr(self.trainer.strategy, "parallel_dims", None)
+        dp_groups = dims.groups("dp") if dims is not None else [list(range(self.trainer.world_size))]
+        chunks = balance_groups(self.dp_size, self.balance_group_size)
+        self.balance_group_index = next(i for i, chunk in enumerate(chunks) if self.dp_rank in chunk)
+        if len(chunks[0]) == 1:
+            self.balance_group = None
+            return
+        everyone = [[dp_group[i] for i in chunk] for dp_group in dp_groups for chunk in chunks]
+        self.balance_group, _ = dist.new_subgroups_by_enumeration(everyone)
+
+    @override
+    def train_dataloader(self) -> ResumableLoader:
+        paths = existing_shards(self.shards)
+        samples = SampleStream(
+            paths, dp_rank=self.dp_rank, dp_size=self.dp_size, batch_size=1, num_workers=self.num_workers,
+            seed=self.seed, pack_kwargs=self.pack_kwargs, on_bad_sample=self.on_bad_sample, tokenizer=self.tokenizer,
+        )
+        loader = StatefulDataLoader(samples, batch_size=None, num_workers=self.num_workers, collate_fn=_unbatched)
+        assert self.cost_model is not None, "setup() has not run"
+        stream = BalancedStream(
+            loader,
+            group=self.balance_group,
+            group_index=self.balance_group_index,
+            cost_model=self.cost_model,
+            settings=self.settings,
+            seed=self.seed,
+            pack_kwargs=self.pack_kwargs,
+        )
+        return ResumableLoader(stream)
