@@ -2,8 +2,8 @@
 
 Items (images, audio clips, text samples) are packed back to back into one token dimension and delimited by
 ``cu_seqlens`` (cumulative lengths, ``[0, l0, l0+l1, ...]``). On CUDA with flash-attn installed the packed tensors
-go straight to ``flash_attn_varlen_func``; elsewhere PyTorch SDPA runs with a block-diagonal (optionally causal)
-boolean mask, which is exact but quadratic in the packed length, so it suits the small CPU tier.
+go straight to ``flash_attn_varlen_func``; elsewhere PyTorch SDPA runs item by item (optionally causal), which
+does the same work, ``sum(len_i ** 2)``, at the cost of one call per item.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttentionBackend", "flash_attn_available", "varlen_attention", "block_diagonal_mask"]
+__all__ = ["AttentionBackend", "flash_attn_available", "varlen_attention"]
 
 AttentionBackend = Literal["auto", "sdpa", "flash"]
 
@@ -22,18 +22,6 @@ AttentionBackend = Literal["auto", "sdpa", "flash"]
 def flash_attn_available() -> bool:
     """Whether the flash-attn varlen kernel can be used in this process."""
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
-
-
-def block_diagonal_mask(cu_seqlens: torch.Tensor, total: int, *, causal: bool) -> torch.Tensor:
-    """Boolean ``[total, total]`` mask: a token sees only its own item's tokens (if causal, only earlier ones)."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    item_of_token = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
-    if item_of_token.numel() != total:
-        raise ValueError(f"cu_seqlens covers {item_of_token.numel()} tokens but the packed tensor has {total}")
-    mask = item_of_token[:, None] == item_of_token[None, :]
-    if causal:
-        mask &= torch.ones(total, total, dtype=torch.bool, device=mask.device).tril()
-    return mask
 
 
 def varlen_attention(
@@ -54,7 +42,7 @@ def varlen_attention(
         cu_seqlens: int32 ``[n_items + 1]`` cumulative item lengths.
         causal: mask future tokens inside each item.
         max_seqlen: longest item (flash-attn needs it; computed when omitted).
-        backend: ``"flash"`` forces flash-attn, ``"sdpa"`` forces the masked SDPA path, ``"auto"`` picks flash-attn
+        backend: ``"flash"`` forces flash-attn, ``"sdpa"`` forces the per-item SDPA path, ``"auto"`` picks flash-attn
             when it is importable and the tensors are on CUDA.
 
     Returns:
@@ -75,12 +63,20 @@ def varlen_attention(
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=causal)
-    mask = block_diagonal_mask(cu_seqlens.to(q.device), total, causal=causal)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        enable_gqa=n_heads != k.shape[1],
-    )
-    return out.squeeze(0).transpose(0, 1)
+    # Item by item: the work is sum(len_i ** 2), as with flash-attn, where a block-diagonal mask over the packed
+    # sequence would cost (sum len_i) ** 2 and make the cost model's per-item attention term wrong.
+    bounds = cu_seqlens.tolist()
+    if bounds[-1] != total:
+        raise ValueError(f"cu_seqlens covers {bounds[-1]} tokens but the packed tensor has {total}")
+    outputs = [
+        F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1),
+            k[start:end].transpose(0, 1),
+            v[start:end].transpose(0, 1),
+            is_causal=causal,
+            enable_gqa=n_heads != k.shape[1],
+        ).transpose(0, 1)
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True)
+        if end > start
+    ]
+    return torch.cat(outputs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,8 +36,19 @@ class ReferenceMLLM(nn.Module):
         self.vision = VisionEncoder(config.vision, config.llm.dim, backend)
         self.audio = AudioEncoder(config.audio, config.llm.dim, backend)
         self.llm = Decoder(config.llm, backend)
+        self.forward_cpu_seconds: dict[str, float] = {}
+        self._encoder_seconds = 0.0
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        started = time.thread_time()
+        logits = self._forward(batch)
+        # This thread's forward CPU seconds (a blocked collective costs none), for the measured balance.
+        llm_seconds = time.thread_time() - started - self._encoder_seconds
+        self.forward_cpu_seconds = {"encoders": self._encoder_seconds, "llm": llm_seconds}
+        return logits
+
+    def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        started = time.thread_time()
         input_ids = batch["input_ids"]
         embeddings = self.llm.tok_embeddings(input_ids)
         vision_ids = input_ids == IMAGE_ID
@@ -52,6 +65,7 @@ class ReferenceMLLM(nn.Module):
         else:
             embeddings = embeddings + 0.0 * self.audio(*self.audio.dummy_inputs(input_ids.device)).sum()
             _scatter(embeddings, audio_ids, embeddings.new_zeros(0, embeddings.shape[1]), "audio")
+        self._encoder_seconds = time.thread_time() - started
         return self.llm(embeddings, batch["position_ids"], batch["cu_seqlens"])
 
 
