@@ -19,11 +19,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from omni_lightning.balance.cost import CostModel, feature_matrix
+from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.reorder import GroupPlan, ReorderConfig, plan_balance_group
 from omni_lightning.datamodules.collate import DecodedSample, pack_samples
 from omni_lightning.datamodules.streaming import BadSample
-from omni_lightning.datamodules.workload import SampleMeta
 from omni_lightning.models.config import FIRST_TEXT_ID
 from omni_lightning.models.mllm import IGNORE_INDEX
 
@@ -94,12 +93,6 @@ def apply_length_policy(
     meta = {**sample.meta, "text_tokens": keep_text}
     meta.pop("llm_tokens", None)
     return replace(sample, tokens=sample.tokens[:keep_text], meta=meta), "truncated"
-
-
-def _features(sample: DecodedSample) -> np.ndarray:
-    meta = {k: v for k, v in sample.meta.items() if k not in ("llm_tokens", "vision_patches", "class_id")}
-    meta["text_tokens"] = len(sample.tokens)
-    return feature_matrix([SampleMeta.from_json(meta)])[0]
 
 
 _FILLER = DecodedSample(key="", tokens=np.array([FIRST_TEXT_ID]))
@@ -174,15 +167,15 @@ class BalancedStream:
                 "counters": dict(self.counters),
             }
             started = time.perf_counter()
-            payloads = carry + [self._admit(next(records)) for _ in range(self._fresh_count(len(carry)))]
-            rows = self._rows(payloads)
-            gathered = self._all_gather(rows)
+            samples = [pickle.loads(b) for b in carry]
+            samples += [self._admit(next(records)) for _ in range(self._fresh_count(len(carry)))]
+            gathered = self._all_gather(self._rows(samples))
             plan = self._plan(gathered, group_number)
-            received = self._exchange(payloads, gathered, plan)
-            rank = self._rank()
             owned = self._owned_ids(gathered)
-            carry = [received[i] if i in received else payloads[i - owned.start] for i in plan.leftover
-                     if gathered[i, -2] == rank]
+            local = {i: samples[i - owned.start] for i in owned if samples[i - owned.start] is not None}
+            everything = {**local, **self._exchange(local, gathered, plan)}
+            rank = self._rank()
+            carry = [pickle.dumps(local[i], protocol=pickle.HIGHEST_PROTOCOL) for i in plan.leftover if i in local]
             seconds = time.perf_counter() - started
             self.counters["samples_moved"] += plan.samples_moved
             self.counters["bytes_moved"] += plan.bytes_moved
@@ -200,16 +193,15 @@ class BalancedStream:
                     self._state = {**group_start, "yielded": yielded}
                     if yielded <= skip:
                         continue
-                    samples = [pickle.loads(received[i] if i in received else payloads[i - owned.start]) for i in ids]
-                    yield {**_pack(samples, self.pack_kwargs), "balance": stats}
+                    yield {**_pack([everything[i] for i in ids], self.pack_kwargs), "balance": stats}
             group_number, skip = group_number + 1, 0
 
     # ------------------------------------------------------------------------------------------------ steps
     def _fresh_count(self, carried: int) -> int:
         return max(self.settings.samples_per_step * self.settings.group_steps - carried, 0)
 
-    def _admit(self, record: DecodedSample | BadSample) -> bytes | None:
-        """Serialised sample, or ``None`` for one that is skipped (bad) or dropped (too long): counted and logged."""
+    def _admit(self, record: DecodedSample | BadSample) -> DecodedSample | None:
+        """The sample to plan with, or ``None`` for one skipped (bad) or dropped (too long): counted and logged."""
         if isinstance(record, BadSample):
             self.counters["skipped"] += 1
             log.warning("skipping sample %s of shard %s: %s", record.key, record.shard, record.reason)
@@ -219,20 +211,26 @@ class BalancedStream:
         )
         if outcome:
             self.counters[outcome] += 1
-        return None if sample is None else pickle.dumps(sample, protocol=pickle.HIGHEST_PROTOCOL)
+        return sample
 
-    def _rows(self, payloads: list[bytes | None]) -> np.ndarray:
-        """int64 per sample: valid, the six cost features, LLM tokens, owner rank, payload bytes."""
-        rows = np.zeros((len(payloads), 10), dtype=np.int64)
+    def _rows(self, samples: list[DecodedSample | None]) -> np.ndarray:
+        """int64 per sample: valid, the six cost features, LLM tokens, owner rank, approximate payload bytes."""
+        rows = np.zeros((len(samples), 10), dtype=np.int64)
         rows[:, 8] = self._rank()
-        for i, payload in enumerate(payloads):
-            if payload is None:
+        patch = self.pack_kwargs.get("patch_size", 14)
+        downsample = self.pack_kwargs.get("audio_downsample", 4)
+        for i, sample in enumerate(samples):
+            if sample is None:
                 continue
-            sample = pickle.loads(payload)
-            rows[i, 0] = 1
-            rows[i, 1:7] = _features(sample)
-            rows[i, 7] = llm_length(sample, self.pack_kwargs)
-            rows[i, 9] = len(payload)
+            items = np.array([(img.shape[0] // patch) * (img.shape[1] // patch) for img in sample.images],
+                             dtype=np.int64)
+            audio = 0 if sample.mel is None else sample.mel.shape[0] // downsample
+            length = llm_length(sample, self.pack_kwargs)
+            # The cost model's features (see omni_lightning.balance.cost.FEATURES), from the payload itself.
+            rows[i, :8] = [1, items.sum(), (items**2).sum(), audio, audio**2, length, length * (length + 1) // 2,
+                           length]
+            arrays = [sample.tokens, *sample.images, *([] if sample.mel is None else [sample.mel])]
+            rows[i, 9] = sum(a.nbytes for a in arrays)
         return rows
 
     def _all_gather(self, rows: np.ndarray) -> np.ndarray:
@@ -274,8 +272,14 @@ class BalancedStream:
         plan.leftover = valid[plan.leftover].tolist()
         return plan
 
-    def _exchange(self, payloads: list[bytes | None], gathered: np.ndarray, plan: GroupPlan) -> dict[int, bytes]:
-        """Send every planned sample to its rank with one ``all_to_all_single``; returns those received by id."""
+    def _exchange(
+        self, local: dict[int, DecodedSample], gathered: np.ndarray, plan: GroupPlan
+    ) -> dict[int, DecodedSample]:
+        """Send every planned sample to its rank; returns the samples received, by id.
+
+        Both sides know from the plan which samples travel between them, in id order; a first small
+        ``all_to_all_single`` tells the exact serialised sizes, a second carries the bytes.
+        """
         if self.group is None:
             return {}
         rank, size = self._rank(), dist.get_world_size(self.group)
@@ -284,21 +288,35 @@ class BalancedStream:
             for step in steps:
                 for ids in step:
                     destination[ids] = r
-        owner, nbytes = gathered[:, 8], gathered[:, 9]
-        owned = self._owned_ids(gathered)
-        send_ids = [[i for i in owned if destination[i] == r and r != rank] for r in range(size)]
-        recv_ids = [np.flatnonzero((owner == r) & (destination == rank) & (r != rank)).tolist() for r in range(size)]
-        send = b"".join(payloads[i - owned.start] for ids in send_ids for i in ids)
-        send_splits = [int(nbytes[ids].sum()) for ids in send_ids]
-        recv_splits = [int(nbytes[ids].sum()) for ids in recv_ids]
-        out = torch.empty(sum(recv_splits), dtype=torch.uint8)
-        dist.all_to_all_single(out, torch.frombuffer(bytearray(send), dtype=torch.uint8) if send else
-                               torch.empty(0, dtype=torch.uint8), recv_splits, send_splits, group=self.group)
-        received, offset, data = {}, 0, out.numpy().tobytes()
+        owner = gathered[:, 8]
+        send_ids = [[i for i in sorted(local) if destination[i] == r] if r != rank else [] for r in range(size)]
+        recv_ids = [np.flatnonzero((owner == r) & (destination == rank)).tolist() if r != rank else []
+                    for r in range(size)]
+        blobs = [pickle.dumps(local[i], protocol=pickle.HIGHEST_PROTOCOL) for ids in send_ids for i in ids]
+        sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
+        recv_sizes = torch.empty(sum(len(ids) for ids in recv_ids), dtype=torch.int64)
+        dist.all_to_all_single(recv_sizes, sizes, [len(ids) for ids in recv_ids], [len(ids) for ids in send_ids],
+                               group=self.group)
+        packed = bytearray()
+        for blob in blobs:
+            packed += blob
+        send = torch.frombuffer(packed, dtype=torch.uint8) if packed else torch.empty(0, dtype=torch.uint8)
+        out = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
+        blob_sizes = sizes.tolist()
+        send_splits, start = [], 0
+        for ids in send_ids:
+            send_splits.append(sum(blob_sizes[start : start + len(ids)]))
+            start += len(ids)
+        recv_flat = recv_sizes.tolist()
+        recv_splits, start = [], 0
         for ids in recv_ids:
-            for i in ids:
-                received[i] = data[offset : offset + int(nbytes[i])]
-                offset += int(nbytes[i])
+            recv_splits.append(sum(recv_flat[start : start + len(ids)]))
+            start += len(ids)
+        dist.all_to_all_single(out, send, recv_splits, send_splits, group=self.group)
+        received, offset, data = {}, 0, memoryview(out.numpy())  # pickle reads slices without copying them
+        for i, nbytes in zip((i for ids in recv_ids for i in ids), recv_flat, strict=True):
+            received[i] = pickle.loads(data[offset : offset + nbytes])
+            offset += nbytes
         return received
 
     def _rank(self) -> int:
