@@ -14,7 +14,7 @@ import pytest
 import yaml
 from distributed import free_port
 
-from omni_lightning import OmniStrategy, WebDataModule
+from omni_lightning import OmniDataModule, OmniStrategy
 from omni_lightning.cli import OmniCLI, main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ def test_main_job_from_the_readme(tmp_path: Path) -> None:
         "--data.init_args.synthetic.num_shards", "4", "--data.init_args.synthetic.samples_per_shard", "16",
         "--data.init_args.shards", "data/tiny_omni/train-{000000..000001}.tar",
         "--data.init_args.val_shards", "data/tiny_omni/train-{000002..000003}.tar",
-        "--data.init_args.batch_size", "2",
+        "--data.init_args.samples_per_step", "2", "--data.init_args.group_steps", "2",
     ]
     env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONPATH": str(REPO)}
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -44,6 +44,9 @@ def test_main_job_from_the_readme(tmp_path: Path) -> None:
     train_losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
     assert len(train_losses) == 4 and all(0 < loss < 10 for loss in train_losses)
     assert any(r.get("val/loss") for r in rows)
+    imbalance = [float(r["balance/measured_imbalance"]) for r in rows if r.get("balance/measured_imbalance")]
+    predicted = [float(r["balance/predicted_imbalance"]) for r in rows if r.get("balance/predicted_imbalance")]
+    assert len(imbalance) == 4 and all(x >= 1.0 for x in imbalance) and all(x >= 1.0 for x in predicted)
 
 
 def _parse(args: list[str]) -> OmniCLI:
@@ -70,7 +73,7 @@ def test_yaml_class_path_with_init_args(tmp_path: Path) -> None:
     assert (strategy.parallel_dims.dp_replicate, strategy.parallel_dims.dp_shard_size, strategy.parallel_dims.tp) == (
         2, 1, 2,
     )
-    assert isinstance(cli.datamodule, WebDataModule)
+    assert isinstance(cli.datamodule, OmniDataModule)
 
 
 def test_user_datamodule_trains_through_the_cli(tmp_path: Path) -> None:
