@@ -182,8 +182,11 @@ class BalancedStream:
             yielded = 0
             for step, micro_batches in enumerate(plan.micro_batches[rank]):
                 step_mean = float(plan.step_cost[:, step].mean()) or 1.0
+                encoder, llm = self._module_costs(gathered, [i for ids in micro_batches for i in ids])
                 stats = {  # relative to the step's mean over the balance group's ranks
                     "predicted_cost": float(plan.step_cost[rank, step]) / step_mean,
+                    "predicted_encoder_cost": encoder / step_mean,
+                    "predicted_llm_cost": llm / step_mean,
                     "predicted_imbalance": float(plan.step_cost[:, step].max()) / step_mean,
                     "reorder_seconds": seconds,
                     **{k: float(v) for k, v in self.counters.items()},
@@ -318,6 +321,11 @@ class BalancedStream:
             received[i] = pickle.loads(data[offset : offset + nbytes])
             offset += nbytes
         return received
+
+    def _module_costs(self, gathered: np.ndarray, ids: list[int]) -> tuple[float, float]:
+        """Predicted (encoders, LLM) cost of the given samples."""
+        per_feature = gathered[ids, 1:7].astype(np.float64).sum(axis=0) * self.cost_model.coefficients
+        return float(per_feature[:4].sum()), float(per_feature[4:].sum())
 
     def _rank(self) -> int:
         return 0 if self.group is None else dist.get_rank(self.group)

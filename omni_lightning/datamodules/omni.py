@@ -59,7 +59,7 @@ class OmniDataModule(WebDataModule):
 
     def __init__(
         self,
-        shards: str | list[str] = "data/tiny_omni/train-{000000..000007}.tar",
+        shards: str | list[str] = "data/tiny_omni/train-{000000..000005}.tar",
         *,
         samples_per_step: int = 4,
         group_steps: int = 8,

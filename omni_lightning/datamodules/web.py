@@ -88,7 +88,7 @@ class WebDataModule(LightningDataModule):
 
     def __init__(
         self,
-        shards: str | list[str] = "data/tiny/train-{000000..000007}.tar",
+        shards: str | list[str] = "data/tiny_omni/train-{000000..000005}.tar",
         *,
         batch_size: int = 4,
         num_workers: int = 0,
