@@ -336,15 +336,29 @@ class BalancedStream:
 
 
 def _keep_in_place(rows: np.ndarray, n_ranks: int, config: ReorderConfig, cost_model: CostModel) -> GroupPlan:
-    """The naive split as a plan: each rank trains on its own samples, in arrival order, evenly per micro-batch."""
+    """The naive split as a plan: each rank trains on its own samples in arrival order, the same number per
+    micro-batch, except that a sample which would overflow the token budget waits for the next group."""
     costs = rows[:, 1:7].astype(np.float64) @ cost_model.coefficients
+    slots = config.steps * config.micro_batches
     micro: list[list[list[list[int]]]] = []
+    leftover: list[int] = []
     step_cost = np.zeros((n_ranks, config.steps))
     for r in range(n_ranks):
-        mine = np.flatnonzero(rows[:, 8] == r)
-        per_micro = np.array_split(mine, config.steps * config.micro_batches)
-        micro.append([[per_micro[s * config.micro_batches + m].tolist() for m in range(config.micro_batches)]
-                      for s in range(config.steps)])
+        mine = np.flatnonzero(rows[:, 8] == r).tolist()
+        per_slot = -(-len(mine) // slots) if mine else 0
+        batches: list[list[int]] = [[] for _ in range(slots)]
+        slot = used = 0
+        for sample in mine:
+            tokens = int(rows[sample, 7])
+            while slot < slots and (len(batches[slot]) >= per_slot or (
+                    config.token_budget is not None and batches[slot] and used + tokens > config.token_budget)):
+                slot, used = slot + 1, 0
+            if slot == slots:
+                leftover.append(sample)
+                continue
+            batches[slot].append(sample)
+            used += tokens
+        micro.append([batches[s * config.micro_batches : (s + 1) * config.micro_batches] for s in range(config.steps)])
         for s in range(config.steps):
             step_cost[r, s] = sum(costs[ids].sum() for ids in micro[r][s])
-    return GroupPlan(micro, step_cost, [], 0, 0)
+    return GroupPlan(micro, step_cost, leftover, 0, 0)

@@ -17,7 +17,7 @@ import torch
 from omni_lightning.models.config import AUDIO_ID, BOS_ID, FIRST_TEXT_ID, IMAGE_ID
 from omni_lightning.models.mllm import IGNORE_INDEX
 
-__all__ = ["DecodedSample", "pack_samples", "patchify"]
+__all__ = ["DecodedSample", "check_packable", "pack_samples", "patchify"]
 
 
 @dataclass
@@ -56,6 +56,25 @@ def patchify(image: np.ndarray, patch_size: int, merge: int) -> tuple[torch.Tens
     return windowed(patches), windowed(grid), (rows, cols)
 
 
+def check_packable(
+    sample: DecodedSample, *, patch_size: int = 14, vision_merge: int = 4, audio_downsample: int = 4
+) -> None:
+    """Raise ``ValueError`` naming the sample if :func:`pack_samples` could not pack it (cheap: shapes only)."""
+    window = 2 if vision_merge == 4 else 1
+    for index, image in enumerate(sample.images):
+        height, width = image.shape[:2]
+        if height % patch_size or width % patch_size:
+            raise ValueError(f"sample {sample.key}: image {index} of {height}x{width} pixels is not a whole number "
+                             f"of {patch_size}-pixel patches")
+        if (height // patch_size) % window or (width // patch_size) % window:
+            raise ValueError(f"sample {sample.key}: image {index}'s patch grid cannot be merged 2x2 (odd side)")
+    if sample.mel is not None and (sample.mel.shape[0] == 0 or sample.mel.shape[0] % audio_downsample):
+        raise ValueError(f"sample {sample.key}: {sample.mel.shape[0]} mel frames is not a positive multiple of "
+                         f"{audio_downsample}")
+    if len(sample.tokens) == 0 or int(np.min(sample.tokens)) < FIRST_TEXT_ID:
+        raise ValueError(f"sample {sample.key}: text must be non-empty with ids >= {FIRST_TEXT_ID}")
+
+
 def pack_samples(
     samples: list[DecodedSample], *, patch_size: int = 14, vision_merge: int = 4, audio_downsample: int = 4
 ) -> dict[str, Any]:
@@ -74,6 +93,7 @@ def pack_samples(
     mels: list[torch.Tensor] = []
     n_mels = 0
     for sample in samples:
+        check_packable(sample, patch_size=patch_size, vision_merge=vision_merge, audio_downsample=audio_downsample)
         vision_tokens = 0
         for image in sample.images:
             item_patches, item_positions, grid = patchify(image, patch_size, vision_merge)
@@ -84,15 +104,9 @@ def pack_samples(
         audio_tokens = 0
         if sample.mel is not None:
             frames, n_mels = sample.mel.shape
-            if frames == 0 or frames % audio_downsample:
-                raise ValueError(
-                    f"sample {sample.key}: {frames} mel frames is not a positive multiple of {audio_downsample}"
-                )
             mels.append(torch.from_numpy(sample.mel.astype(np.float32)))
             audio_tokens = frames // audio_downsample
         text = torch.from_numpy(sample.tokens.astype(np.int64))
-        if text.numel() == 0 or int(text.min()) < FIRST_TEXT_ID:
-            raise ValueError(f"sample {sample.key}: text must be non-empty with ids >= {FIRST_TEXT_ID}")
         ids.append(
             torch.cat(
                 [

@@ -47,7 +47,8 @@ class OmniDataModule(WebDataModule):
         group_steps: steps planned together (each rank buffers ``group_steps * samples_per_step`` samples).
         micro_batches: micro-batches per step; use with ``accumulate_grad_batches=micro_batches``.
         workload_balance: ``"grouped"`` (reorder) or ``"none"`` (each rank trains on what it read, in order).
-        balance_group_size: data-parallel ranks planned together: 1 (local only), k, or ``None`` for all.
+        balance_group_size: data-parallel ranks planned together: 1 (local only), k (all of them when there are
+            fewer), or ``None`` for all.
         token_budget: most LLM tokens in one micro-batch; ``max_seq_len``: longest sample, handled by
             ``max_seq_len_policy`` (``"truncate"``, ``"drop"`` or ``"error"``).
         on_bad_sample: ``"skip"`` (log with shard and key, count, keep steps aligned) or ``"error"``.
@@ -109,7 +110,7 @@ class OmniDataModule(WebDataModule):
     @override
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if self.balance_group_size is not None and self.dp_size % self.balance_group_size:
+        if self.balance_group_size is not None and self.dp_size % min(self.balance_group_size, self.dp_size):
             raise ValueError(
                 f"balance_group_size={self.balance_group_size} must divide the data-parallel size {self.dp_size}"
             )
@@ -125,7 +126,9 @@ class OmniDataModule(WebDataModule):
         (group creation is collective). TP/CP/PP peers form parallel balance groups and compute the same plans."""
         dims = getattr(self.trainer.strategy, "parallel_dims", None)
         dp_groups = dims.groups("dp") if dims is not None else [list(range(self.trainer.world_size))]
-        chunks = balance_groups(self.dp_size, self.balance_group_size)
+        # A group larger than the data-parallel ranks is all of them (the default of 8 on a small job).
+        size = None if self.balance_group_size is None else min(self.balance_group_size, self.dp_size)
+        chunks = balance_groups(self.dp_size, size)
         self.balance_group_index = next(i for i, chunk in enumerate(chunks) if self.dp_rank in chunk)
         if len(chunks[0]) == 1:
             self.balance_group = None

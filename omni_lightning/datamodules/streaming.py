@@ -18,9 +18,9 @@ from typing import Any, Literal, Protocol
 import numpy as np
 from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
-from webdataset.tariterators import tarfile_samples
+from webdataset.tariterators import group_by_keys, tar_file_expander
 
-from omni_lightning.datamodules.collate import DecodedSample, pack_samples
+from omni_lightning.datamodules.collate import DecodedSample, check_packable, pack_samples
 from omni_lightning.models.config import FIRST_TEXT_ID
 
 __all__ = [
@@ -84,23 +84,30 @@ def decode_sample(
     try:
         meta = json.loads(raw["json"])
         if "tokens.npy" in raw:
-            tokens = np.load(io.BytesIO(raw["tokens.npy"]))
+            tokens = _load_npy(raw, "tokens.npy", key)
         elif "txt" in raw:
             text = raw["txt"].decode("utf-8") if isinstance(raw["txt"], bytes) else raw["txt"]
             tokens = np.asarray((tokenizer or ByteTokenizer()).encode(text), dtype=np.int64)
         else:
             raise KeyError("tokens.npy")
-        images = [_decode_image(raw[f"img{i}.png"], key, i) for i in range(len(meta["images"]))]
+        images = [_decode_image(raw[f"img{i}.png"], key, i) for i in range(len(meta.get("images", [])))]
     except KeyError as missing:
         name = missing.args[0]
         alternative = " (and there is no 'txt' to tokenize)" if name == "tokens.npy" else ""
         raise ValueError(f"sample {key}: member '{name}' is missing{alternative}") from None
     if "video.npy" in raw:
-        images.extend(np.load(io.BytesIO(raw["video.npy"])))
-    mel = np.load(io.BytesIO(raw["mel.npy"])) if "mel.npy" in raw else None
+        images.extend(_load_npy(raw, "video.npy", key))
+    mel = _load_npy(raw, "mel.npy", key) if "mel.npy" in raw else None
     sample = DecodedSample(key=key, tokens=tokens, images=images, mel=mel, meta=meta)
     _check_against_meta(sample, patch_size)
     return sample
+
+
+def _load_npy(raw: dict[str, Any], member: str, key: str) -> np.ndarray:
+    try:
+        return np.load(io.BytesIO(raw[member]), allow_pickle=False)
+    except (OSError, ValueError, EOFError) as error:
+        raise ValueError(f"sample {key}: {member} cannot be decoded ({error})") from None
 
 
 def _decode_image(data: bytes, key: str, index: int) -> np.ndarray:
@@ -135,14 +142,30 @@ def _check_against_meta(sample: DecodedSample, patch_size: int | None) -> None:
 
 
 def open_shard(url: str) -> Iterator[dict[str, Any]]:
-    """Raw samples of one shard: a local path, or any fsspec URL (``s3://``, ``gs://``, ``memory://``, ...)."""
+    """Raw samples of one shard: a local path, or any fsspec URL (``s3://``, ``gs://``, ``memory://``, ...).
+
+    A shard that breaks off (truncated, corrupt, a member repeated) still yields every sample completed before the
+    break; then ``tarfile.ReadError`` says what broke.
+    """
+    errors: list[Exception] = []
+
+    def stop(error: Exception) -> bool:
+        errors.append(error)
+        return False  # end the shard here; webdataset then hands out the sample it was holding back
+
     if "://" in url and not url.startswith("file://"):
         import fsspec
 
-        with fsspec.open(url, "rb") as stream:
-            yield from tarfile_samples([{"url": url, "stream": stream}])
+        opened = fsspec.open(url, "rb").open()
     else:
-        yield from tarfile_samples([{"url": url.removeprefix("file://")}])
+        opened = open(url.removeprefix("file://"), "rb")  # noqa: SIM115 (closed below, after the generator ends)
+    try:
+        files = tar_file_expander([{"url": url, "stream": opened}], handler=stop)
+        yield from group_by_keys(files, handler=stop)
+    finally:
+        opened.close()
+    if errors:
+        raise tarfile.ReadError(str(errors[0]))
 
 
 class ShardStream(IterableDataset):
@@ -226,9 +249,12 @@ class ShardStream(IterableDataset):
                             continue  # fast-forward to the resumed position without decoding
                         self._consumed += 1
                         try:
-                            yield decode_sample(raw, patch_size=self.patch_size, tokenizer=self.tokenizer)
+                            sample = decode_sample(raw, patch_size=self.patch_size, tokenizer=self.tokenizer)
+                            check_packable(sample, **self.pack_kwargs)
                         except ValueError as error:
                             yield self._bad(url, key, str(error))
+                        else:
+                            yield sample
                 except (tarfile.TarError, OSError, EOFError) as error:
                     index += 1
                     if index > self._consumed:
