@@ -109,6 +109,8 @@ def test_balanced_plan_beats_the_naive_split_and_nears_the_bound() -> None:
     bound = lower_bound(costs, 8 * 64)
     assert plan.step_cost.max() <= 1.05 * bound
     assert naive.max() > 1.3 * plan.step_cost.max()
+    # Samples meet bins of their own rank where LPT allows: most payloads stay home.
+    assert plan.samples_moved < 0.25 * costs.size
 
 
 def test_a_sample_over_the_budget_is_refused() -> None:

@@ -128,7 +128,7 @@ def plan_balance_group(
     # Descending cost; the seeded permutation decides among equal costs.
     order = tie_break[np.argsort(-costs[tie_break], kind="stable")]
 
-    members, leftover = _assign_bins(order, costs, tokens, n_bins, capacity)
+    members, leftover = _assign_bins(order, costs, tokens, n_bins, capacity, np.asarray(owners), n_ranks)
 
     micro: list[list[list[int]]] = []
     for b in range(n_bins):
@@ -155,14 +155,22 @@ def plan_balance_group(
 
 
 def _assign_bins(
-    order: np.ndarray, costs: np.ndarray, tokens: np.ndarray, n_bins: int, capacity: int | None
+    order: np.ndarray,
+    costs: np.ndarray,
+    tokens: np.ndarray,
+    n_bins: int,
+    capacity: int | None,
+    owners: np.ndarray,
+    n_ranks: int,
 ) -> tuple[list[list[int]], list[int]]:
     """LPT of samples (given in descending cost order) over ``n_bins`` bins of ``capacity`` tokens.
 
     Samples worth more than a quarter of a bin's fair share go one by one to the least-loaded bin that fits
     (exact LPT, a heap). The many small ones that follow go in vectorised rounds: each round hands the next
-    largest samples to the bins still below the fair share, the largest to the least loaded. That keeps LPT's
-    behaviour where it matters and plans a 512-rank group in a fraction of the time.
+    largest samples to the bins still below the fair share, the largest to the least loaded, except that a
+    sample goes to a bin of its own rank (bin ``b`` belongs to rank ``b % n_ranks``) when the round has one: the
+    samples of a round are of similar size, so this keeps payloads home at almost no cost in balance. That keeps
+    LPT's behaviour where it matters and plans a 512-rank group in a fraction of the time.
     """
     bin_load = np.zeros(n_bins)
     bin_tokens = np.zeros(n_bins, dtype=np.int64)
@@ -193,6 +201,7 @@ def _assign_bins(
         below = by_load[bin_load[by_load] < fair_share]
         targets = (below if below.size else by_load)[: pending.size]
         chunk, pending = pending[: targets.size], pending[targets.size :]
+        targets = _pair_with_home_bins(chunk, targets, owners, n_ranks)
         fits = np.ones(chunk.size, dtype=bool) if capacity is None else bin_tokens[targets] + tokens[chunk] <= capacity
         assigned_bin[chunk[fits]] = targets[fits]
         bin_load[targets[fits]] += costs[chunk[fits]]
@@ -215,12 +224,12 @@ def _assign_bins(
         bin_load[b] += costs[sample]
         bin_tokens[b] += tokens[sample]
     placed = order[assigned_bin[order] >= 0]
-    members: list[list[int]] = [[] for _ in range(n_bins)]
-    for sample, b in zip(placed.tolist(), assigned_bin[placed].tolist(), strict=True):
-        members[b].append(sample)
-    _refine(members, bin_load, bin_tokens, costs, tokens, capacity)
-    for bin_members in members:
-        bin_members.sort(key=lambda s: -costs[s])  # descending cost inside each bin, for the micro-batch split
+    # Group by bin, keeping the descending cost order inside each bin (a stable sort by bin).
+    by_bin = placed[np.argsort(assigned_bin[placed], kind="stable")]
+    bounds = np.searchsorted(assigned_bin[by_bin], np.arange(n_bins + 1))
+    members = [by_bin[bounds[b] : bounds[b + 1]].tolist() for b in range(n_bins)]
+    for b in _refine(members, bin_load, bin_tokens, costs, tokens, capacity):
+        members[b].sort(key=lambda s: -costs[s])  # the refinement appended out of order
     return members, leftover
 
 
@@ -231,12 +240,12 @@ def _refine(
     costs: np.ndarray,
     tokens: np.ndarray,
     capacity: int | None,
-) -> None:
+) -> set[int]:
     """Lower the peak: move a sample, or swap two, between the most- and the least-loaded bin while that helps.
 
     The rounds of :func:`_assign_bins` can overshoot by a small sample, and a bin filled with large samples alone
     can sit above the fair share; a move or swap that shifts about half the gap between the two bins fixes both.
-    Lazy heaps keep each step O(log bins).
+    Lazy heaps keep each step O(log bins). Returns the bins it changed.
     """
     n_bins = bin_load.size
     version = [0] * n_bins
@@ -244,6 +253,7 @@ def _refine(
     lows = [(bin_load[b], b, 0) for b in range(n_bins)]
     heapq.heapify(highs)
     heapq.heapify(lows)
+    changed: set[int] = set()
     for _ in range(4 * n_bins):
         while highs[0][2] != version[highs[0][1]]:
             heapq.heappop(highs)
@@ -251,11 +261,12 @@ def _refine(
             heapq.heappop(lows)
         hi, lo = highs[0][1], lows[0][1]
         if hi == lo:
-            return
+            return changed
         exchange = _best_exchange(members[hi], members[lo], bin_load[hi] - bin_load[lo], bin_tokens[lo],
                                   bin_tokens[hi], costs, tokens, capacity)
         if exchange is None:
-            return
+            return changed
+        changed.update((hi, lo))
         out_of_hi, out_of_lo = exchange
         for sample in out_of_hi:
             members[hi].remove(sample)
@@ -271,6 +282,35 @@ def _refine(
             version[b] += 1
             heapq.heappush(highs, (-bin_load[b], b, version[b]))
             heapq.heappush(lows, (bin_load[b], b, version[b]))
+    return changed
+
+
+def _pair_with_home_bins(chunk: np.ndarray, targets: np.ndarray, owners: np.ndarray, n_ranks: int) -> np.ndarray:
+    """Reorder ``targets`` (same length as ``chunk``) so that samples meet bins of their own rank where possible:
+    the j-th sample of rank r in the chunk gets the j-th bin of rank r among the targets, if there is one; the
+    others take the remaining bins in their original order."""
+    sample_key = _rank_local_keys(owners[chunk], chunk.size)
+    bin_key = _rank_local_keys(targets % n_ranks, chunk.size)
+    by_key = np.argsort(bin_key, kind="stable")
+    at = np.clip(np.searchsorted(bin_key[by_key], sample_key), 0, max(by_key.size - 1, 0))
+    hit = bin_key[by_key][at] == sample_key
+    paired = np.full(chunk.size, -1, dtype=np.int64)
+    paired[hit] = targets[by_key[at[hit]]]
+    free = np.ones(targets.size, dtype=bool)
+    free[by_key[at[hit]]] = False
+    paired[~hit] = targets[free][: int((~hit).sum())]
+    return paired
+
+
+def _rank_local_keys(ranks: np.ndarray, stride: int) -> np.ndarray:
+    """``rank * stride + j`` for the j-th occurrence of each rank, in order."""
+    order = np.argsort(ranks, kind="stable")
+    sorted_ranks = ranks[order]
+    starts = np.flatnonzero(np.r_[True, sorted_ranks[1:] != sorted_ranks[:-1]])
+    occurrence = np.arange(ranks.size) - np.repeat(starts, np.diff(np.r_[starts, ranks.size]))
+    keys = np.empty(ranks.size, dtype=np.int64)
+    keys[order] = sorted_ranks * stride + occurrence
+    return keys
 
 
 def _split_bin(
