@@ -1,0 +1,80 @@
+"""Ulysses sequence parallelism for a long encoder item split over an SP group.
+
+Each member holds a contiguous chunk of the item's tokens (chunks may differ in length, so an item whose length
+does not divide the group needs no padding). Everything but attention is per token and runs on the chunk; for
+attention one all-to-all trades the sequence split for a head split, every member attends over the whole item
+with ``heads / sp`` heads, and a second all-to-all trades back. Both are differentiable: backward sends gradients
+the reverse way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+__all__ = ["split_lengths", "ulysses_attention"]
+
+
+def split_lengths(total: int, parts: int, multiple: int = 1) -> list[int]:
+    """Contiguous chunk lengths for ``parts`` ranks, each a multiple of ``multiple`` (so that merge windows never
+    straddle two ranks), as even as that allows; ``total`` must be a multiple of ``multiple``."""
+    if parts < 1 or multiple < 1 or total % multiple:
+        raise ValueError(f"cannot split {total} tokens into {parts} chunks of multiples of {multiple}")
+    units, extra = divmod(total // multiple, parts)
+    return [(units + (rank < extra)) * multiple for rank in range(parts)]
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: list[int],
+    group: dist.ProcessGroup,
+    *,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Attention over one item whose tokens are split over ``group`` by ``lengths`` (this rank holds its chunk).
+
+    Args:
+        q, k, v: ``[chunk, heads, head_dim]``; ``heads`` must be divisible by the group size.
+        lengths: chunk length of every member, in group-rank order (they sum to the item's length).
+        group: the SP group.
+        causal: causal attention over the whole item (vision and audio encoders use ``False``).
+
+    Returns:
+        ``[chunk, heads, head_dim]``: this rank's chunk of the output, as if one rank had run the whole item.
+    """
+    size = dist.get_world_size(group)
+    heads = q.shape[1]
+    if heads % size:
+        raise ValueError(f"{heads} attention heads cannot be split over an SP group of {size} ranks")
+    if len(lengths) != size or lengths[dist.get_rank(group)] != q.shape[0]:
+        raise ValueError(f"chunk lengths {lengths} do not match the SP group of {size} or this chunk ({q.shape[0]})")
+    full = [_sequence_to_heads(t, lengths, group) for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in full), is_causal=causal).transpose(0, 1)
+    return _heads_to_sequence(out.contiguous(), lengths, group)
+
+
+def _sequence_to_heads(x: torch.Tensor, lengths: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """``[chunk, heads, d]`` -> ``[item, heads / sp, d]``: member j receives head group j of every chunk."""
+    size = len(lengths)
+    chunk, heads, dim = x.shape
+    per_group = heads // size
+    send = x.reshape(chunk, size, per_group, dim).permute(1, 0, 2, 3).reshape(-1)
+    received = funcol.all_to_all_single_autograd(
+        send, [n * per_group * dim for n in lengths], [chunk * per_group * dim] * size, group
+    )
+    return received.reshape(sum(lengths), per_group, dim)
+
+
+def _heads_to_sequence(x: torch.Tensor, lengths: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """``[item, heads / sp, d]`` -> ``[chunk, heads, d]``: the inverse of :func:`_sequence_to_heads`."""
+    size = len(lengths)
+    _, per_group, dim = x.shape
+    chunk = lengths[dist.get_rank(group)]
+    received = funcol.all_to_all_single_autograd(
+        x.reshape(-1), [chunk * per_group * dim] * size, [n * per_group * dim for n in lengths], group
+    )
+    return received.reshape(size, chunk, per_group, dim).permute(1, 0, 2, 3).reshape(chunk, size * per_group, dim)
