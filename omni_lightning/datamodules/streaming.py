@@ -162,10 +162,24 @@ def open_shard(url: str) -> Iterator[dict[str, Any]]:
     try:
         files = tar_file_expander([{"url": url, "stream": opened}], handler=stop)
         yield from group_by_keys(files, handler=stop)
+        if not errors and not _ends_with_end_of_archive(opened):
+            # tarfile reads a header cut short as the end of the archive; a whole tar ends with two zero blocks.
+            errors.append(tarfile.ReadError("no end-of-archive marker: the shard is truncated"))
     finally:
         opened.close()
     if errors:
         raise tarfile.ReadError(str(errors[0]))
+
+
+def _ends_with_end_of_archive(stream: Any) -> bool:
+    """Whether a seekable tar stream ends with the two zero blocks of a complete archive (unseekable: assume so)."""
+    if not getattr(stream, "seekable", lambda: False)():
+        return True
+    stream.seek(0, io.SEEK_END)
+    if stream.tell() < 2 * tarfile.BLOCKSIZE:
+        return False
+    stream.seek(-2 * tarfile.BLOCKSIZE, io.SEEK_END)
+    return not any(stream.read(2 * tarfile.BLOCKSIZE))
 
 
 class ShardStream(IterableDataset):
