@@ -21,24 +21,15 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import numpy as np
+from common import WORKLOAD_A, default_workloads
 
 from omni_lightning.balance.cost import CostModel, feature_matrix
 from omni_lightning.balance.reorder import ReorderConfig, balance_groups, lower_bound, plan_balance_group, plan_naive
-from omni_lightning.datamodules.workload import WORKLOADS_DIR, load_workload, sample_metadata
-from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig, VisionEncoderConfig
+from omni_lightning.datamodules.workload import load_workload, sample_metadata
 
-SHARED_WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
 POOL = 1 << 16  # distinct samples drawn per workload; larger jobs resample from them
-
-# Workload A of MegaScale-Omni: a ~1B-parameter ViT and a LLaMA-12B-class decoder (audio encoder Whisper-sized).
-WORKLOAD_A = ReferenceMLLMConfig(
-    vision=VisionEncoderConfig(dim=1664, n_layers=32, n_heads=16),
-    audio=AudioEncoderConfig(n_mels=128, dim=1280, n_layers=32, n_heads=20),
-    llm=LLMConfig(vocab_size=128256, dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_hidden=13824),
-)
 
 
 def step_costs(plan_micro_batches: list, costs: np.ndarray) -> np.ndarray:
@@ -65,8 +56,7 @@ def plan_groups(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    default_dir = SHARED_WORKLOADS if SHARED_WORKLOADS.is_dir() else WORKLOADS_DIR
-    parser.add_argument("--workload", nargs="+", default=sorted(str(p) for p in default_dir.glob("*.yaml")))
+    parser.add_argument("--workload", nargs="+", default=default_workloads())
     parser.add_argument("--dp", nargs="+", type=int, default=[8, 64, 512])
     parser.add_argument("--group", type=int, default=8, help="ranks per balance group")
     parser.add_argument("--steps", type=int, default=64, help="steps planned together")

@@ -18,23 +18,15 @@ beside the lower bound max(mean load, largest item / enc_sp) / mean, all average
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import numpy as np
+from common import WORKLOAD_A, default_workloads
 
 from omni_lightning.balance.cost import AUDIO_DOWNSAMPLE, CostModel
 from omni_lightning.balance.reshard import encoder_lower_bound, plan_encoder_work
-from omni_lightning.datamodules.workload import WORKLOADS_DIR, SampleMeta, load_workload, sample_metadata
-from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig, VisionEncoderConfig
+from omni_lightning.datamodules.workload import SampleMeta, load_workload, sample_metadata
 
-SHARED_WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
 POOL = 1 << 14
-
-ENCODERS = ReferenceMLLMConfig(
-    vision=VisionEncoderConfig(dim=1664, n_layers=32, n_heads=16),
-    audio=AudioEncoderConfig(n_mels=128, dim=1280, n_layers=32, n_heads=20),
-    llm=LLMConfig(vocab_size=128256, dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_hidden=13824),
-)
 
 
 def item_costs(meta: SampleMeta, model: CostModel) -> list[float]:
@@ -49,8 +41,7 @@ def item_costs(meta: SampleMeta, model: CostModel) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    default_dir = SHARED_WORKLOADS if SHARED_WORKLOADS.is_dir() else WORKLOADS_DIR
-    parser.add_argument("--workload", nargs="+", default=sorted(str(p) for p in default_dir.glob("*.yaml")))
+    parser.add_argument("--workload", nargs="+", default=default_workloads())
     parser.add_argument("--dp", nargs="+", type=int, default=[8, 64, 512])
     parser.add_argument("--enc-sp", type=int, default=8, help="largest SP degree (SP groups stay inside a node)")
     parser.add_argument("--steps", type=int, default=16)
@@ -58,7 +49,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    model = CostModel.from_config(ENCODERS)
+    model = CostModel.from_config(WORKLOAD_A)
     worst = 0.0
     print(f"{'workload':<14}{'dp':>6}{'(a) none':>10}{'(b) whole':>11}{'(c) long-short':>16}{'bound':>8}"
           f"{'(c)/bound':>11}{'split/step':>12}")

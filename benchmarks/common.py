@@ -1,0 +1,23 @@
+"""What the cluster-scale benchmarks share: the model they price samples for and the workloads they run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omni_lightning.datamodules.workload import WORKLOADS_DIR
+from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig, VisionEncoderConfig
+
+SHARED_WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
+
+# Workload A of MegaScale-Omni: a ~1B-parameter ViT and a LLaMA-12B-class decoder (audio encoder Whisper-sized).
+WORKLOAD_A = ReferenceMLLMConfig(
+    vision=VisionEncoderConfig(dim=1664, n_layers=32, n_heads=16),
+    audio=AudioEncoderConfig(n_mels=128, dim=1280, n_layers=32, n_heads=20),
+    llm=LLMConfig(vocab_size=128256, dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_hidden=13824),
+)
+
+
+def default_workloads() -> list[str]:
+    """Every spec in ../shared/workloads/ beside the checkout, else the copies bundled with the package."""
+    folder = SHARED_WORKLOADS if SHARED_WORKLOADS.is_dir() else WORKLOADS_DIR
+    return sorted(str(p) for p in folder.glob("*.yaml"))
