@@ -50,7 +50,8 @@ class OmniModule(LightningModule):
         param_dtype: FSDP compute dtype for parameters (e.g. ``"bfloat16"`` on GPUs); ``None`` keeps fp32.
 
     The loss is the sum of next-token cross-entropies over text positions divided by the number of such
-    positions in the *global* batch, so gradients do not depend on how samples are spread over ranks.
+    positions in the *global* micro-batch (all data-parallel ranks together), so gradients do not depend on how
+    samples are spread over ranks. With gradient accumulation Lightning weights the micro-batches equally.
     Logged: ``train/loss`` (global mean), ``train/tokens_per_s`` and ``train/samples_per_s`` (global).
     """
 

@@ -158,6 +158,8 @@ class BalancedStream:
         self.counters.update(state["counters"])
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        # Start where the current group began (a fresh start, a resume, or a re-iteration all land there).
+        self.loader.load_state_dict(self._state["loader"])
         records = iter(self.loader)
         group_number, skip = self._state["group"], self._state["yielded"]
         carry: list[bytes] = list(self._state["carry"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchdata.stateful_dataloader import StatefulDataLoader
 from typing_extensions import override
 
@@ -91,6 +92,8 @@ class OmniDataModule(WebDataModule):
             raise ValueError(f"workload_balance={workload_balance!r} must be 'grouped' or 'none'")
         if on_bad_sample not in ("skip", "error"):
             raise ValueError(f"on_bad_sample={on_bad_sample!r} must be 'skip' or 'error'")
+        if balance_group_size is not None and balance_group_size < 1:
+            raise ValueError(f"balance_group_size={balance_group_size} must be at least 1 (or None for all ranks)")
         self.settings = BalanceSettings(
             samples_per_step=samples_per_step,
             group_steps=group_steps,
@@ -125,6 +128,14 @@ class OmniDataModule(WebDataModule):
         """One process group per balance group of every data-parallel group, created in the same order everywhere
         (group creation is collective). TP/CP/PP peers form parallel balance groups and compute the same plans."""
         dims = getattr(self.trainer.strategy, "parallel_dims", None)
+        if dims is None and self.dp_size != self.trainer.world_size:
+            # Another strategy with model parallelism: which ranks share data is not known here, so plan locally.
+            rank_zero_warn(
+                f"{type(self.trainer.strategy).__name__} has {self.dp_size} data-parallel ranks in a world of "
+                f"{self.trainer.world_size}: balancing across ranks needs OmniStrategy, so each rank balances only "
+                "its own steps (balance_group_size=1)"
+            )
+            self.balance_group_size = 1
         dp_groups = dims.groups("dp") if dims is not None else [list(range(self.trainer.world_size))]
         # A group larger than the data-parallel ranks is all of them (the default of 8 on a small job).
         size = None if self.balance_group_size is None else min(self.balance_group_size, self.dp_size)
@@ -134,7 +145,8 @@ class OmniDataModule(WebDataModule):
             self.balance_group = None
             return
         everyone = [[dp_group[i] for i in chunk] for dp_group in dp_groups for chunk in chunks]
-        self.balance_group, _ = dist.new_subgroups_by_enumeration(everyone)
+        # The exchange moves CPU tensors (metadata, serialised samples): gloo, whatever the training backend.
+        self.balance_group, _ = dist.new_subgroups_by_enumeration(everyone, backend="gloo")
 
     @override
     def train_dataloader(self) -> ResumableLoader:

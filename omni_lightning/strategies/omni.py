@@ -206,7 +206,10 @@ def loader_state_for_rank(saved: dict[str, Any], dp_rank: int, dp_size: int) -> 
             "(model, optimizer and step count are restored)"
         )
         return None
-    return next(rank["loader"] for rank in saved["ranks"] if rank["dp_rank"] == dp_rank)
+    state = next((rank for rank in saved["ranks"] if rank["dp_rank"] == dp_rank), None)
+    if state is None:
+        raise ValueError(f"the checkpoint holds no loader state for data-parallel rank {dp_rank} of {dp_size}")
+    return state["loader"]
 
 
 class _NoWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
