@@ -51,7 +51,10 @@ class OmniModule(LightningModule):
 
     The loss is the sum of next-token cross-entropies over text positions divided by the number of such
     positions in the *global* micro-batch (all data-parallel ranks together), so gradients do not depend on how
-    samples are spread over ranks. With gradient accumulation Lightning weights the micro-batches equally.
+    samples are spread over ranks. With :class:`~omni_lightning.datamodules.OmniDataModule` and gradient
+    accumulation (``micro_batches == accumulate_grad_batches``) the divisor is the loss tokens of the whole optimizer
+    step, so the update does not depend on how the step was cut into micro-batches either; other data modules get
+    Lightning's equal weighting of micro-batches.
     Logged: ``train/loss`` (global mean), ``train/tokens_per_s`` and ``train/samples_per_s`` (global).
     """
 
@@ -136,6 +139,7 @@ class OmniModule(LightningModule):
         loss_sum, loss_tokens = next_token_loss_sum(self(batch), batch["labels"])
         meshes = self.omni_meshes
         cp = meshes.size("cp") if meshes is not None else 1
+        accumulate, step_tokens = self._step_weighting(batch, loss_tokens)
         # One collective for everything that needs the global batch: CP peers share samples, so count 1/cp each.
         totals = torch.stack(
             [
@@ -143,18 +147,37 @@ class OmniModule(LightningModule):
                 loss_tokens.double(),
                 torch.tensor(batch["input_ids"].numel() / cp, dtype=torch.float64, device=loss_sum.device),
                 torch.tensor(batch["num_samples"] / cp, dtype=torch.float64, device=loss_sum.device),
+                torch.tensor(step_tokens / cp, dtype=torch.float64, device=loss_sum.device),
             ]
         )
         loss_mesh = meshes.get("dp_cp") if meshes is not None else None
         if loss_mesh is not None:
             dist.all_reduce(totals, group=loss_mesh.get_group())
         global_loss_tokens = totals[1].clamp(min=1.0)
-        # FSDP averages gradients over the dp_cp ranks; scaling by their number makes the result the gradient of
-        # (sum of token losses) / (global loss tokens), the same as one process running the whole batch.
+        # FSDP averages gradients over the dp_cp ranks and Lightning divides each micro-batch's loss by the
+        # accumulation count; undoing both makes the step's gradient that of (sum of token losses) / (loss tokens
+        # of the whole step on every rank), the same as one process running the whole step at once.
         data_parallel = loss_mesh.size() if loss_mesh is not None else 1
-        loss = loss_sum * (data_parallel / global_loss_tokens.float())
+        loss = loss_sum * (data_parallel * accumulate / totals[4].clamp(min=1.0).float())
         stats = {"loss": (totals[0] / global_loss_tokens).float(), "tokens": totals[2], "samples": totals[3]}
         return loss, stats
+
+    def _step_weighting(self, batch: dict[str, Any], loss_tokens: torch.Tensor) -> tuple[int, float]:
+        """(accumulation factor to undo, this rank's loss tokens in the whole optimizer step).
+
+        Batches of :class:`~omni_lightning.datamodules.OmniDataModule` say how many loss tokens their step holds;
+        other batches are weighted as a step of their own (Lightning's equal weighting of accumulated micro-batches).
+        """
+        step = batch.get("step")
+        if not self.training or step is None or self._trainer is None:
+            return 1, float(loss_tokens)
+        accumulate = self.trainer.accumulate_grad_batches
+        if step["micro_batches"] != accumulate:
+            raise ValueError(
+                f"the data module plans {step['micro_batches']} micro-batch(es) per step but "
+                f"Trainer(accumulate_grad_batches={accumulate}): set OmniDataModule(micro_batches={accumulate})"
+            )
+        return accumulate, float(step["loss_tokens"])
 
     @override
     def configure_optimizers(self) -> Any:

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from omni_lightning import OmniModule, OmniStrategy, ReferenceMLLM, ReferenceMLLMConfig, WebDataModule
 from omni_lightning.datamodules.collate import pack_samples
+from omni_lightning.datamodules.resumable import MARKER_KEY
 from omni_lightning.models.mllm import next_token_loss_sum
 
 LEARNING_RATE = 1e-3
@@ -85,6 +86,19 @@ class GradientPresence(pl.Callback):
             (self.out_dir / "grad_presence.json").write_text(json.dumps(self.present))
 
 
+class RecordBatches(pl.Callback):
+    """Every rank saves the batches it trains on, as ``batches_rank{r}.pt`` (a list in arrival order)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.batches: list[dict[str, Any]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self.batches.append({k: v for k, v in batch.items() if k not in ("balance", MARKER_KEY)})
+        torch.save(self.batches, self.out_dir / f"batches_rank{trainer.global_rank}.pt")
+
+
 class KillAtStep(pl.Callback):
     """Every rank dies abruptly when ``step`` is reached, as in a node failure after a checkpoint."""
 
@@ -111,6 +125,7 @@ def fit(
     callbacks: list[pl.Callback] | None = None,
     ckpt_path: str | None = None,
     module: OmniModule | None = None,
+    datamodule: pl.LightningDataModule | None = None,
     **trainer_kwargs: Any,
 ) -> None:
     """Fit the tiny reference MLLM (or ``module``) on ``devices`` fork-started CPU ranks."""
@@ -132,7 +147,8 @@ def fit(
         module = OmniModule(
             ReferenceMLLMConfig.tiny(), learning_rate=LEARNING_RATE, init_checkpoint=str(seed_checkpoint)
         )
-    trainer.fit(module, datamodule=WebDataModule(shards, batch_size=BATCH_SIZE), ckpt_path=ckpt_path)
+    datamodule = datamodule or WebDataModule(shards, batch_size=BATCH_SIZE)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
 
 
 def reference_run(

@@ -15,9 +15,10 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning_runs import LEARNING_RATE, GradientPresence, RecordRun, fit, reference_run
+from lightning_runs import LEARNING_RATE, GradientPresence, RecordBatches, RecordRun, fit, reference_run
 
-from omni_lightning import OmniModule, ReferenceMLLM, ReferenceMLLMConfig
+from omni_lightning import OmniDataModule, OmniModule, ReferenceMLLM, ReferenceMLLMConfig
+from omni_lightning.models.mllm import next_token_loss_sum
 
 pytestmark = pytest.mark.distributed
 
@@ -74,6 +75,48 @@ def test_gradient_accumulation_skips_intermediate_reduction(
     losses = json.loads((tmp_path / "batch_losses.json").read_text())
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
     _assert_grads_match(torch.load(tmp_path / "grads.pt", weights_only=True), ref_grads, "accumulation")
+
+
+def _step_gradients(seed_checkpoint: Path, batches: list[dict], *, by_step_tokens: bool) -> dict[str, torch.Tensor]:
+    """One process's gradient of a step given as micro-batches: divided by the loss tokens of the whole step, or
+    (Lightning's default) the mean over micro-batches of each one's token-mean loss."""
+    model = ReferenceMLLM(ReferenceMLLMConfig.tiny())
+    model.load_state_dict(torch.load(seed_checkpoint, weights_only=True))
+    sums, counts = zip(*(next_token_loss_sum(model(batch), batch["labels"]) for batch in batches), strict=True)
+    if by_step_tokens:
+        loss = torch.stack(sums).sum() / torch.stack(counts).sum()
+    else:  # two ranks' micro-batch i together make one global micro-batch i
+        half = len(batches) // 2
+        loss = sum((sums[i] + sums[i + half]) / (counts[i] + counts[i + half]) for i in range(half)) / half
+    loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_accumulation_weights_every_token_of_the_step_equally(
+    tmp_path: Path, tiny_shards: str, seed_checkpoint: Path
+) -> None:
+    """OmniDataModule(micro_batches=2) + accumulate_grad_batches=2 on dp_shard=2: the step's gradient is that of the
+    step's summed token losses over its loss tokens, however unevenly the micro-batches split those tokens."""
+    data = OmniDataModule(tiny_shards, samples_per_step=4, group_steps=2, micro_batches=2)
+    fit(tmp_path, tiny_shards, seed_checkpoint, layout={"dp_shard": 2}, devices=2, max_steps=1, datamodule=data,
+        accumulate_grad_batches=2, callbacks=[RecordRun(tmp_path, grads=True), RecordBatches(tmp_path)])
+    batches = [b for r in range(2) for b in torch.load(tmp_path / f"batches_rank{r}.pt", weights_only=False)]
+    assert len(batches) == 4 and all(b["step"]["micro_batches"] == 2 for b in batches)
+    tokens = [int((b["labels"] != -100).sum()) for b in batches]
+    assert len(set(tokens)) > 1, f"micro-batches hold equal loss tokens {tokens}: the test could not tell"
+    grads = torch.load(tmp_path / "grads.pt", weights_only=True)
+    _assert_grads_match(grads, _step_gradients(seed_checkpoint, batches, by_step_tokens=True), "step tokens")
+    equal_weights = _step_gradients(seed_checkpoint, batches, by_step_tokens=False)
+    with pytest.raises(AssertionError):  # Lightning's equal weighting is measurably different here
+        _assert_grads_match(grads, equal_weights, "equal weights")
+
+
+def test_accumulation_must_match_planned_micro_batches(tmp_path: Path, tiny_shards: str,
+                                                       seed_checkpoint: Path) -> None:
+    data = OmniDataModule(tiny_shards, samples_per_step=4, group_steps=2, micro_batches=1)
+    with pytest.raises(Exception, match=r"set OmniDataModule\(micro_batches=2\)"):
+        fit(tmp_path, tiny_shards, seed_checkpoint, layout={"dp_shard": 2}, devices=2, max_steps=1, datamodule=data,
+            accumulate_grad_batches=2)
 
 
 class _PerturbNonZeroRanks(pl.Callback):

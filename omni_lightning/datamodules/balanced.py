@@ -193,12 +193,17 @@ class BalancedStream:
                     "reorder_seconds": seconds,
                     **{k: float(v) for k, v in self.counters.items()},
                 }
-                for ids in micro_batches:
+                packed = [_pack([everything[i] for i in ids], self.pack_kwargs) for ids in micro_batches]
+                # The module divides by the step's loss tokens (all micro-batches, all ranks), not each micro-batch's,
+                # so accumulated gradients equal one pass over the whole step however the samples were split.
+                step = {"loss_tokens": sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in packed),
+                        "micro_batches": len(packed)}
+                for batch in packed:
                     yielded += 1
                     self._state = {**group_start, "yielded": yielded}
                     if yielded <= skip:
                         continue
-                    yield {**_pack([everything[i] for i in ids], self.pack_kwargs), "balance": stats}
+                    yield {**batch, "balance": stats, "step": step}
             group_number, skip = group_number + 1, 0
 
     # ------------------------------------------------------------------------------------------------ steps
