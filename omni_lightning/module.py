@@ -99,7 +99,8 @@ class OmniModule(LightningModule):
                 self.config, init_checkpoint=self.hparams.init_checkpoint, seed=self.hparams.init_seed
             )
         if self.omni_meshes is not None:
-            parallelize_mllm(model, self.omni_meshes, param_dtype=self._param_dtype)
+            encoder_balance = bool(getattr(self.trainer.strategy, "encoder_balance", False))
+            parallelize_mllm(model, self.omni_meshes, param_dtype=self._param_dtype, encoder_balance=encoder_balance)
         device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
         model.to_empty(device=device)
         # Rank 0's copy wins, so a model built with unseeded randomness on each rank still starts identically.
@@ -126,6 +127,9 @@ class OmniModule(LightningModule):
         self.log("train/loss", stats["loss"], prog_bar=True, batch_size=samples)
         if "balance" in batch:  # loader-side plan statistics of OmniDataModule (this rank's view)
             self.log_dict({f"balance/{k}": float(v) for k, v in batch["balance"].items()}, batch_size=samples)
+        if self.model is not None and self.model.encoder_balancer is not None:
+            plan = self.model.encoder_balancer.stats  # this step's encoder plan (group-wide) and this rank's bytes
+            self.log_dict({f"encoder/{k}": float(v) for k, v in plan.items()}, batch_size=samples)
         return {"loss": loss, "global_loss": stats["loss"]}
 
     @override

@@ -48,11 +48,21 @@ def test_bad_layout_fails_before_any_process_group(devices: int, kwargs: dict[st
         ({"dp_shard": 2, "ep": 4}, "ep=4 must divide dp_shard"),
         ({"launcher": "thread"}, "launcher='thread'"),
         ({"timeout": 0}, "timeout=0"),
+        ({"dp_shard": 4, "enc_sp": 3}, "enc_sp=3 must be a power of two"),
+        ({"dp_shard": 4, "enc_sp": 2, "encoder_balance": False}, "drop encoder_balance=False"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         OmniStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(("devices", "kwargs", "expected"), [
+    (1, {}, False), (2, {}, True), (2, {"tp": 2}, False), (4, {"tp": 2}, True), (2, {"encoder_balance": False}, False),
+])
+def test_encoder_balance_defaults_to_several_data_parallel_ranks(devices: int, kwargs: dict, expected: bool) -> None:
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=OmniStrategy(**kwargs), logger=False)
+    assert trainer.strategy.encoder_balance is expected
 
 
 def test_launcher_choice() -> None:

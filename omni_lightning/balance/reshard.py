@@ -22,7 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["EncoderPlan", "plan_encoder_work", "encoder_lower_bound"]
+__all__ = [
+    "EncoderPlan", "ItemExchange", "SplitChunk", "encoder_lower_bound", "plan_encoder_work", "plan_item_exchange",
+    "split_lengths",
+]
 
 
 @dataclass
@@ -130,3 +133,125 @@ def _plan_with_threshold(
     split = sp_degree > 1
     moved = int(np.count_nonzero((rank_of != owners) & ~split)) + int(np.count_nonzero(split))
     return EncoderPlan(rank_of, sp_start, sp_degree, load, moved)
+
+
+def split_lengths(total: int, parts: int, multiple: int = 1) -> list[int]:
+    """Contiguous chunk lengths for ``parts`` ranks, each a multiple of ``multiple`` (so that merge windows never
+    straddle two ranks), as even as that allows; ``total`` must be a multiple of ``multiple``."""
+    if parts < 1 or multiple < 1 or total % multiple:
+        raise ValueError(f"cannot split {total} tokens into {parts} chunks of multiples of {multiple}")
+    units, extra = divmod(total // multiple, parts)
+    return [(units + (rank < extra)) * multiple for rank in range(parts)]
+
+
+@dataclass(frozen=True)
+class SplitChunk:
+    """This rank's chunk of an item split over the aligned block ``sp_start .. sp_start + len(lengths) - 1``;
+    ``lengths`` are every member's chunk lengths, in block order."""
+
+    sp_start: int
+    lengths: tuple[int, ...]
+
+
+@dataclass
+class ItemExchange:
+    """How one rank's encoder items travel for one step, as row indices for two ``all_to_all_single`` calls.
+
+    Outbound (token rows of the encoder's stem output): send ``tokens[send_index]`` with ``send_counts`` rows to
+    each rank, receive ``recv_counts`` rows from each, then ``received[local_index]`` is the local layout: every
+    whole item encoded here (as ``whole_lengths``), then every split-item chunk held here (``chunks``).
+    Return (output rows, ``multiple`` tokens each): send ``outputs[back_index]`` with ``recv_counts / multiple``
+    rows to each rank, receive ``send_counts / multiple`` rows, and ``returned[assemble_index]`` is the output of
+    this rank's own items in their original order.
+    """
+
+    send_index: np.ndarray
+    send_counts: list[int]
+    recv_counts: list[int]
+    local_index: np.ndarray
+    whole_lengths: list[int]
+    chunks: list[SplitChunk]
+    back_index: np.ndarray
+    assemble_index: np.ndarray
+
+    @property
+    def local_tokens(self) -> int:
+        return int(self.local_index.size)
+
+
+def _pieces(lengths: np.ndarray, plan: EncoderPlan, multiple: int) -> list[list[tuple[int, int, int]]]:
+    """Every item's pieces as ``(encoding rank, offset, length)``: one for a whole item, one per SP member else."""
+    pieces = []
+    for item, length in enumerate(lengths.tolist()):
+        degree = int(plan.sp_degree[item])
+        if degree == 1:
+            pieces.append([(int(plan.rank_of[item]), 0, length)])
+            continue
+        chunk_lengths = split_lengths(length, degree, multiple)
+        offsets = np.concatenate([[0], np.cumsum(chunk_lengths)[:-1]]).tolist()
+        start = int(plan.sp_start[item])
+        pieces.append([(start + j, offsets[j], chunk_lengths[j]) for j in range(degree)])
+    return pieces
+
+
+def _ranges(spans: list[tuple[int, int]]) -> np.ndarray:
+    """Concatenated ``arange(start, start + length)`` of every span."""
+    if not spans:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(start, start + length, dtype=np.int64) for start, length in spans])
+
+
+def plan_item_exchange(
+    lengths: np.ndarray, owners: np.ndarray, plan: EncoderPlan, *, rank: int, n_ranks: int, multiple: int = 1
+) -> ItemExchange:
+    """Row bookkeeping of ``plan`` for ``rank``, computed identically everywhere from all-gathered integers.
+
+    Args:
+        lengths: token length of every item of the encoder group, ordered by owner then by the owner's item order
+            (as an all-gather produces them); each a multiple of ``multiple``.
+        owners: the rank that loaded each item.
+        plan: :func:`plan_encoder_work` of these items.
+        rank, n_ranks: this rank's index in the encoder group and the group's size.
+        multiple: tokens per output row (the vision merge window): chunks never cut through one.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    owners = np.asarray(owners, dtype=np.int64)
+    if np.any(np.diff(owners) < 0):
+        raise ValueError("items must be ordered by owner rank, as an all-gather of per-rank item lists gives them")
+    pieces = _pieces(lengths, plan, multiple)
+    mine = np.flatnonzero(owners == rank)
+    item_start = np.zeros(lengths.size, dtype=np.int64)  # offset of each item inside its owner's stem output
+    for owner in range(n_ranks):
+        of_owner = np.flatnonzero(owners == owner)
+        item_start[of_owner] = np.cumsum(lengths[of_owner]) - lengths[of_owner]
+
+    # Outbound: my items' pieces grouped by destination, in item order within a destination.
+    outgoing = sorted(((dest, item, offset, length) for item in mine for dest, offset, length in pieces[item]),
+                      key=lambda piece: piece[0])
+    send_index = _ranges([(int(item_start[item]) + offset, length) for _, item, offset, length in outgoing])
+    send_counts = [sum(p[3] for p in outgoing if p[0] == dest) for dest in range(n_ranks)]
+
+    # Inbound: pieces encoded here arrive by source rank, each source's in its item order (= global item order).
+    incoming = [(item, offset, length, len(piece_list)) for item, piece_list in enumerate(pieces)
+                for dest, offset, length in piece_list if dest == rank]
+    recv_counts = [sum(length for item, _, length, _ in incoming if owners[item] == src) for src in range(n_ranks)]
+    arrival = np.concatenate([[0], np.cumsum([p[2] for p in incoming])]).astype(np.int64)
+    whole = [i for i, p in enumerate(incoming) if p[3] == 1]
+    split = [i for i, p in enumerate(incoming) if p[3] > 1]
+    layout = whole + split  # piece order in the local layout
+    local_index = _ranges([(int(arrival[i]), incoming[i][2]) for i in layout])
+    chunks = [SplitChunk(int(plan.sp_start[incoming[i][0]]),
+                         tuple(length for _, _, length in pieces[incoming[i][0]])) for i in split]
+
+    # Return: outputs go back in arrival order, so each owner receives its pieces by encoding rank, item order.
+    position = np.concatenate([[0], np.cumsum([incoming[i][2] // multiple for i in layout])]).astype(np.int64)
+    local_row = {piece: int(position[k]) for k, piece in enumerate(layout)}
+    back_index = _ranges([(local_row[i], incoming[i][2] // multiple) for i in range(len(incoming))])
+    returned = sorted(((dest, item, offset, length) for item in mine for dest, offset, length in pieces[item]),
+                      key=lambda piece: piece[0])
+    returned_row = np.concatenate([[0], np.cumsum([p[3] // multiple for p in returned])]).astype(np.int64)
+    where = {(item, offset): int(returned_row[k]) for k, (_, item, offset, _) in enumerate(returned)}
+    assemble_index = _ranges([(where[(item, offset)], length // multiple)
+                              for item in mine for _, offset, length in pieces[item]])
+    return ItemExchange(send_index, send_counts, recv_counts, local_index, [incoming[i][2] for i in whole], chunks,
+                        back_index, assemble_index)

@@ -1,15 +1,21 @@
 """Modality encoders of the reference MLLM: a native-resolution ViT and a Whisper-style audio encoder.
 
 Both take packed items (all images of a micro-batch back to back, all audio clips back to back) and return one
-LLM-width embedding per placeholder token, in item order.
+LLM-width embedding per placeholder token, in item order. Each is a per-token stem (``embed``) followed by the
+transformer and projector (``encode``); encoder resharding moves items between the two, and ``encode`` runs whole
+items with packed attention and split items with Ulysses sequence parallelism.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from omni_lightning.balance.reshard import SplitChunk
 from omni_lightning.models.attention import AttentionBackend
 from omni_lightning.models.config import AudioEncoderConfig, VisionEncoderConfig
 from omni_lightning.models.layers import EncoderBlock, GeluMLP, sincos_features
@@ -40,15 +46,32 @@ class VisionEncoder(nn.Module):
         self.norm = nn.LayerNorm(config.dim)
         self.projector = GeluMLP(config.dim * config.merge, llm_dim, llm_dim)
 
+    @property
+    def tokens_per_output(self) -> int:
+        """Stem tokens (patches) per output embedding: a split never cuts through a merge window."""
+        return self.config.merge
+
     def forward(self, patches: torch.Tensor, positions: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+        tokens, lengths = self.embed(patches, positions, grids)
+        return self.encode(tokens, cu_seqlens_from_lengths(lengths))
+
+    def embed(
+        self, patches: torch.Tensor, positions: torch.Tensor, grids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token stem: ``(tokens [n_patches, dim], tokens per item)``. Items can be resharded after it."""
         half = self.config.dim // 2
         x = self.patch_embed(patches)
         # 2-D position: half the channels encode the row, half the column, so any resolution works.
         pos = torch.cat([sincos_features(positions[:, 0], half), sincos_features(positions[:, 1], half)], dim=-1)
-        x = x + pos.to(x.dtype)
-        cu_seqlens = cu_seqlens_from_lengths(grids[:, 0] * grids[:, 1])
+        return x + pos.to(x.dtype), grids[:, 0] * grids[:, 1]
+
+    def encode(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor, chunks: Sequence[SplitChunk] = (),
+        sp_groups: Mapping[int, dist.ProcessGroup] | None = None,
+    ) -> torch.Tensor:
+        """Transformer, norm and merging projector over stem tokens: whole items, then split-item chunks."""
         for block in self.blocks:
-            x = block(x, cu_seqlens)
+            x = block(x, cu_seqlens, chunks, sp_groups)
         x = self.norm(x)
         return self.projector(x.reshape(-1, self.config.dim * self.config.merge))
 
@@ -76,7 +99,15 @@ class AudioEncoder(nn.Module):
         self.norm = nn.LayerNorm(config.dim)
         self.projector = GeluMLP(config.dim, llm_dim, llm_dim)
 
+    tokens_per_output = 1
+
     def forward(self, mels: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        tokens, token_lengths = self.embed(mels, lengths)
+        return self.encode(tokens, cu_seqlens_from_lengths(token_lengths))
+
+    def embed(self, mels: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The convolutional stem: ``(tokens [n_frames // 4, dim], tokens per clip)``. Clips are resharded after it,
+        so a split clip needs no convolution halo from its neighbours' chunks."""
         if lengths.numel() == 0 or bool((lengths % self.config.downsample).any()):
             raise ValueError(
                 f"audio clip lengths {lengths.tolist()} must be non-empty multiples of {self.config.downsample}"
@@ -88,10 +119,15 @@ class AudioEncoder(nn.Module):
         ]
         positions = torch.cat([torch.arange(clip.shape[0], device=mels.device) for clip in clips])
         x = torch.cat(clips)
-        x = x + sincos_features(positions, self.config.dim).to(x.dtype)
-        cu_seqlens = cu_seqlens_from_lengths(lengths // self.config.downsample)
+        return x + sincos_features(positions, self.config.dim).to(x.dtype), lengths // self.config.downsample
+
+    def encode(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor, chunks: Sequence[SplitChunk] = (),
+        sp_groups: Mapping[int, dist.ProcessGroup] | None = None,
+    ) -> torch.Tensor:
+        """Transformer, norm and projector over stem tokens: whole clips, then split-clip chunks."""
         for block in self.blocks:
-            x = block(x, cu_seqlens)
+            x = block(x, cu_seqlens, chunks, sp_groups)
         return self.projector(self.norm(x))
 
     def dummy_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from omni_lightning.balance.reshard import SplitChunk
 from omni_lightning.models.attention import AttentionBackend, varlen_attention
 
 __all__ = ["RMSNorm", "GeluMLP", "EncoderBlock", "sincos_features"]
@@ -52,10 +55,20 @@ class EncoderBlock(nn.Module):
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = GeluMLP(dim, int(dim * mlp_ratio))
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor, chunks: Sequence[SplitChunk] = (),
+        sp_groups: Mapping[int, dist.ProcessGroup] | None = None,
+    ) -> torch.Tensor:
+        """``x``: whole items packed (delimited by ``cu_seqlens``), then this rank's chunk of each split item."""
         total, dim = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(total, 3, self.n_heads, dim // self.n_heads).unbind(1)
-        attn = varlen_attention(q, k, v, cu_seqlens, causal=False, backend=self.backend)
+        if chunks:
+            # Imported here: the parallel package builds on the models, so a module-level import would be circular.
+            from omni_lightning.parallel.sequence_parallel import long_short_attention
+
+            attn = long_short_attention(q, k, v, cu_seqlens, chunks, sp_groups, backend=self.backend)
+        else:
+            attn = varlen_attention(q, k, v, cu_seqlens, causal=False, backend=self.backend)
         x = x + self.proj(attn.reshape(total, dim))
         return x + self.mlp(self.norm2(x))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 from omni_lightning.models.config import AUDIO_ID, IMAGE_ID, ReferenceMLLMConfig
 from omni_lightning.models.encoders import AudioEncoder, VisionEncoder
 from omni_lightning.models.llm import Decoder
+
+if TYPE_CHECKING:  # the parallel package builds on the models
+    from omni_lightning.parallel.encoder_balance import EncoderBalancer
 
 __all__ = ["ReferenceMLLM", "IGNORE_INDEX", "next_token_loss_sum"]
 
@@ -26,7 +30,8 @@ class ReferenceMLLM(nn.Module):
     :func:`omni_lightning.datamodules.collate.pack_samples` and returns logits ``[tokens, vocab]`` (a
     vocabulary-sharded DTensor under tensor parallelism; see :func:`next_token_loss_sum`).
     Every encoder runs on every call, on a dummy item when the micro-batch has none of its modality, so that
-    all data-parallel ranks issue the same FSDP collectives whatever their data.
+    all data-parallel ranks issue the same FSDP collectives whatever their data. With an ``encoder_balancer``
+    (see :mod:`omni_lightning.parallel.encoder_balance`) the data-parallel ranks share the step's encoder work.
     """
 
     def __init__(self, config: ReferenceMLLMConfig) -> None:
@@ -36,6 +41,8 @@ class ReferenceMLLM(nn.Module):
         self.vision = VisionEncoder(config.vision, config.llm.dim, backend)
         self.audio = AudioEncoder(config.audio, config.llm.dim, backend)
         self.llm = Decoder(config.llm, backend)
+        # Set by parallelize_mllm when encoder work is resharded across the data-parallel ranks.
+        self.encoder_balancer: EncoderBalancer | None = None
         self.forward_cpu_seconds: dict[str, float] = {}
         self._encoder_seconds = 0.0
 
@@ -51,22 +58,34 @@ class ReferenceMLLM(nn.Module):
         started = time.thread_time()
         input_ids = batch["input_ids"]
         embeddings = self.llm.tok_embeddings(input_ids)
-        vision_ids = input_ids == IMAGE_ID
-        audio_ids = input_ids == AUDIO_ID
-        if batch["vision_grids"].shape[0] > 0:
-            vision = self.vision(batch["vision_patches"], batch["vision_positions"], batch["vision_grids"])
-            embeddings = _scatter(embeddings, vision_ids, vision, "vision")
-        else:
-            embeddings = embeddings + 0.0 * self.vision(*self.vision.dummy_inputs(input_ids.device)).sum()
-            _scatter(embeddings, vision_ids, embeddings.new_zeros(0, embeddings.shape[1]), "vision")
-        if batch["audio_lengths"].shape[0] > 0:
-            audio = self.audio(batch["audio_mels"], batch["audio_lengths"])
-            embeddings = _scatter(embeddings, audio_ids, audio, "audio")
-        else:
-            embeddings = embeddings + 0.0 * self.audio(*self.audio.dummy_inputs(input_ids.device)).sum()
-            _scatter(embeddings, audio_ids, embeddings.new_zeros(0, embeddings.shape[1]), "audio")
+        vision, audio = self._encode(batch)
+        embeddings = _scatter(embeddings, input_ids == IMAGE_ID, vision, "vision")
+        embeddings = _scatter(embeddings, input_ids == AUDIO_ID, audio, "audio")
         self._encoder_seconds = time.thread_time() - started
         return self.llm(embeddings, batch["position_ids"], batch["cu_seqlens"])
+
+    def _encode(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Vision and audio embeddings of this micro-batch's items, in placeholder order."""
+        vision_inputs = (batch["vision_patches"], batch["vision_positions"], batch["vision_grids"])
+        audio_inputs = (batch["audio_mels"], batch["audio_lengths"])
+        balancer = self.encoder_balancer
+        if balancer is None:
+            return (_encode_locally(self.vision, vision_inputs, batch["vision_grids"].shape[0]),
+                    _encode_locally(self.audio, audio_inputs, batch["audio_lengths"].shape[0]))
+        grids = batch["vision_grids"]
+        steps = balancer.plan(
+            {"vision": grids[:, 0] * grids[:, 1], "audio": batch["audio_lengths"] // self.config.audio.downsample},
+            {"vision": self.vision.tokens_per_output, "audio": self.audio.tokens_per_output},
+        )
+        vision = balancer.encode(self.vision, vision_inputs, steps["vision"])
+        return vision, balancer.encode(self.audio, audio_inputs, steps["audio"], dependency=vision)
+
+
+def _encode_locally(encoder: nn.Module, inputs: tuple[torch.Tensor, ...], n_items: int) -> torch.Tensor:
+    """Encode the items here; with none, a dummy item whose (empty) output still joins the graph."""
+    if n_items > 0:
+        return encoder(*inputs)
+    return encoder(*encoder.dummy_inputs(inputs[0].device))[:0]
 
 
 def _scatter(embeddings: torch.Tensor, where: torch.Tensor, values: torch.Tensor, what: str) -> torch.Tensor:
@@ -76,8 +95,7 @@ def _scatter(embeddings: torch.Tensor, where: torch.Tensor, values: torch.Tensor
             f"the micro-batch has {placeholders} {what} placeholder tokens but the {what} encoder produced "
             f"{values.shape[0]} embeddings; sample metadata and media disagree"
         )
-    if placeholders == 0:
-        return embeddings
+    # Even with no placeholders: an empty output still carries its encoder's (zero) gradients back.
     return embeddings.masked_scatter(where[:, None], values.to(embeddings.dtype))
 
 

@@ -84,6 +84,10 @@ class ParallelDims:
                 f"ep={self.ep} must divide dp_shard*cp = {dp_shard}*{self.cp} = {dp_shard * self.cp} "
                 "(expert parallelism borrows the FSDP ranks; it is not an extra factor of the world)"
             )
+        if self.enc_sp & (self.enc_sp - 1):
+            raise ValueError(
+                f"enc_sp={self.enc_sp} must be a power of two (an item is split over 2, 4, ... aligned ranks)"
+            )
         if self.dp % self.enc_sp:
             raise ValueError(
                 f"enc_sp={self.enc_sp} must divide the data-parallel size dp_replicate*dp_shard = "

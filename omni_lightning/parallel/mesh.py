@@ -16,6 +16,9 @@ __all__ = ["OmniMeshes", "build_meshes"]
 class OmniMeshes:
     """The LLM mesh, its flattened views and the encoder groups of this rank.
 
+    ``encoder_sp_blocks[d]`` is this rank's aligned block of ``d`` consecutive encoder-group ranks, for every
+    power of two ``2 <= d <= enc_sp``: an item split ``d`` ways runs Ulysses attention over such a block.
+
     ``get(name)`` returns the 1-D mesh of a dimension or flattened view, or ``None`` when its degree is 1 (no
     group exists for it), so callers write ``if (tp := meshes.get("tp")) is not None``.
     """
@@ -24,7 +27,12 @@ class OmniMeshes:
     world: DeviceMesh | None
     views: dict[str, DeviceMesh]
     encoder_group: dist.ProcessGroup | None
-    encoder_sp_group: dist.ProcessGroup | None
+    encoder_sp_blocks: dict[int, dist.ProcessGroup]
+
+    @property
+    def encoder_sp_group(self) -> dist.ProcessGroup | None:
+        """This rank's full encoder SP group (``enc_sp`` ranks), or ``None`` when ``enc_sp`` is 1."""
+        return self.encoder_sp_blocks.get(self.parallel_dims.enc_sp)
 
     def get(self, name: str) -> DeviceMesh | None:
         self.parallel_dims.size(name)  # raises on an unknown name
@@ -77,8 +85,13 @@ def build_meshes(parallel_dims: ParallelDims, device_type: str) -> OmniMeshes:
 
     rank = dist.get_rank()
     encoder_group = _new_subgroups(parallel_dims.groups("encoder"), rank)
-    encoder_sp_group = _new_subgroups(parallel_dims.groups("enc_sp"), rank)
-    return OmniMeshes(parallel_dims, world, views, encoder_group, encoder_sp_group)
+    blocks: dict[int, dist.ProcessGroup] = {}
+    degree = 2
+    while degree <= parallel_dims.enc_sp:
+        aligned = [g[i : i + degree] for g in parallel_dims.groups("encoder") for i in range(0, len(g), degree)]
+        blocks[degree] = _new_subgroups(sorted(aligned), rank)
+        degree *= 2
+    return OmniMeshes(parallel_dims, world, views, encoder_group, blocks)
 
 
 def _new_subgroups(groups: list[list[int]], rank: int) -> dist.ProcessGroup | None:

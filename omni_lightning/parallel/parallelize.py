@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from omni_lightning.balance.cost import CostModel
 from omni_lightning.models.mllm import ReferenceMLLM
+from omni_lightning.parallel.encoder_balance import EncoderBalancer
 from omni_lightning.parallel.fsdp import apply_fsdp
 from omni_lightning.parallel.mesh import OmniMeshes
 from omni_lightning.parallel.tensor_parallel import apply_tp, check_tp_compatible
@@ -12,10 +14,10 @@ from omni_lightning.parallel.tensor_parallel import apply_tp, check_tp_compatibl
 __all__ = ["parallelize_mllm", "check_model_fits_layout"]
 
 # Parallelisms that ParallelDims can lay out but the runtime does not apply yet.
-_NOT_YET_APPLIED = ("pp", "cp", "ep", "enc_sp")
+_NOT_YET_APPLIED = ("pp", "cp", "ep")
 
 
-def check_model_fits_layout(model: ReferenceMLLM, meshes: OmniMeshes) -> None:
+def check_model_fits_layout(model: ReferenceMLLM, meshes: OmniMeshes, *, encoder_balance: bool = False) -> None:
     """Raise ``ValueError`` naming the model size or degree that the layout cannot serve."""
     dims = meshes.parallel_dims
     unsupported = [f"{name}={dims.size(name)}" for name in _NOT_YET_APPLIED if dims.size(name) > 1]
@@ -25,15 +27,35 @@ def check_model_fits_layout(model: ReferenceMLLM, meshes: OmniMeshes) -> None:
             "set these degrees to 1"
         )
     check_tp_compatible(model.config.llm, dims.tp)
+    if dims.enc_sp > 1 and not encoder_balance:
+        raise ValueError(f"enc_sp={dims.enc_sp} splits items planned by the encoder balancer: set encoder_balance=True")
+    for name in ("vision", "audio"):
+        heads = getattr(model.config, name).n_heads
+        if heads % dims.enc_sp:
+            raise ValueError(
+                f"{name}.n_heads={heads} is not divisible by enc_sp={dims.enc_sp}: Ulysses attention gives each "
+                "member of an SP group a share of the heads; pick enc_sp dividing the encoder heads"
+            )
 
 
-def parallelize_mllm(model: ReferenceMLLM, meshes: OmniMeshes, *, param_dtype: torch.dtype | None = None) -> None:
+def parallelize_mllm(
+    model: ReferenceMLLM, meshes: OmniMeshes, *, param_dtype: torch.dtype | None = None,
+    encoder_balance: bool = False,
+) -> None:
     """Tensor-parallelise the decoder, then shard every transformer block and the root with FSDP2 (in place).
 
     Encoder weights are sharded over the same data-parallel ranks as the decoder and replicated over TP peers,
-    which see the same samples and so compute the same encoder gradients.
+    which see the same samples and so compute the same encoder gradients. With ``encoder_balance`` the
+    data-parallel ranks share each step's encoder work (whole items by LPT, long ones split over ``enc_sp``
+    blocks; see :mod:`omni_lightning.parallel.encoder_balance`).
     """
-    check_model_fits_layout(model, meshes)
+    check_model_fits_layout(model, meshes, encoder_balance=encoder_balance)
+    if encoder_balance and meshes.encoder_group is not None:
+        costs = CostModel.from_config(model.config)
+        model.encoder_balancer = EncoderBalancer(
+            meshes.encoder_group, meshes.encoder_sp_blocks, {"vision": costs.vision, "audio": costs.audio},
+            enc_sp=meshes.parallel_dims.enc_sp,
+        )
     if (tp_mesh := meshes.get("tp")) is not None:
         apply_tp(model.llm, tp_mesh)
     if (fsdp_mesh := meshes.fsdp_mesh) is not None:

@@ -9,21 +9,17 @@ the reverse way.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-__all__ = ["split_lengths", "ulysses_attention"]
+from omni_lightning.balance.reshard import SplitChunk, split_lengths
+from omni_lightning.models.attention import AttentionBackend, varlen_attention
 
-
-def split_lengths(total: int, parts: int, multiple: int = 1) -> list[int]:
-    """Contiguous chunk lengths for ``parts`` ranks, each a multiple of ``multiple`` (so that merge windows never
-    straddle two ranks), as even as that allows; ``total`` must be a multiple of ``multiple``."""
-    if parts < 1 or multiple < 1 or total % multiple:
-        raise ValueError(f"cannot split {total} tokens into {parts} chunks of multiples of {multiple}")
-    units, extra = divmod(total // multiple, parts)
-    return [(units + (rank < extra)) * multiple for rank in range(parts)]
+__all__ = ["SplitChunk", "long_short_attention", "split_lengths", "ulysses_attention"]
 
 
 def ulysses_attention(
@@ -55,6 +51,37 @@ def ulysses_attention(
     full = [_sequence_to_heads(t, lengths, group) for t in (q, k, v)]
     out = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in full), is_causal=causal).transpose(0, 1)
     return _heads_to_sequence(out.contiguous(), lengths, group)
+
+
+def long_short_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    chunks: Sequence[SplitChunk] = (),
+    sp_groups: Mapping[int, dist.ProcessGroup] | None = None,
+    *,
+    backend: AttentionBackend = "auto",
+) -> torch.Tensor:
+    """Bidirectional attention over a rank's encoder rows: whole items first, packed (``cu_seqlens`` covers them),
+    then the rank's chunk of each split item in ``chunks`` order, each attended with Ulysses over its SP block.
+
+    ``sp_groups[degree]`` is this rank's aligned block of ``degree`` ranks (the block a chunk of that degree
+    belongs to: blocks are aligned, so a rank is in exactly one per degree).
+    """
+    whole = int(cu_seqlens[-1])
+    outputs = [varlen_attention(q[:whole], k[:whole], v[:whole], cu_seqlens, causal=False, backend=backend)]
+    offset = whole
+    for chunk in chunks:
+        group = (sp_groups or {}).get(len(chunk.lengths))
+        if group is None:
+            raise ValueError(f"no SP group of {len(chunk.lengths)} ranks for a split item")
+        rows = slice(offset, offset + chunk.lengths[dist.get_rank(group)])
+        outputs.append(ulysses_attention(q[rows], k[rows], v[rows], list(chunk.lengths), group))
+        offset = rows.stop
+    if offset != q.shape[0]:
+        raise ValueError(f"{q.shape[0]} rows but whole items and chunks cover {offset}")
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
 def _sequence_to_heads(x: torch.Tensor, lengths: list[int], group: dist.ProcessGroup) -> torch.Tensor:

@@ -41,7 +41,12 @@ class OmniStrategy(ModelParallelStrategy):
 
     Args:
         pp, dp_replicate, dp_shard, cp, tp, ep, enc_sp: parallel degrees (see :class:`ParallelDims`);
-            ``dp_shard=-1`` takes what the other degrees leave of the world.
+            ``dp_shard=-1`` takes what the other degrees leave of the world. ``enc_sp`` is the largest number of
+            data-parallel ranks one encoder item may be split over (a power of two dividing the encoder heads).
+        encoder_balance: reshard encoder items across the data-parallel ranks every step so each rank's encoder
+            work is about equal, splitting long items with sequence parallelism (see
+            :mod:`omni_lightning.parallel.encoder_balance`); default ``True`` when there are several data-parallel
+            ranks.
         launcher: how Lightning starts local processes when no cluster environment does: ``"subprocess"``
             (default; re-runs the script, for scripts and the CLI), ``"fork"`` (tests and notebooks) or
             ``"spawn"``. Under torchrun or SLURM the cluster starts the processes and this is ignored.
@@ -67,6 +72,7 @@ class OmniStrategy(ModelParallelStrategy):
         tp: int = 1,
         ep: int = 1,
         enc_sp: int = 1,
+        encoder_balance: bool | None = None,
         launcher: LauncherName = "subprocess",
         timeout: float = 1800.0,
         process_group_backend: str | None = None,
@@ -76,6 +82,10 @@ class OmniStrategy(ModelParallelStrategy):
             raise ValueError(f"launcher={launcher!r} must be 'subprocess', 'fork' or 'spawn'")
         if timeout <= 0:
             raise ValueError(f"timeout={timeout} must be a positive number of seconds")
+        if enc_sp > 1 and encoder_balance is False:
+            raise ValueError(
+                f"enc_sp={enc_sp} splits items planned by the encoder balancer: drop encoder_balance=False"
+            )
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
@@ -86,6 +96,7 @@ class OmniStrategy(ModelParallelStrategy):
         # Validate what can be checked before the world size is known, so a typo fails at construction.
         ParallelDims(world_size=_smallest_world(self._degrees), **self._degrees)
         self._launcher_name = launcher
+        self._encoder_balance = encoder_balance
         self._parallel_dims: ParallelDims | None = None
         self._meshes: OmniMeshes | None = None
 
@@ -103,6 +114,13 @@ class OmniStrategy(ModelParallelStrategy):
         if self._parallel_dims is None:
             self._parallel_dims = ParallelDims(world_size=self.num_nodes * self.num_processes, **self._degrees)
         return self._parallel_dims
+
+    @property
+    def encoder_balance(self) -> bool:
+        """Whether the data-parallel ranks share each step's encoder work (default: when there are several)."""
+        if self._encoder_balance is None:
+            return self.parallel_dims.dp > 1
+        return self._encoder_balance
 
     @property
     def meshes(self) -> OmniMeshes:

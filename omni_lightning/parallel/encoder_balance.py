@@ -1,0 +1,180 @@
+"""Adaptive encoder resharding with long-short sequence parallelism, at run time.
+
+Every micro-batch, the ranks of an encoder group (the data-parallel ranks: TP/CP peers hold the same samples and
+form parallel groups that compute the same plan) all-gather the token length of each of their encoder items
+(integers only), and each computes the same :func:`~omni_lightning.balance.reshard.plan_encoder_work` from them:
+short items are encoded whole by the least-loaded rank, long items are split over an aligned SP block and run
+with Ulysses attention. The items travel after each encoder's per-token stem (``embed``), which is cheap and
+smaller than the raw input (e.g. 32 channels a patch instead of 588 pixels), with one differentiable
+``all_to_all_single`` to the encoding ranks and one back to the rank whose LLM tokens consume them; backward sends
+gradients the reverse way. The plan is recomputed from each step's items, so a text-only step moves nothing and a
+step with one huge image splits it.
+
+Every rank runs every encoder every step (a dummy item where it has nothing to encode or to send), and all of the
+step's collectives sit on one chain of data dependencies (vision, then audio), so every rank issues its forward
+and backward collectives in the same order whatever its data: no FSDP or SP collective can hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+from omni_lightning.balance.cost import ModuleCost
+from omni_lightning.balance.reshard import ItemExchange, plan_encoder_work, plan_item_exchange
+from omni_lightning.models.encoders import cu_seqlens_from_lengths
+
+__all__ = ["EncoderBalancer", "EncoderStep"]
+
+
+@dataclass
+class EncoderStep:
+    """One encoder's plan for this rank and step; ``exchange`` is ``None`` when the group has no such items."""
+
+    exchange: ItemExchange | None
+    own_items: int
+    predicted_cost: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per rank, with resharding
+    unbalanced_cost: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per rank, each encodes its own
+    items_split: int = 0
+    items_moved: int = 0
+
+
+def _device_of(inputs: tuple[torch.Tensor, ...]) -> torch.device:
+    return inputs[0].device
+
+
+class EncoderBalancer:
+    """Plans and runs the encoders of one micro-batch over an encoder group.
+
+    Args:
+        group: the encoder group (this rank's data-parallel peers).
+        sp_groups: this rank's aligned SP block of each degree ``2, 4, ..., enc_sp`` (a rank is in one per degree).
+        costs: cost of each encoder by name, for an item of ``tokens`` stem tokens and ``tokens ** 2`` pairs.
+        enc_sp: largest SP degree (1: whole items only, resharded by LPT).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        sp_groups: Mapping[int, dist.ProcessGroup],
+        costs: Mapping[str, ModuleCost],
+        *,
+        enc_sp: int = 1,
+    ) -> None:
+        self.group = group
+        self.sp_groups = dict(sp_groups)
+        self.costs = dict(costs)
+        self.enc_sp = enc_sp
+        self.rank = dist.get_rank(group)
+        self.n_ranks = dist.get_world_size(group)
+        self.stats: dict[str, float] = {}
+
+    def plan(self, lengths: Mapping[str, torch.Tensor], multiples: Mapping[str, int]) -> dict[str, EncoderStep]:
+        """All-gather every encoder's item lengths (two small integer collectives) and plan each encoder."""
+        names = list(lengths)
+        device = next(iter(lengths.values())).device  # collectives run where the backend wants their tensors
+        local = [lengths[name].to(torch.int64) for name in names]
+        counts = torch.tensor([t.numel() for t in local], dtype=torch.int64, device=device)
+        all_counts = torch.zeros(self.n_ranks * len(names), dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(all_counts, counts, group=self.group)
+        all_counts = all_counts.cpu().view(self.n_ranks, len(names))
+        width = int(all_counts.sum(1).max())
+        gathered = torch.zeros(self.n_ranks * width, dtype=torch.int64, device=device)
+        if width:
+            padded = torch.zeros(width, dtype=torch.int64, device=device)
+            flat = torch.cat(local)
+            padded[: flat.numel()] = flat
+            dist.all_gather_into_tensor(gathered, padded, group=self.group)
+        gathered = gathered.cpu().view(self.n_ranks, width)
+        steps = {}
+        for m, name in enumerate(names):
+            start = all_counts[:, :m].sum(1)
+            per_rank = [gathered[r, start[r] : start[r] + all_counts[r, m]].numpy() for r in range(self.n_ranks)]
+            steps[name] = self._plan_one(name, per_rank, multiples[name], int(all_counts[self.rank, m]))
+        self.stats = _summary(steps)
+        return steps
+
+    def _plan_one(self, name: str, per_rank: list[np.ndarray], multiple: int, own: int) -> EncoderStep:
+        item_lengths = np.concatenate(per_rank)
+        if item_lengths.size == 0:
+            return EncoderStep(None, own)
+        owners = np.repeat(np.arange(self.n_ranks), [len(x) for x in per_rank])
+        cost = self.costs[name]
+        item_costs = cost.linear * item_lengths + cost.quadratic * item_lengths.astype(np.float64) ** 2
+        plan = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, enc_sp=self.enc_sp)
+        unbalanced = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, reshard=False)
+        exchange = plan_item_exchange(item_lengths, owners, plan, rank=self.rank, n_ranks=self.n_ranks,
+                                      multiple=multiple)
+        return EncoderStep(exchange, own, plan.rank_cost, unbalanced.rank_cost, plan.items_split, plan.moved)
+
+    def encode(
+        self, encoder: nn.Module, inputs: tuple[torch.Tensor, ...], step: EncoderStep,
+        *, dependency: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """This rank's own items encoded wherever the plan put them, in their original order.
+
+        ``dependency`` (e.g. the previous encoder's output) joins the data-dependency chain that fixes the order of
+        collectives in backward.
+        """
+        device = _device_of(inputs)
+        if step.exchange is None:  # no such items in the group: every rank runs a dummy item locally
+            dummy = encoder(*encoder.dummy_inputs(device))[:0]
+            return dummy + 0.0 * dependency.sum() if dependency is not None else dummy
+        exchange = step.exchange
+        if step.own_items > 0:
+            tokens, _ = encoder.embed(*inputs)
+        else:  # nothing to send, but the stem's parameters still need (zero) gradients
+            tokens = encoder.embed(*encoder.dummy_inputs(device))[0][:0]
+        if dependency is not None:
+            tokens = tokens + 0.0 * dependency.sum()
+        send = tokens[torch.as_tensor(exchange.send_index, device=device)]
+        received = funcol.all_to_all_single_autograd(send, exchange.recv_counts, exchange.send_counts, self.group)
+        local = received[torch.as_tensor(exchange.local_index, device=device)]
+        lengths = torch.as_tensor(exchange.whole_lengths, dtype=torch.int64, device=device)
+        if exchange.local_tokens > 0:
+            outputs = encoder.encode(local, cu_seqlens_from_lengths(lengths), exchange.chunks, self.sp_groups)
+        else:  # nothing to encode here: a dummy item keeps this rank's FSDP and autograd steps in line
+            dummy, dummy_lengths = encoder.embed(*encoder.dummy_inputs(device))
+            outputs = encoder.encode(dummy + 0.0 * local.sum(), cu_seqlens_from_lengths(dummy_lengths))[:0]
+        multiple = encoder.tokens_per_output
+        back = outputs[torch.as_tensor(exchange.back_index, device=device)]
+        returned = funcol.all_to_all_single_autograd(
+            back, [n // multiple for n in exchange.send_counts], [n // multiple for n in exchange.recv_counts],
+            self.group,
+        )
+        self.stats["bytes_moved"] = self.stats.get("bytes_moved", 0.0) + _bytes_moved(
+            exchange, self.rank, tokens.shape[1] * tokens.element_size(), back.shape[1] * back.element_size() / multiple
+        )
+        return returned[torch.as_tensor(exchange.assemble_index, device=device)]
+
+
+def _bytes_moved(exchange: ItemExchange, rank: int, token_bytes: float, output_bytes_per_token: float) -> float:
+    """Bytes this rank sends to other ranks, both directions."""
+    out = sum(n for r, n in enumerate(exchange.send_counts) if r != rank)
+    back = sum(n for r, n in enumerate(exchange.recv_counts) if r != rank)
+    return out * token_bytes + back * output_bytes_per_token
+
+
+def _summary(steps: Mapping[str, EncoderStep]) -> dict[str, float]:
+    """Group-wide plan metrics of the step: encoders run one after another, so a step's encoder time is the sum
+    over encoders of the slowest rank's share."""
+    planned = [s for s in steps.values() if s.exchange is not None]
+    if not planned:
+        return {"items_split": 0.0, "items_moved": 0.0, "predicted_imbalance": 1.0, "unbalanced_imbalance": 1.0}
+
+    def imbalance(costs: list[np.ndarray]) -> float:
+        mean = sum(float(c.mean()) for c in costs)
+        return sum(float(c.max()) for c in costs) / mean if mean > 0 else 1.0
+
+    return {
+        "items_split": float(sum(s.items_split for s in planned)),
+        "items_moved": float(sum(s.items_moved for s in planned)),
+        "predicted_imbalance": imbalance([s.predicted_cost for s in planned]),
+        "unbalanced_imbalance": imbalance([s.unbalanced_cost for s in planned]),
+    }
