@@ -140,10 +140,11 @@ class OmniModule(LightningModule):
         return stats["loss"]
 
     def _loss_and_stats(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss_sum, loss_tokens = next_token_loss_sum(self(batch), batch["labels"])
+        assert self.model is not None, "configure_model() has not run"
+        loss_sum, loss_tokens = next_token_loss_sum(self(batch), self.model.local_labels(batch))
         meshes = self.omni_meshes
         cp = meshes.size("cp") if meshes is not None else 1
-        accumulate, step_tokens = self._step_weighting(batch, loss_tokens)
+        accumulate, step_tokens = self._step_weighting(batch, loss_tokens, cp)
         # One collective for everything that needs the global batch: CP peers share samples, so count 1/cp each.
         totals = torch.stack(
             [
@@ -151,7 +152,7 @@ class OmniModule(LightningModule):
                 loss_tokens.double(),
                 torch.tensor(batch["input_ids"].numel() / cp, dtype=torch.float64, device=loss_sum.device),
                 torch.tensor(batch["num_samples"] / cp, dtype=torch.float64, device=loss_sum.device),
-                torch.tensor(step_tokens / cp, dtype=torch.float64, device=loss_sum.device),
+                torch.tensor(step_tokens, dtype=torch.float64, device=loss_sum.device),
             ]
         )
         loss_mesh = meshes.get("dp_cp") if meshes is not None else None
@@ -166,11 +167,12 @@ class OmniModule(LightningModule):
         stats = {"loss": (totals[0] / global_loss_tokens).float(), "tokens": totals[2], "samples": totals[3]}
         return loss, stats
 
-    def _step_weighting(self, batch: dict[str, Any], loss_tokens: torch.Tensor) -> tuple[int, float]:
-        """(accumulation factor to undo, this rank's loss tokens in the whole optimizer step).
+    def _step_weighting(self, batch: dict[str, Any], loss_tokens: torch.Tensor, cp: int) -> tuple[int, float]:
+        """(accumulation factor to undo, this rank's share of the loss tokens of the whole optimizer step).
 
-        Batches of :class:`~omni_lightning.datamodules.OmniDataModule` say how many loss tokens their step holds;
-        other batches are weighted as a step of their own (Lightning's equal weighting of accumulated micro-batches).
+        Batches of :class:`~omni_lightning.datamodules.OmniDataModule` say how many loss tokens their step holds
+        (CP peers hold the same step, so each counts ``1 / cp`` of it); other batches are weighted as a step of
+        their own (Lightning's equal weighting of accumulated micro-batches).
         """
         step = batch.get("step")
         if not self.training or step is None or self._trainer is None:
@@ -181,7 +183,7 @@ class OmniModule(LightningModule):
                 f"the data module plans {step['micro_batches']} micro-batch(es) per step but "
                 f"Trainer(accumulate_grad_batches={accumulate}): set OmniDataModule(micro_batches={accumulate})"
             )
-        return accumulate, float(step["loss_tokens"])
+        return accumulate, float(step["loss_tokens"]) / cp
 
     @override
     def configure_optimizers(self) -> Any:

@@ -39,7 +39,7 @@ class BalanceMonitor(pl.Callback):
         mine = torch.tensor([seconds, forward.get("encoders", 0.0), forward.get("llm", 0.0)], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = torch.empty(dist.get_world_size() * 3, dtype=torch.float64)
-            dist.all_gather_into_tensor(everyone, mine)
+            dist.all_gather_single(everyone, mine)
             everyone = everyone.view(-1, 3)
         else:
             everyone = mine[None]

@@ -28,6 +28,8 @@ LAYOUTS = {
     "dp_shard2_tp2": {"dp_shard": 2, "tp": 2},
     "dp_replicate2_dp_shard2": {"dp_replicate": 2, "dp_shard": 2},
     "tp4": {"dp_shard": 1, "tp": 4},
+    "dp_shard2_cp2": {"dp_shard": 2, "cp": 2},
+    "cp2_tp2": {"dp_shard": 1, "cp": 2, "tp": 2},
 }
 
 
@@ -75,6 +77,18 @@ def test_gradient_accumulation_skips_intermediate_reduction(
     losses = json.loads((tmp_path / "batch_losses.json").read_text())
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
     _assert_grads_match(torch.load(tmp_path / "grads.pt", weights_only=True), ref_grads, "accumulation")
+
+
+def test_eight_ranks_fsdp_cp_tp_with_encoder_sp(tmp_path: Path, tiny_shards: str, seed_checkpoint: Path,
+                                                references: dict) -> None:
+    """dp_shard=2 x cp=2 x tp=2 on 8 ranks, encoder items resharded and split over both data-parallel ranks."""
+    layout = {"dp_shard": 2, "cp": 2, "tp": 2, "enc_sp": 2}
+    fit(tmp_path, tiny_shards, seed_checkpoint, layout=layout, devices=8, max_steps=STEPS,
+        callbacks=[RecordRun(tmp_path, grads=True)])
+    ref_losses, ref_grads = references[2]
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+    _assert_grads_match(torch.load(tmp_path / "grads.pt", weights_only=True), ref_grads, "8 ranks")
 
 
 def _step_gradients(seed_checkpoint: Path, batches: list[dict], *, by_step_tokens: bool) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ from torch import nn
 
 from omni_lightning.balance.reshard import SplitChunk
 from omni_lightning.models.attention import AttentionBackend, varlen_attention
+from omni_lightning.parallel.sequence_parallel import long_short_attention
 
 __all__ = ["RMSNorm", "GeluMLP", "EncoderBlock", "sincos_features"]
 
@@ -63,9 +64,6 @@ class EncoderBlock(nn.Module):
         total, dim = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(total, 3, self.n_heads, dim // self.n_heads).unbind(1)
         if chunks:
-            # Imported here: the parallel package builds on the models, so a module-level import would be circular.
-            from omni_lightning.parallel.sequence_parallel import long_short_attention
-
             attn = long_short_attention(q, k, v, cu_seqlens, chunks, sp_groups, backend=self.backend)
         else:
             attn = varlen_attention(q, k, v, cu_seqlens, causal=False, backend=self.backend)

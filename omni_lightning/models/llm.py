@@ -14,6 +14,7 @@ from torch import nn
 from omni_lightning.models.attention import AttentionBackend, varlen_attention
 from omni_lightning.models.config import LLMConfig
 from omni_lightning.models.layers import RMSNorm
+from omni_lightning.parallel.context_parallel import ContextShard, cp_attention
 
 __all__ = ["Attention", "FeedForward", "MoEFeedForward", "DecoderBlock", "Decoder", "rotary_embedding"]
 
@@ -43,14 +44,18 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor,
+        cp_shard: ContextShard | None = None,
     ) -> torch.Tensor:
         tokens = x.shape[0]
         q = self.wq(x).view(tokens, -1, self.head_dim)
         k = self.wk(x).view(tokens, -1, self.head_dim)
         v = self.wv(x).view(tokens, -1, self.head_dim)
         q, k = _apply_rotary(q, *rope), _apply_rotary(k, *rope)
-        out = varlen_attention(q, k, v, cu_seqlens, causal=True, backend=self.backend)
+        if cp_shard is not None:
+            out = cp_attention(q, k, v, cp_shard)
+        else:
+            out = varlen_attention(q, k, v, cu_seqlens, causal=True, backend=self.backend)
         return self.wo(out.reshape(tokens, -1))
 
 
@@ -102,9 +107,10 @@ class DecoderBlock(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor,
+        cp_shard: ContextShard | None = None,
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, cu_seqlens)
+        x = x + self.attention(self.attention_norm(x), rope, cu_seqlens, cp_shard)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -119,10 +125,17 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
 
-    def forward(self, embeddings: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """``embeddings [tokens, dim]``, ``positions [tokens]`` -> logits ``[tokens, vocab]``."""
+    def forward(
+        self, embeddings: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+        cp_shard: ContextShard | None = None,
+    ) -> torch.Tensor:
+        """``embeddings [tokens, dim]``, ``positions [tokens]`` -> logits ``[tokens, vocab]``.
+
+        With ``cp_shard`` (context parallelism) the tokens are this rank's share of the packed batch and attention
+        sees the whole of it through the context-parallel group.
+        """
         rope = rotary_embedding(positions, self.config.head_dim, self.config.rope_theta)
         x = embeddings
         for layer in self.layers:
-            x = layer(x, rope, cu_seqlens)
+            x = layer(x, rope, cu_seqlens, cp_shard)
         return self.output(self.norm(x))

@@ -6,6 +6,7 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -14,6 +15,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from omni_lightning.models.config import AUDIO_ID, IMAGE_ID, ReferenceMLLMConfig
 from omni_lightning.models.encoders import AudioEncoder, VisionEncoder
 from omni_lightning.models.llm import Decoder
+from omni_lightning.parallel.context_parallel import shard_for_context_parallel
 
 if TYPE_CHECKING:  # the parallel package builds on the models
     from omni_lightning.parallel.encoder_balance import EncoderBalancer
@@ -28,7 +30,8 @@ class ReferenceMLLM(nn.Module):
 
     ``forward(batch)`` takes the packed micro-batch built by
     :func:`omni_lightning.datamodules.collate.pack_samples` and returns logits ``[tokens, vocab]`` (a
-    vocabulary-sharded DTensor under tensor parallelism; see :func:`next_token_loss_sum`).
+    vocabulary-sharded DTensor under tensor parallelism; see :func:`next_token_loss_sum`); under context
+    parallelism, for this rank's share of the tokens only (:meth:`local_labels` are their labels).
     Every encoder runs on every call, on a dummy item when the micro-batch has none of its modality, so that
     all data-parallel ranks issue the same FSDP collectives whatever their data. With an ``encoder_balancer``
     (see :mod:`omni_lightning.parallel.encoder_balance`) the data-parallel ranks share the step's encoder work.
@@ -43,6 +46,8 @@ class ReferenceMLLM(nn.Module):
         self.llm = Decoder(config.llm, backend)
         # Set by parallelize_mllm when encoder work is resharded across the data-parallel ranks.
         self.encoder_balancer: EncoderBalancer | None = None
+        # Set by parallelize_mllm under context parallelism: the decoder then runs on this rank's token share.
+        self.cp_group: dist.ProcessGroup | None = None
         self.forward_cpu_seconds: dict[str, float] = {}
         self._encoder_seconds = 0.0
 
@@ -62,7 +67,17 @@ class ReferenceMLLM(nn.Module):
         embeddings = _scatter(embeddings, input_ids == IMAGE_ID, vision, "vision")
         embeddings = _scatter(embeddings, input_ids == AUDIO_ID, audio, "audio")
         self._encoder_seconds = time.thread_time() - started
-        return self.llm(embeddings, batch["position_ids"], batch["cu_seqlens"])
+        if self.cp_group is None:
+            return self.llm(embeddings, batch["position_ids"], batch["cu_seqlens"])
+        shard = shard_for_context_parallel(batch["cu_seqlens"], self.cp_group)
+        local = shard.local_index
+        return self.llm(embeddings[local], batch["position_ids"][local], batch["cu_seqlens"], shard)
+
+    def local_labels(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The labels of the tokens this rank's logits cover (all of them unless context parallelism is on)."""
+        if self.cp_group is None:
+            return batch["labels"]
+        return batch["labels"][shard_for_context_parallel(batch["cu_seqlens"], self.cp_group).local_index]
 
     def _encode(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Vision and audio embeddings of this micro-batch's items, in placeholder order."""

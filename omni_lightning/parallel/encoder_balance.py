@@ -82,7 +82,7 @@ class EncoderBalancer:
         local = [lengths[name].to(torch.int64) for name in names]
         counts = torch.tensor([t.numel() for t in local], dtype=torch.int64, device=device)
         all_counts = torch.zeros(self.n_ranks * len(names), dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(all_counts, counts, group=self.group)
+        dist.all_gather_single(all_counts, counts, group=self.group)
         all_counts = all_counts.cpu().view(self.n_ranks, len(names))
         width = int(all_counts.sum(1).max())
         gathered = torch.zeros(self.n_ranks * width, dtype=torch.int64, device=device)
@@ -90,7 +90,7 @@ class EncoderBalancer:
             padded = torch.zeros(width, dtype=torch.int64, device=device)
             flat = torch.cat(local)
             padded[: flat.numel()] = flat
-            dist.all_gather_into_tensor(gathered, padded, group=self.group)
+            dist.all_gather_single(gathered, padded, group=self.group)
         gathered = gathered.cpu().view(self.n_ranks, width)
         steps = {}
         for m, name in enumerate(names):

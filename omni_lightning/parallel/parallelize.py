@@ -14,7 +14,7 @@ from omni_lightning.parallel.tensor_parallel import apply_tp, check_tp_compatibl
 __all__ = ["parallelize_mllm", "check_model_fits_layout"]
 
 # Parallelisms that ParallelDims can lay out but the runtime does not apply yet.
-_NOT_YET_APPLIED = ("pp", "cp", "ep")
+_NOT_YET_APPLIED = ("pp", "ep")
 
 
 def check_model_fits_layout(model: ReferenceMLLM, meshes: OmniMeshes, *, encoder_balance: bool = False) -> None:
@@ -50,6 +50,8 @@ def parallelize_mllm(
     blocks; see :mod:`omni_lightning.parallel.encoder_balance`).
     """
     check_model_fits_layout(model, meshes, encoder_balance=encoder_balance)
+    if (cp_mesh := meshes.get("cp")) is not None:
+        model.cp_group = cp_mesh.get_group()
     if encoder_balance and meshes.encoder_group is not None:
         costs = CostModel.from_config(model.config)
         model.encoder_balancer = EncoderBalancer(

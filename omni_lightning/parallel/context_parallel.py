@@ -1,0 +1,118 @@
+"""Context parallelism for the decoder: head-tail sharded packed sequences and all-gather-KV causal attention.
+
+The ``cp`` peers of a data-parallel rank hold the same packed micro-batch. Each keeps only its share of the
+tokens: every sample is cut into ``2 * cp`` near-equal chunks and rank ``r`` keeps chunks ``r`` and
+``2 * cp - 1 - r`` (head-tail), so each rank gets early tokens (cheap under a causal mask) and late ones
+(expensive), and causal attention work is even across the group without padding any sample. Everything but
+attention is per token. Attention gathers every peer's keys and values (one differentiable uneven all-gather per
+layer, built on ``all_to_all_single``), restores global token order and attends each local query to the keys of
+its own sample up to its position. Every rank sends and receives in every layer, forward and backward, whatever its
+mask, so no rank can leave a peer waiting. Plain torch ops only, so it runs on CPU/gloo (torch's built-in
+``context_parallel`` needs CUDA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+from omni_lightning.balance.reshard import split_lengths
+
+__all__ = ["ContextShard", "cp_attention", "head_tail_indices", "shard_for_context_parallel"]
+
+
+def head_tail_indices(lengths: list[int], cp: int) -> list[list[int]]:
+    """Global token indices each of ``cp`` ranks keeps of a packed batch of samples of ``lengths`` (pure).
+
+    Within each sample, rank ``r`` keeps chunk ``r`` and chunk ``2 * cp - 1 - r`` of ``2 * cp`` near-equal chunks;
+    a rank's tokens are ordered by sample, then head before tail.
+    """
+    if cp < 1:
+        raise ValueError(f"cp={cp} must be at least 1")
+    kept: list[list[int]] = [[] for _ in range(cp)]
+    start = 0
+    for length in lengths:
+        chunks = split_lengths(length, 2 * cp)
+        bounds = [start + sum(chunks[:i]) for i in range(2 * cp + 1)]
+        for rank in range(cp):
+            for chunk in (rank, 2 * cp - 1 - rank):
+                kept[rank].extend(range(bounds[chunk], bounds[chunk + 1]))
+        start += length
+    return kept
+
+
+@dataclass
+class ContextShard:
+    """This rank's share of one packed micro-batch and what attention needs to see the whole of it.
+
+    ``local_index``: global indices of the tokens kept here (grouped by sample). ``counts``: tokens kept by each
+    peer. ``global_order``: where each token of the peers' concatenated shares sits in the packed batch.
+    ``cu_seqlens``: the packed batch's sample boundaries; ``local_cu_seqlens``: the same for the local tokens.
+    """
+
+    group: dist.ProcessGroup
+    local_index: torch.Tensor
+    counts: list[int]
+    global_order: torch.Tensor
+    cu_seqlens: list[int]
+    local_cu_seqlens: list[int]
+
+
+def shard_for_context_parallel(cu_seqlens: torch.Tensor, group: dist.ProcessGroup) -> ContextShard:
+    """The head-tail shard of this rank (identical bookkeeping on every peer: it depends on ``cu_seqlens`` only)."""
+    bounds = cu_seqlens.tolist()
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    kept = head_tail_indices(lengths, cp)
+    device = cu_seqlens.device
+    order = torch.tensor([i for share in kept for i in share], dtype=torch.long, device=device)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=device)
+    local_cu = [0]
+    for length in lengths:
+        chunks = split_lengths(length, 2 * cp)
+        local_cu.append(local_cu[-1] + chunks[rank] + chunks[2 * cp - 1 - rank])
+    return ContextShard(group, torch.tensor(kept[rank], dtype=torch.long, device=device),
+                        [len(share) for share in kept], inverse, bounds, local_cu)
+
+
+def _gather_sequence(x: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+    """Every peer's ``x`` in global token order; backward sums each peer's gradient back to its owner."""
+    cp = len(shard.counts)
+    everyone = funcol.all_to_all_single_autograd(
+        torch.cat([x] * cp), shard.counts, [x.shape[0]] * cp, shard.group
+    )
+    return everyone[shard.global_order]
+
+
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+    """Causal attention of local queries ``[local, heads, d]`` over the whole packed batch's keys and values.
+
+    ``k``/``v`` are local ``[local, kv_heads, d]`` (grouped-query attention: ``heads`` a multiple of ``kv_heads``).
+    Sample by sample: a local query attends to the keys of its own sample at or before its position.
+    """
+    keys, values = _gather_sequence(k, shard), _gather_sequence(v, shard)
+    groups = q.shape[1] // k.shape[1]
+    local_positions = shard.local_index.new_tensor(shard.cu_seqlens)  # sample starts, to make positions relative
+    outputs = []
+    for sample in range(len(shard.cu_seqlens) - 1):
+        lo, hi = shard.local_cu_seqlens[sample], shard.local_cu_seqlens[sample + 1]
+        if lo == hi:
+            continue
+        start, end = shard.cu_seqlens[sample], shard.cu_seqlens[sample + 1]
+        query_positions = shard.local_index[lo:hi] - local_positions[sample]
+        key_positions = torch.arange(end - start, device=q.device)
+        mask = key_positions[None, :] <= query_positions[:, None]
+        sample_keys = keys[start:end].repeat_interleave(groups, dim=1)
+        sample_values = values[start:end].repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(
+            q[lo:hi].transpose(0, 1), sample_keys.transpose(0, 1), sample_values.transpose(0, 1), attn_mask=mask
+        )
+        outputs.append(out.transpose(0, 1))
+    if not outputs:  # no local tokens: keep the gathered keys and values in the graph for the backward exchange
+        return q + 0.0 * (keys.sum() + values.sum())
+    return torch.cat(outputs)
