@@ -125,6 +125,8 @@ class OmniModule(LightningModule):
         self._last_step_time = now
         # Already reduced over the data-parallel ranks: no sync_dist needed.
         self.log("train/loss", stats["loss"], prog_bar=True, batch_size=samples)
+        if self.config.llm.moe_every:
+            self.log("train/moe_aux_loss", stats["moe_aux_loss"], batch_size=samples)
         if "balance" in batch:  # loader-side plan statistics of OmniDataModule (this rank's view)
             self.log_dict({f"balance/{k}": float(v) for k, v in batch["balance"].items()}, batch_size=samples)
         if self.model is not None and self.model.encoder_balancer is not None:
@@ -145,9 +147,11 @@ class OmniModule(LightningModule):
         meshes = self.omni_meshes
         cp = meshes.size("cp") if meshes is not None else 1
         accumulate, step_tokens = self._step_weighting(batch, loss_tokens, cp)
+        aux_share = self.model.llm.moe_aux_loss()  # this rank's share of the MoE load-balance loss (0 if dense)
         # One collective for everything that needs the global batch: CP peers share samples, so count 1/cp each.
         totals = torch.stack(
             [
+                aux_share.detach().double(),
                 loss_sum.detach().double(),
                 loss_tokens.double(),
                 torch.tensor(batch["input_ids"].numel() / cp, dtype=torch.float64, device=loss_sum.device),
@@ -158,13 +162,17 @@ class OmniModule(LightningModule):
         loss_mesh = meshes.get("dp_cp") if meshes is not None else None
         if loss_mesh is not None:
             dist.all_reduce(totals, group=loss_mesh.get_group())
+        aux, totals = totals[0], totals[1:]
         global_loss_tokens = totals[1].clamp(min=1.0)
         # FSDP averages gradients over the dp_cp ranks and Lightning divides each micro-batch's loss by the
         # accumulation count; undoing both makes the step's gradient that of (sum of token losses) / (loss tokens
         # of the whole step on every rank), the same as one process running the whole step at once.
         data_parallel = loss_mesh.size() if loss_mesh is not None else 1
         loss = loss_sum * (data_parallel * accumulate / totals[4].clamp(min=1.0).float())
-        stats = {"loss": (totals[0] / global_loss_tokens).float(), "tokens": totals[2], "samples": totals[3]}
+        # The shares sum to the global load-balance loss; averaged per micro-batch like Lightning's accumulation.
+        loss = loss + self.config.llm.moe_aux_loss_coef * data_parallel * aux_share
+        stats = {"loss": (totals[0] / global_loss_tokens).float(), "tokens": totals[2], "samples": totals[3],
+                 "moe_aux_loss": aux.float()}
         return loss, stats
 
     def _step_weighting(self, batch: dict[str, Any], loss_tokens: torch.Tensor, cp: int) -> tuple[int, float]:

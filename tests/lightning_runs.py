@@ -152,7 +152,8 @@ def fit(
 
 
 def reference_run(
-    shards: str, seed_checkpoint: Path, *, dp_size: int, steps: int, accumulate: int = 1
+    shards: str, seed_checkpoint: Path, *, dp_size: int, steps: int, accumulate: int = 1,
+    config: ReferenceMLLMConfig | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process runs the global batch of every micro-batch: the union of what the ``dp_size`` ranks read.
 
@@ -161,7 +162,7 @@ def reference_run(
     """
     data = WebDataModule(shards, batch_size=BATCH_SIZE)
     streams = [data.stream(shards, dp_rank=r, dp_size=dp_size, num_workers=0).iter_samples() for r in range(dp_size)]
-    config = ReferenceMLLMConfig.tiny()
+    config = config or ReferenceMLLMConfig.tiny()
     model = ReferenceMLLM(config)
     model.load_state_dict(torch.load(seed_checkpoint, weights_only=True))
     module = OmniModule(config, learning_rate=LEARNING_RATE)
@@ -173,7 +174,8 @@ def reference_run(
             batch = pack_samples([next(stream) for stream in streams for _ in range(BATCH_SIZE)])
             loss_sum, count = next_token_loss_sum(model(batch), batch["labels"])
             loss = loss_sum / count
-            (loss / accumulate).backward()
+            aux = config.llm.moe_aux_loss_coef * model.llm.moe_aux_loss()  # zero for a dense model
+            ((loss + aux) / accumulate).backward()
             losses.append(loss.item())
         if step == 0:
             first_grads = {name: p.grad.clone() for name, p in model.named_parameters()}

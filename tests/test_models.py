@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from omni_lightning.datamodules.collate import DecodedSample, pack_samples, patchify
 from omni_lightning.models.attention import flash_attn_available, varlen_attention
@@ -143,10 +144,25 @@ def test_moe_matches_dense_top_k_reference() -> None:
     probs = moe.router(x).softmax(-1)
     weights, chosen = probs.topk(2, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
+    experts = moe.experts
+
+    def expert(e: int, row: torch.Tensor) -> torch.Tensor:
+        return (F.silu(row @ experts.w1[e].t()) * (row @ experts.w3[e].t())) @ experts.w2[e].t()
+
     expected = torch.stack(
-        [sum(w * moe.experts[int(e)](x[t]) for w, e in zip(weights[t], chosen[t], strict=True)) for t in range(20)]
+        [sum(w * expert(int(e), x[t]) for w, e in zip(weights[t], chosen[t], strict=True)) for t in range(20)]
     )
     torch.testing.assert_close(moe(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_load_balance_loss_is_minimal_for_uniform_routing() -> None:
+    """n_experts * sum f_e p_e is 1 when routing and probabilities are uniform, larger when one expert dominates."""
+    moe = MoEFeedForward(dim=8, hidden=16, n_experts=4, top_k=1)
+    probs = torch.full((8, 4), 0.25)
+    chosen = torch.arange(8).remainder(4)[:, None]
+    torch.testing.assert_close(moe._load_balance_share(probs, chosen), torch.tensor(1.0))
+    skewed = torch.tensor([[0.7, 0.1, 0.1, 0.1]]).repeat(8, 1)
+    assert moe._load_balance_share(skewed, torch.zeros(8, 1, dtype=torch.long)) > 2.5
 
 
 @pytest.mark.parametrize(

@@ -70,6 +70,7 @@ class LLMConfig:
     moe_every: int = 0
     n_experts: int = 4
     moe_top_k: int = 2
+    moe_aux_loss_coef: float = 0.01
 
     @property
     def head_dim(self) -> int:

@@ -14,6 +14,7 @@ from torch import nn
 from omni_lightning.models.attention import AttentionBackend, varlen_attention
 from omni_lightning.models.config import LLMConfig
 from omni_lightning.models.layers import RMSNorm
+from omni_lightning.models.moe import MoEFeedForward
 from omni_lightning.parallel.context_parallel import ContextShard, cp_attention
 
 __all__ = ["Attention", "FeedForward", "MoEFeedForward", "DecoderBlock", "Decoder", "rotary_embedding"]
@@ -72,28 +73,6 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class MoEFeedForward(nn.Module):
-    """Top-k routed mixture of SwiGLU experts (router softmax, renormalised top-k weights)."""
-
-    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int) -> None:
-        super().__init__()
-        self.top_k = top_k
-        self.router = nn.Linear(dim, n_experts, bias=False)
-        self.experts = nn.ModuleList(FeedForward(dim, hidden) for _ in range(n_experts))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = self.router(x).float().softmax(-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)
-        weights = (weights / weights.sum(-1, keepdim=True)).type_as(x)
-        out = torch.zeros_like(x)
-        for index, expert in enumerate(self.experts):
-            token, slot = (chosen == index).nonzero(as_tuple=True)
-            # Every expert runs, even on zero tokens, so every rank produces a gradient for every expert weight
-            # (FSDP reduce-scatters assume all ranks contribute the same tensors).
-            out = out.index_add(0, token, expert(x[token]) * weights[token, slot, None])
-        return out
-
-
 class DecoderBlock(nn.Module):
     def __init__(self, config: LLMConfig, layer_index: int, backend: AttentionBackend) -> None:
         super().__init__()
@@ -139,3 +118,9 @@ class Decoder(nn.Module):
         for layer in self.layers:
             x = layer(x, rope, cu_seqlens, cp_shard)
         return self.output(self.norm(x))
+
+    def moe_aux_loss(self) -> torch.Tensor:
+        """This rank's share of the load-balance loss of the last forward, summed over MoE layers (0 if none)."""
+        shares = [layer.feed_forward.aux_loss for layer in self.layers
+                  if isinstance(layer.feed_forward, MoEFeedForward) and layer.feed_forward.aux_loss is not None]
+        return torch.stack(shares).sum() if shares else torch.zeros((), device=self.norm.weight.device)

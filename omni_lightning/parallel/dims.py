@@ -229,6 +229,17 @@ class ParallelDims:
         self.size(name)  # raises the "unknown dimension" error
         raise AssertionError("unreachable")
 
+    def expert_replica_groups(self) -> list[list[int]]:
+        """Ranks that hold the same experts under expert parallelism: within one ``dp_cp`` group, those at the same
+        position of their EP group (the ``efsdp`` ranks, times ``dp_replicate``). Their expert gradients are summed."""
+        groups = []
+        for dp_cp in self.groups("dp_cp"):
+            by_position: dict[int, list[int]] = {}
+            for rank in dp_cp:
+                by_position.setdefault(self.local_rank_in("ep", rank), []).append(rank)
+            groups.extend(by_position.values())
+        return sorted(groups)
+
     def local_rank_in(self, name: str, rank: int) -> int:
         """Index of ``rank`` inside its ``name`` group (e.g. the data-parallel rank for ``name='dp'``)."""
         return self.group_of(name, rank).index(rank)

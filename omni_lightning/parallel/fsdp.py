@@ -18,16 +18,20 @@ def apply_fsdp(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> None:
     """Shard every module in ``blocks`` as its own FSDP unit, then ``model`` as the root unit (in place).
 
     ``mesh`` is 1-D for FSDP or 2-D ``(dp_replicate, dp_shard_cp)`` for HSDP. Gradients are averaged over all of
     its ranks, which is why the loss is scaled by the data-parallel size (see ``OmniModule``).
+    ``ignored_params`` (expert-parallel weights) are left to their own gradient synchronisation.
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                    ignored_params=ignored_params)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                ignored_params=ignored_params)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -28,6 +28,8 @@ class OmniMeshes:
     views: dict[str, DeviceMesh]
     encoder_group: dist.ProcessGroup | None
     encoder_sp_blocks: dict[int, dist.ProcessGroup]
+    ep_mesh: DeviceMesh | None = None
+    expert_replica_group: dist.ProcessGroup | None = None
 
     @property
     def encoder_sp_group(self) -> dist.ProcessGroup | None:
@@ -91,7 +93,16 @@ def build_meshes(parallel_dims: ParallelDims, device_type: str) -> OmniMeshes:
         aligned = [g[i : i + degree] for g in parallel_dims.groups("encoder") for i in range(0, len(g), degree)]
         blocks[degree] = _new_subgroups(sorted(aligned), rank)
         degree *= 2
-    return OmniMeshes(parallel_dims, world, views, encoder_group, blocks)
+    ep_mesh, expert_replicas = None, None
+    if parallel_dims.ep > 1:
+        shard_view = views["dp_shard_cp"]
+        efsdp = parallel_dims.size("efsdp")
+        # EP groups are consecutive chunks of the FSDP ranks (ep innermost), as ParallelDims lays them out.
+        ep_mesh = shard_view
+        if efsdp > 1:
+            ep_mesh = shard_view._unflatten(0, (efsdp, parallel_dims.ep), ("efsdp", "ep"))["ep"]
+        expert_replicas = _new_subgroups(parallel_dims.expert_replica_groups(), rank)
+    return OmniMeshes(parallel_dims, world, views, encoder_group, blocks, ep_mesh, expert_replicas)
 
 
 def _new_subgroups(groups: list[list[int]], rank: int) -> dist.ProcessGroup | None:

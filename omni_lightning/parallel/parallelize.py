@@ -6,7 +6,9 @@ import torch
 
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.models.mllm import ReferenceMLLM
+from omni_lightning.models.moe import MoEFeedForward
 from omni_lightning.parallel.encoder_balance import EncoderBalancer
+from omni_lightning.parallel.expert_parallel import apply_ep
 from omni_lightning.parallel.fsdp import apply_fsdp
 from omni_lightning.parallel.mesh import OmniMeshes
 from omni_lightning.parallel.tensor_parallel import apply_tp, check_tp_compatible
@@ -14,7 +16,7 @@ from omni_lightning.parallel.tensor_parallel import apply_tp, check_tp_compatibl
 __all__ = ["parallelize_mllm", "check_model_fits_layout"]
 
 # Parallelisms that ParallelDims can lay out but the runtime does not apply yet.
-_NOT_YET_APPLIED = ("pp", "ep")
+_NOT_YET_APPLIED = ("pp",)
 
 
 def check_model_fits_layout(model: ReferenceMLLM, meshes: OmniMeshes, *, encoder_balance: bool = False) -> None:
@@ -23,10 +25,15 @@ def check_model_fits_layout(model: ReferenceMLLM, meshes: OmniMeshes, *, encoder
     unsupported = [f"{name}={dims.size(name)}" for name in _NOT_YET_APPLIED if dims.size(name) > 1]
     if unsupported:
         raise ValueError(
-            f"{', '.join(unsupported)}: the reference model runtime applies TP and FSDP/HSDP only so far; "
-            "set these degrees to 1"
+            f"{', '.join(unsupported)}: the reference model runtime applies FSDP/HSDP, TP, CP, EP and encoder SP "
+            "so far, not pipeline parallelism; set these degrees to 1"
         )
     check_tp_compatible(model.config.llm, dims.tp)
+    llm = model.config.llm
+    if dims.ep > 1 and not llm.moe_every:
+        raise ValueError(f"ep={dims.ep} shards MoE experts but the LLM has no MoE layers (set llm.moe_every)")
+    if llm.moe_every and llm.n_experts % dims.ep:
+        raise ValueError(f"llm.n_experts={llm.n_experts} is not divisible by ep={dims.ep}; pick ep dividing it")
     if dims.enc_sp > 1 and not encoder_balance:
         raise ValueError(f"enc_sp={dims.enc_sp} splits items planned by the encoder balancer: set encoder_balance=True")
     for name in ("vision", "audio"):
@@ -60,6 +67,14 @@ def parallelize_mllm(
         )
     if (tp_mesh := meshes.get("tp")) is not None:
         apply_tp(model.llm, tp_mesh)
+    experts: list[torch.nn.Parameter] = []
+    if meshes.ep_mesh is not None:
+        experts = apply_ep(model.llm, meshes.ep_mesh, meshes.expert_replica_group,
+                           gradient_divide=meshes.size("dp_cp"))
+    if (loss_mesh := meshes.get("dp_cp")) is not None:
+        for layer in model.llm.layers:  # global routing statistics for the load-balance loss
+            if isinstance(layer.feed_forward, MoEFeedForward):
+                layer.feed_forward.stats_group = loss_mesh.get_group()
     if (fsdp_mesh := meshes.fsdp_mesh) is not None:
         blocks = [*model.llm.layers, *model.vision.blocks, *model.audio.blocks]
-        apply_fsdp(model, fsdp_mesh, blocks=blocks, param_dtype=param_dtype)
+        apply_fsdp(model, fsdp_mesh, blocks=blocks, param_dtype=param_dtype, ignored_params=set(experts) or None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from datetime import timedelta
@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from omni_lightning.datamodules.resumable import commit_consumed
 from omni_lightning.parallel.dims import ParallelDims
+from omni_lightning.parallel.expert_parallel import sync_expert_gradients
 from omni_lightning.parallel.fsdp import set_gradient_sync
 from omni_lightning.parallel.mesh import OmniMeshes, build_meshes
 
@@ -175,6 +176,18 @@ class OmniStrategy(ModelParallelStrategy):
         # Under TP the loss was taken over vocabulary-sharded logits; their backward needs the same context.
         with loss_parallel() if self.parallel_dims.tp_enabled else nullcontext():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None,
+                       **kwargs: Any) -> Any:
+        def closure_then_sync_experts() -> Any:
+            # Expert-parallel weights are outside FSDP: reduce their gradients once the last backward of the step
+            # has run, before the precision plugin's hooks and gradient clipping see them.
+            result = closure()
+            sync_expert_gradients(self.lightning_module)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_sync_experts, model, **kwargs)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -1,0 +1,98 @@
+"""Expert parallelism: MoE experts sharded over the EP group, tokens dispatched and combined with all-to-alls.
+
+The EP group re-factors the FSDP ranks (``dp_shard * cp``, see :class:`ParallelDims`): its ``ep`` consecutive
+ranks each hold ``n_experts / ep`` experts, as one DTensor sharded along the expert dimension (so checkpoints keep
+their names and resume under any layout). In each MoE layer every rank sends each routed token row to the rank
+holding its expert (one ``all_to_all_single`` of per-expert counts, then one differentiable ``all_to_all_single`` of
+rows, uneven splits), runs its experts, and sends the results back the same way; a rank that routes nothing to some
+expert still takes part in both exchanges, so none can hang.
+
+Expert weights are replicated over the other FSDP ranks (the *expert replicas*: same position in another EP
+group), so FSDP does not manage them: :func:`sync_expert_gradients` sums their gradients over the replicas and
+divides by the data-parallel size, matching the average FSDP takes of every other gradient.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from omni_lightning.models.moe import ExpertCompute, GroupedExperts
+
+__all__ = ["ExpertDispatcher", "apply_ep", "expert_major_order", "sync_expert_gradients"]
+
+
+def expert_major_order(received_counts: np.ndarray) -> np.ndarray:
+    """Row order that turns rows received source by source (each source's rows by expert) into expert-major order.
+
+    ``received_counts[s, e]`` rows came from source ``s`` for local expert ``e``.
+    """
+    counts = np.asarray(received_counts, dtype=np.int64)
+    starts = (np.cumsum(counts.reshape(-1)) - counts.reshape(-1)).reshape(counts.shape)
+    pieces = [np.arange(starts[s, e], starts[s, e] + counts[s, e]) for e in range(counts.shape[1])
+              for s in range(counts.shape[0])]
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+
+
+class ExpertDispatcher:
+    """Moves routed rows to their experts' EP rank and back (installed as ``GroupedExperts.dispatcher``)."""
+
+    def __init__(self, group: dist.ProcessGroup, n_experts: int, replica_group: dist.ProcessGroup | None,
+                 gradient_divide: int) -> None:
+        self.group = group
+        self.ep = dist.get_world_size(group)
+        self.local_experts = n_experts // self.ep
+        self.replica_group = replica_group
+        self.gradient_divide = gradient_divide
+
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, compute: ExpertCompute) -> torch.Tensor:
+        send_counts = counts.view(self.ep, self.local_experts).sum(1).tolist()
+        received_counts = torch.empty_like(counts)
+        dist.all_to_all_single(received_counts, counts.contiguous(), group=self.group)  # `local_experts` each
+        received_counts = received_counts.view(self.ep, self.local_experts)
+        recv_counts = received_counts.sum(1).tolist()
+        received = funcol.all_to_all_single_autograd(rows, recv_counts, send_counts, self.group)
+        order = torch.as_tensor(expert_major_order(received_counts.cpu().numpy()), device=rows.device)
+        outputs = compute(received[order], received_counts.sum(0))
+        restored = torch.empty_like(outputs).index_copy(0, order, outputs)
+        return funcol.all_to_all_single_autograd(restored, send_counts, recv_counts, self.group)
+
+
+def apply_ep(decoder: nn.Module, ep_mesh: DeviceMesh, replica_group: dist.ProcessGroup | None,
+             gradient_divide: int) -> list[nn.Parameter]:
+    """Shard every :class:`GroupedExperts` of ``decoder`` over ``ep_mesh`` (in place); returns their parameters,
+    which FSDP must leave alone."""
+    ep = ep_mesh.size()
+    sharded: list[nn.Parameter] = []
+    for module in decoder.modules():
+        if not isinstance(module, GroupedExperts):
+            continue
+        if module.n_experts % ep:
+            raise ValueError(f"llm.n_experts={module.n_experts} is not divisible by ep={ep}; pick ep dividing it")
+        for name in ("w1", "w3", "w2"):
+            param = nn.Parameter(distribute_tensor(getattr(module, name).data, ep_mesh, [Shard(0)]))
+            module.register_parameter(name, param)
+            sharded.append(param)
+        module.dispatcher = ExpertDispatcher(ep_mesh.get_group(), module.n_experts, replica_group, gradient_divide)
+    return sharded
+
+
+def sync_expert_gradients(model: nn.Module) -> None:
+    """Sum expert gradients over their replicas and divide by the data-parallel size (call before the optimizer
+    step, after the last accumulated backward)."""
+    for module in model.modules():
+        dispatcher = getattr(module, "dispatcher", None)
+        if not isinstance(module, GroupedExperts) or not isinstance(dispatcher, ExpertDispatcher):
+            continue
+        for param in module.parameters():
+            if param.grad is None:
+                continue
+            local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            if dispatcher.replica_group is not None:
+                dist.all_reduce(local, group=dispatcher.replica_group)
+            local.div_(dispatcher.gradient_divide)

@@ -1,0 +1,101 @@
+"""Expert parallelism: dispatch bookkeeping (pure), an EP layer against one process, and MoE training parity.
+
+Tolerances: the EP layer runs each token through the same expert weights as one process, only on another rank, so
+outputs and gradients agree to 1e-5. Training parity uses the foundation's 1e-4 (see test_parity.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+from lightning_runs import LEARNING_RATE, RecordRun, fit, reference_run
+from test_parity import STEPS, _assert_grads_match
+
+from omni_lightning import OmniModule, ReferenceMLLMConfig
+from omni_lightning.models.moe import MoEFeedForward
+from omni_lightning.module import initial_state_dict
+from omni_lightning.parallel.dims import ParallelDims
+from omni_lightning.parallel.expert_parallel import apply_ep, expert_major_order, sync_expert_gradients
+from omni_lightning.parallel.mesh import build_meshes
+
+
+def test_expert_major_order() -> None:
+    # 2 sources x 2 local experts: rows [s0e0 s0e0 | s0e1 | s1e0 | s1e1 s1e1] -> [s0e0 s0e0 s1e0 | s0e1 s1e1 s1e1]
+    assert expert_major_order(np.array([[2, 1], [1, 2]])).tolist() == [0, 1, 3, 2, 4, 5]
+    assert expert_major_order(np.zeros((2, 2), dtype=np.int64)).tolist() == []
+
+
+def test_expert_replicas_share_an_ep_position() -> None:
+    dims = ParallelDims(world_size=8, dp_replicate=2, dp_shard=2, tp=2, ep=2)
+    # dp_cp groups: [0, 2, 4, 6] and [1, 3, 5, 7]; EP groups are consecutive pairs of the FSDP ranks [0, 2], [4, 6].
+    assert dims.expert_replica_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert ParallelDims(world_size=4, dp_shard=4, ep=4).expert_replica_groups() == [[0], [1], [2], [3]]
+
+
+def _check_layer(rank: int, world: int) -> None:
+    torch.manual_seed(0)  # the same layer and the same global tokens on every rank, for the reference
+    layer = MoEFeedForward(dim=8, hidden=16, n_experts=4, top_k=2)
+    tokens = torch.randn(4 * world, 8)
+    # Rank 0's tokens all prefer expert 0 and 1: ranks holding experts 2 and 3 receive nothing from it.
+    tokens[:4] = (layer.router.weight[0] * 4 + layer.router.weight[1] * 3).detach()
+    assert set(layer.router(tokens[:4]).topk(2).indices.flatten().tolist()) <= {0, 1}
+    reference = layer(tokens)
+    weight = torch.randn_like(reference)
+    (reference * weight).sum().backward()
+    ref_grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    layer.zero_grad()
+
+    meshes = build_meshes(ParallelDims(world_size=world, dp_shard=world, ep=world), "cpu")
+    apply_ep(layer, meshes.ep_mesh, meshes.expert_replica_group, gradient_divide=1)
+    mine = slice(4 * rank, 4 * rank + 4)
+    out = layer(tokens[mine])
+    torch.testing.assert_close(out, reference[mine], atol=1e-5, rtol=1e-5)
+    (out * weight[mine]).sum().backward()
+    sync_expert_gradients(layer)
+    router_grad = layer.router.weight.grad.clone()
+    dist.all_reduce(router_grad)  # the router is replicated: its gradient is the sum over ranks
+    torch.testing.assert_close(router_grad, ref_grads["router.weight"], atol=1e-5, rtol=1e-5)
+    for name in ("w1", "w3", "w2"):
+        grad = getattr(layer.experts, name).grad.full_tensor()
+        torch.testing.assert_close(grad, ref_grads[f"experts.{name}"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.distributed
+def test_ep_layer_matches_one_process_with_an_idle_expert_route() -> None:
+    run_distributed(_check_layer, 4)
+
+
+MOE = ReferenceMLLMConfig.tiny(moe=True)
+
+
+@pytest.fixture(scope="module")
+def moe_seed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("moe_seed") / "seed.pt"
+    torch.save(initial_state_dict(MOE, seed=99), path)
+    return path
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("layout", "devices"),
+    [({"dp_shard": 4, "ep": 4}, 4), ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, 4),
+     ({"dp_shard": 2, "ep": 2, "tp": 2}, 4), ({"dp_shard": 4, "ep": 4, "tp": 2}, 8)],
+    ids=["ep4", "hsdp_ep2", "ep2_tp2", "ep4_tp2_8ranks"],
+)
+def test_moe_training_matches_one_process(layout: dict[str, int], devices: int, tmp_path: Path, tiny_shards: str,
+                                          moe_seed: Path) -> None:
+    """Ten steps of the MoE variant (load-balance loss included) match one process, loss by loss."""
+    module = OmniModule(MOE, learning_rate=LEARNING_RATE, init_checkpoint=str(moe_seed))
+    fit(tmp_path, tiny_shards, moe_seed, layout=layout, devices=devices, max_steps=STEPS, module=module,
+        callbacks=[RecordRun(tmp_path, grads=True)])
+    dp = layout.get("dp_replicate", 1) * layout["dp_shard"]
+    ref_losses, ref_grads = reference_run(tiny_shards, moe_seed, dp_size=dp, steps=STEPS, config=MOE)
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+    _assert_grads_match(torch.load(tmp_path / "grads.pt", weights_only=True), ref_grads, "MoE")
