@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,10 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from omni_lightning.models.config import ReferenceMLLMConfig
-from omni_lightning.models.mllm import ReferenceMLLM, next_token_loss_sum
+from omni_lightning.models.mllm import IGNORE_INDEX, ReferenceMLLM, next_token_loss_sum, vocab_parallel_loss
 from omni_lightning.parallel.mesh import OmniMeshes
 from omni_lightning.parallel.parallelize import parallelize_mllm
+from omni_lightning.parallel.pipeline import PipelineRunner, split_micro_batches
 
 __all__ = ["OmniModule", "initial_state_dict", "clip_grad_norm_"]
 
@@ -80,6 +82,7 @@ class OmniModule(LightningModule):
         self.omni_meshes: OmniMeshes | None = None
         self._param_dtype = getattr(torch, param_dtype) if param_dtype else None
         self._last_step_time: float | None = None
+        self._pipeline: PipelineRunner | None = None
 
     @override
     def configure_model(self) -> None:
@@ -98,13 +101,26 @@ class OmniModule(LightningModule):
             state = initial_state_dict(
                 self.config, init_checkpoint=self.hparams.init_checkpoint, seed=self.hparams.init_seed
             )
+        broadcast = dist.is_initialized()
         if self.omni_meshes is not None:
-            encoder_balance = bool(getattr(self.trainer.strategy, "encoder_balance", False))
-            parallelize_mllm(model, self.omni_meshes, param_dtype=self._param_dtype, encoder_balance=encoder_balance)
+            strategy = self.trainer.strategy
+            self._pipeline = parallelize_mllm(
+                model, self.omni_meshes, param_dtype=self._param_dtype,
+                encoder_balance=bool(getattr(strategy, "encoder_balance", False)),
+                pipeline=getattr(strategy, "pipeline_settings", None),
+            )
+        if self._pipeline is not None:
+            # Each pipeline rank holds only its stages: rank 0 cannot broadcast the others' weights, so every rank
+            # takes rank 0's full copy first (a built model) or already has it (seeded or from a seed checkpoint).
+            if self._built_model:
+                for tensor in state.values():
+                    dist.broadcast(tensor, src=0)
+            kept = model.state_dict().keys()
+            state, broadcast = {k: v for k, v in state.items() if k in kept}, False
         device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
         model.to_empty(device=device)
         # Rank 0's copy wins, so a model built with unseeded randomness on each rank still starts identically.
-        options = StateDictOptions(full_state_dict=True, strict=True, broadcast_from_rank0=dist.is_initialized())
+        options = StateDictOptions(full_state_dict=True, strict=True, broadcast_from_rank0=broadcast)
         set_model_state_dict(model, state, options=options)
         self.model = model
         self._built_model = ()
@@ -115,7 +131,15 @@ class OmniModule(LightningModule):
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, torch.Tensor]:
-        loss, stats = self._loss_and_stats(batch)
+        if self._pipeline is not None:
+            if batch_idx % self.trainer.accumulate_grad_batches == 0:
+                # Lightning zeroes gradients between training_step and backward, but the schedule's backward runs
+                # inside training_step: zero them here instead (see optimizer_zero_grad).
+                for p in self.parameters():
+                    p.grad = None
+            loss, stats = self._pipeline_loss_and_stats(batch)
+        else:
+            loss, stats = self._loss_and_stats(batch)
         now = time.perf_counter()
         samples = batch["num_samples"]
         if self._last_step_time is not None:
@@ -136,7 +160,10 @@ class OmniModule(LightningModule):
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        _, stats = self._loss_and_stats(batch)
+        if self._pipeline is not None:
+            _, stats = self._pipeline_loss_and_stats(batch)
+        else:
+            _, stats = self._loss_and_stats(batch)
         # Each value is already global; sync_dist only averages identical per-rank epoch means.
         self.log("val/loss", stats["loss"], prog_bar=True, batch_size=batch["num_samples"], sync_dist=True)
         return stats["loss"]
@@ -175,6 +202,44 @@ class OmniModule(LightningModule):
                  "moe_aux_loss": aux.float()}
         return loss, stats
 
+    def _pipeline_loss_and_stats(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Run the pipeline schedule over the step's micro-batches (forward and, when training, backward).
+
+        The schedule's backward already ran, so the returned loss only carries the value (OmniStrategy's backward
+        is a no-op under pipeline parallelism). Loss scaling is the non-pipelined one: summed token losses over the
+        step's global loss tokens, times the data-parallel size that FSDP averages over.
+        """
+        runner = self._pipeline
+        assert runner is not None and self.omni_meshes is not None
+        merge, downsample = self.config.vision.merge, self.config.audio.downsample
+        micro = batch.get("micro_batches") or split_micro_batches(batch, runner.n_microbatches, vision_merge=merge,
+                                                                   audio_downsample=downsample)
+        device = micro[0]["input_ids"].device
+        counts = torch.tensor([float(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)),
+                               float(sum(mb["input_ids"].numel() for mb in micro)),
+                               float(sum(mb["num_samples"] for mb in micro))], dtype=torch.float64, device=device)
+        loss_mesh = self.omni_meshes.get("dp_cp")
+        data_parallel = loss_mesh.size() if loss_mesh is not None else 1
+        if loss_mesh is not None:
+            dist.all_reduce(counts, group=loss_mesh.get_group())
+        tokens = float(counts[0].clamp(min=1.0))
+        accumulate = self.trainer.accumulate_grad_batches if self.training else 1
+        tp = self.omni_meshes.get("tp") is not None
+        with vocab_parallel_loss() if tp else nullcontext():
+            if self.training:
+                loss_sum = runner.step(micro, loss_scale=data_parallel / tokens / accumulate)
+            else:
+                loss_sum = runner.evaluate(micro)
+        # Only the last stage holds losses: summing over the pipeline and the data-parallel ranks makes them global.
+        loss_sum = loss_sum.detach().double().reshape(1)
+        for name in ("pp", "dp_cp"):
+            if (mesh := self.omni_meshes.get(name)) is not None:
+                dist.all_reduce(loss_sum, group=mesh.get_group())
+        global_loss = (loss_sum[0] / tokens).float()
+        stats = {"loss": global_loss, "tokens": counts[1], "samples": counts[2],
+                 "moe_aux_loss": torch.zeros(())}
+        return global_loss.detach().requires_grad_(), stats
+
     def _step_weighting(self, batch: dict[str, Any], loss_tokens: torch.Tensor, cp: int) -> tuple[int, float]:
         """(accumulation factor to undo, this rank's share of the loss tokens of the whole optimizer step).
 
@@ -192,6 +257,11 @@ class OmniModule(LightningModule):
                 f"Trainer(accumulate_grad_batches={accumulate}): set OmniDataModule(micro_batches={accumulate})"
             )
         return accumulate, float(step["loss_tokens"]) / cp
+
+    @override
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        if self._pipeline is None:  # under pipeline parallelism training_step zeroes before the schedule runs
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     @override
     def configure_optimizers(self) -> Any:
@@ -218,14 +288,19 @@ class OmniModule(LightningModule):
         if gradient_clip_algorithm not in (None, "norm"):
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: only 'norm' is supported")
         assert self.model is not None
-        clip_grad_norm_(list(self.model.parameters()), gradient_clip_val)
+        pp_mesh = self.omni_meshes.get("pp") if self.omni_meshes is not None else None
+        clip_grad_norm_(list(self.model.parameters()), gradient_clip_val,
+                        pp_group=pp_mesh.get_group() if pp_mesh is not None else None)
 
 
-def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float,
+                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Clip by the global gradient norm across parameters sharded on different meshes (plain tensors too).
 
     ``torch.nn.utils.clip_grad_norm_`` stacks per-parameter norms, which fails when DTensors live on different
     meshes (decoder on ``dp x tp``, encoders on ``dp``); reducing each norm to a plain scalar first avoids that.
+    Under pipeline parallelism each rank holds only its stages' parameters: ``pp_group`` sums the squares over the
+    stages.
     """
     squares = []
     for p in parameters:
@@ -233,9 +308,10 @@ def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float) -> to
             continue
         norm = p.grad.norm()
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).double() ** 2)
-    if not squares:
-        return torch.zeros(())
-    total = torch.stack(squares).sum().sqrt()
+    total_squares = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
+    if pp_group is not None:
+        dist.all_reduce(total_squares, group=pp_group)
+    total = total_squares.sqrt()
     scale = max_norm / (float(total) + 1e-6)
     if scale < 1.0 and math.isfinite(scale):
         for p in parameters:

@@ -41,10 +41,22 @@ class RecordRun(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
         if self.grads and trainer.global_step == 0:  # after the last accumulated micro-batch of the first step
-            # full_tensor() is collective: every rank calls it, rank 0 keeps the result.
+            missing = [name for name, p in module.model.named_parameters() if p.grad is None]
+            assert not missing, f"rank {trainer.global_rank}: no gradient for {missing}"
+            # full_tensor() is collective: every rank calls it. Under pipeline parallelism each stage holds its own
+            # parameters, so every rank writes its file and grads.pt is rank 0's; merged_grads() joins them.
             grads = {name: _full(p.grad) for name, p in module.model.named_parameters()}
+            torch.save(grads, self.out_dir / f"grads_rank{trainer.global_rank}.pt")
             if trainer.global_rank == 0:
                 torch.save(grads, self.out_dir / "grads.pt")
+
+
+def merged_grads(out_dir: Path) -> dict[str, torch.Tensor]:
+    """Every rank's recorded gradients in one dict (ranks holding the same parameter recorded the same values)."""
+    merged: dict[str, torch.Tensor] = {}
+    for path in sorted(out_dir.glob("grads_rank*.pt")):
+        merged.update(torch.load(path, weights_only=True))
+    return merged
 
 
 class Snapshot(pl.Callback):

@@ -100,7 +100,8 @@ class Decoder(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(DecoderBlock(config, i, backend) for i in range(config.n_layers))
+        # Keyed by layer number, so that a pipeline stage holding some of them keeps their checkpoint names.
+        self.layers = nn.ModuleDict({str(i): DecoderBlock(config, i, backend) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
 
@@ -115,12 +116,12 @@ class Decoder(nn.Module):
         """
         rope = rotary_embedding(positions, self.config.head_dim, self.config.rope_theta)
         x = embeddings
-        for layer in self.layers:
+        for layer in self.layers.values():
             x = layer(x, rope, cu_seqlens, cp_shard)
         return self.output(self.norm(x))
 
     def moe_aux_loss(self) -> torch.Tensor:
         """This rank's share of the load-balance loss of the last forward, summed over MoE layers (0 if none)."""
-        shares = [layer.feed_forward.aux_loss for layer in self.layers
+        shares = [layer.feed_forward.aux_loss for layer in self.layers.values()
                   if isinstance(layer.feed_forward, MoEFeedForward) and layer.feed_forward.aux_loss is not None]
         return torch.stack(shares).sum() if shares else torch.zeros((), device=self.norm.weight.device)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,7 +22,7 @@ from omni_lightning.parallel.context_parallel import shard_for_context_parallel
 if TYPE_CHECKING:  # the parallel package builds on the models
     from omni_lightning.parallel.encoder_balance import EncoderBalancer
 
-__all__ = ["ReferenceMLLM", "IGNORE_INDEX", "next_token_loss_sum"]
+__all__ = ["ReferenceMLLM", "IGNORE_INDEX", "next_token_loss_sum", "vocab_parallel_loss"]
 
 IGNORE_INDEX = -100
 
@@ -61,17 +63,21 @@ class ReferenceMLLM(nn.Module):
 
     def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         started = time.thread_time()
-        input_ids = batch["input_ids"]
-        embeddings = self.llm.tok_embeddings(input_ids)
-        vision, audio = self._encode(batch)
-        embeddings = _scatter(embeddings, input_ids == IMAGE_ID, vision, "vision")
-        embeddings = _scatter(embeddings, input_ids == AUDIO_ID, audio, "audio")
+        embeddings = self.embed(batch)
         self._encoder_seconds = time.thread_time() - started
         if self.cp_group is None:
             return self.llm(embeddings, batch["position_ids"], batch["cu_seqlens"])
         shard = shard_for_context_parallel(batch["cu_seqlens"], self.cp_group)
         local = shard.local_index
         return self.llm(embeddings[local], batch["position_ids"][local], batch["cu_seqlens"], shard)
+
+    def embed(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Token embeddings with every placeholder replaced by its encoder output: the decoder's input."""
+        input_ids = batch["input_ids"]
+        embeddings = self.llm.tok_embeddings(input_ids)
+        vision, audio = self._encode(batch)
+        embeddings = _scatter(embeddings, input_ids == IMAGE_ID, vision, "vision")
+        return _scatter(embeddings, input_ids == AUDIO_ID, audio, "audio")
 
     def local_labels(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The labels of the tokens this rank's logits cover (all of them unless context parallelism is on)."""
@@ -114,14 +120,33 @@ def _scatter(embeddings: torch.Tensor, where: torch.Tensor, values: torch.Tensor
     return embeddings.masked_scatter(where[:, None], values.to(embeddings.dtype))
 
 
+_loss_parallel_depth = 0
+
+
+@contextmanager
+def vocab_parallel_loss() -> Iterator[None]:
+    """``loss_parallel()`` that may be nested: only the outermost one enters and exits, because leaving an inner
+    ``loss_parallel`` would switch it off for the outer one (a pipeline schedule computes losses and runs their
+    backward inside one such context)."""
+    global _loss_parallel_depth
+    context = loss_parallel() if _loss_parallel_depth == 0 else nullcontext()
+    _loss_parallel_depth += 1
+    try:
+        with context:
+            yield
+    finally:
+        _loss_parallel_depth -= 1
+
+
 def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy over positions whose label is not ``IGNORE_INDEX``, and how many there were.
 
     Vocabulary-sharded logits (a DTensor from tensor parallelism) are reduced without gathering them; the backward
-    pass must then also run under ``loss_parallel`` (OmniStrategy.backward does that).
+    pass must then also run under ``loss_parallel`` (OmniStrategy.backward does that, with
+    :func:`vocab_parallel_loss`).
     """
     if isinstance(logits, DTensor):
-        with loss_parallel():
+        with vocab_parallel_loss():
             loss_sum = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
         loss_sum = loss_sum.to_local()
     else:

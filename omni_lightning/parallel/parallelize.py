@@ -11,22 +11,19 @@ from omni_lightning.parallel.encoder_balance import EncoderBalancer
 from omni_lightning.parallel.expert_parallel import apply_ep
 from omni_lightning.parallel.fsdp import apply_fsdp
 from omni_lightning.parallel.mesh import OmniMeshes
+from omni_lightning.parallel.pipeline import PipelineRunner, PipelineSettings
 from omni_lightning.parallel.tensor_parallel import apply_tp, check_tp_compatible
 
 __all__ = ["parallelize_mllm", "check_model_fits_layout"]
 
-# Parallelisms that ParallelDims can lay out but the runtime does not apply yet.
-_NOT_YET_APPLIED = ("pp",)
-
-
 def check_model_fits_layout(model: ReferenceMLLM, meshes: OmniMeshes, *, encoder_balance: bool = False) -> None:
     """Raise ``ValueError`` naming the model size or degree that the layout cannot serve."""
     dims = meshes.parallel_dims
-    unsupported = [f"{name}={dims.size(name)}" for name in _NOT_YET_APPLIED if dims.size(name) > 1]
-    if unsupported:
+    if dims.pp > 1 and (dims.cp > 1 or model.config.llm.moe_every):
         raise ValueError(
-            f"{', '.join(unsupported)}: the reference model runtime applies FSDP/HSDP, TP, CP, EP and encoder SP "
-            "so far, not pipeline parallelism; set these degrees to 1"
+            f"pp={dims.pp} with {'cp=' + str(dims.cp) if dims.cp > 1 else 'an MoE model'}: pipeline stages do not "
+            "yet carry context-parallel shards or MoE load-balance losses between stages; use pp=1 or a dense model "
+            "without cp"
         )
     check_tp_compatible(model.config.llm, dims.tp)
     llm = model.config.llm
@@ -47,9 +44,12 @@ def check_model_fits_layout(model: ReferenceMLLM, meshes: OmniMeshes, *, encoder
 
 def parallelize_mllm(
     model: ReferenceMLLM, meshes: OmniMeshes, *, param_dtype: torch.dtype | None = None,
-    encoder_balance: bool = False,
-) -> None:
+    encoder_balance: bool = False, pipeline: PipelineSettings | None = None,
+) -> PipelineRunner | None:
     """Tensor-parallelise the decoder, then shard every transformer block and the root with FSDP2 (in place).
+
+    With ``pp > 1`` the model is first cut into pipeline stages (``pipeline`` says how) and pruned to this rank's
+    stages; each stage is then its own FSDP root, and the returned :class:`PipelineRunner` trains it.
 
     Encoder weights are sharded over the same data-parallel ranks as the decoder and replicated over TP peers,
     which see the same samples and so compute the same encoder gradients. With ``encoder_balance`` the
@@ -57,9 +57,16 @@ def parallelize_mllm(
     blocks; see :mod:`omni_lightning.parallel.encoder_balance`).
     """
     check_model_fits_layout(model, meshes, encoder_balance=encoder_balance)
+    runner = None
+    if (pp_mesh := meshes.get("pp")) is not None:
+        settings = pipeline or PipelineSettings()
+        runner = PipelineRunner(model, pp_mesh.get_group(), schedule=settings.schedule,
+                                n_microbatches=settings.microbatches or pp_mesh.size(),
+                                virtual_stages=settings.virtual_stages, max_tokens=settings.max_tokens,
+                                device=torch.device(pp_mesh.device_type), dtype=param_dtype or torch.float32)
     if (cp_mesh := meshes.get("cp")) is not None:
         model.cp_group = cp_mesh.get_group()
-    if encoder_balance and meshes.encoder_group is not None:
+    if encoder_balance and meshes.encoder_group is not None and hasattr(model, "vision"):
         costs = CostModel.from_config(model.config)
         model.encoder_balancer = EncoderBalancer(
             meshes.encoder_group, meshes.encoder_sp_blocks, {"vision": costs.vision, "audio": costs.audio},
@@ -72,9 +79,21 @@ def parallelize_mllm(
         experts = apply_ep(model.llm, meshes.ep_mesh, meshes.expert_replica_group,
                            gradient_divide=meshes.size("dp_cp"))
     if (loss_mesh := meshes.get("dp_cp")) is not None:
-        for layer in model.llm.layers:  # global routing statistics for the load-balance loss
+        for layer in model.llm.layers.values():  # global routing statistics for the load-balance loss
             if isinstance(layer.feed_forward, MoEFeedForward):
                 layer.feed_forward.stats_group = loss_mesh.get_group()
-    if (fsdp_mesh := meshes.fsdp_mesh) is not None:
-        blocks = [*model.llm.layers, *model.vision.blocks, *model.audio.blocks]
-        apply_fsdp(model, fsdp_mesh, blocks=blocks, param_dtype=param_dtype, ignored_params=set(experts) or None)
+    fsdp_mesh = meshes.fsdp_mesh
+    if runner is None:
+        if fsdp_mesh is not None:
+            blocks = [*model.llm.layers.values(), *model.vision.blocks, *model.audio.blocks]
+            apply_fsdp(model, fsdp_mesh, blocks=blocks, param_dtype=param_dtype, ignored_params=set(experts) or None)
+        return None
+    if fsdp_mesh is not None:
+        for stage in runner.stage_modules:
+            blocks = [*stage.layers.values()]
+            if stage.is_first:
+                blocks += [*model.vision.blocks, *model.audio.blocks]
+            # Micro-batches of a step reuse the gathered weights: no reshard between forwards (torchtitan's choice).
+            apply_fsdp(stage, fsdp_mesh, blocks=blocks, param_dtype=param_dtype, reshard_after_forward=False)
+    runner.build()
+    return runner

@@ -31,17 +31,17 @@ def check_tp_compatible(config: LLMConfig, tp: int) -> None:
 def apply_tp(decoder: Decoder, tp_mesh: DeviceMesh) -> None:
     """Split the decoder's projections, embedding and head over ``tp_mesh`` (in place)."""
     check_tp_compatible(decoder.config, tp_mesh.size())
-    parallelize_module(
-        decoder,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            # Logits stay sharded over the vocabulary; the loss runs under ``loss_parallel`` so they are never
-            # gathered (a [tokens, vocab] all-gather per step is the largest activation of the model).
-            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-        },
-    )
-    for block in decoder.layers:
+    # A pipeline stage may hold neither the embedding (not first) nor the head (not last).
+    plan = {}
+    if hasattr(decoder, "tok_embeddings"):
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if hasattr(decoder, "output"):
+        # Logits stay sharded over the vocabulary; the loss runs under ``loss_parallel`` so they are never
+        # gathered (a [tokens, vocab] all-gather per step is the largest activation of the model).
+        plan["output"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    if plan:
+        parallelize_module(decoder, tp_mesh, plan)
+    for block in decoder.layers.values():
         plan: dict[str, nn.Module] = {
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),

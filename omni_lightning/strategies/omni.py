@@ -17,15 +17,16 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from omni_lightning.datamodules.resumable import commit_consumed
+from omni_lightning.models.mllm import vocab_parallel_loss
 from omni_lightning.parallel.dims import ParallelDims
 from omni_lightning.parallel.expert_parallel import sync_expert_gradients
 from omni_lightning.parallel.fsdp import set_gradient_sync
 from omni_lightning.parallel.mesh import OmniMeshes, build_meshes
+from omni_lightning.parallel.pipeline import PIPELINE_SCHEDULES, PipelineSettings
 
 __all__ = ["OmniStrategy", "loader_state_for_rank"]
 
@@ -48,6 +49,11 @@ class OmniStrategy(ModelParallelStrategy):
             work is about equal, splitting long items with sequence parallelism (see
             :mod:`omni_lightning.parallel.encoder_balance`); default ``True`` when there are several data-parallel
             ranks.
+        pp_schedule: pipeline schedule when ``pp > 1``: ``"1F1B"``, ``"GPipe"``, ``"Interleaved1F1B"`` or
+            ``"InterleavedZeroBubble"`` (the last two run ``pp_virtual_stages`` stages per rank).
+        pp_microbatches: micro-batches per step in the pipeline (default ``pp``); each training batch is cut into
+            this many, or taken as is when it carries a ``micro_batches`` list.
+        pp_max_tokens: most tokens in one micro-batch; stage-to-stage buffers have this many rows.
         launcher: how Lightning starts local processes when no cluster environment does: ``"subprocess"``
             (default; re-runs the script, for scripts and the CLI), ``"fork"`` (tests and notebooks) or
             ``"spawn"``. Under torchrun or SLURM the cluster starts the processes and this is ignored.
@@ -74,6 +80,10 @@ class OmniStrategy(ModelParallelStrategy):
         ep: int = 1,
         enc_sp: int = 1,
         encoder_balance: bool | None = None,
+        pp_schedule: str = "1F1B",
+        pp_microbatches: int | None = None,
+        pp_virtual_stages: int = 1,
+        pp_max_tokens: int = 4096,
         launcher: LauncherName = "subprocess",
         timeout: float = 1800.0,
         process_group_backend: str | None = None,
@@ -98,6 +108,13 @@ class OmniStrategy(ModelParallelStrategy):
         ParallelDims(world_size=_smallest_world(self._degrees), **self._degrees)
         self._launcher_name = launcher
         self._encoder_balance = encoder_balance
+        if pp_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"pp_schedule={pp_schedule!r} must be one of {sorted(PIPELINE_SCHEDULES)}")
+        for name, value in (("pp_virtual_stages", pp_virtual_stages), ("pp_max_tokens", pp_max_tokens),
+                            ("pp_microbatches", pp_microbatches or 1)):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be at least 1")
+        self.pipeline_settings = PipelineSettings(pp_schedule, pp_microbatches, pp_virtual_stages, pp_max_tokens)
         self._parallel_dims: ParallelDims | None = None
         self._meshes: OmniMeshes | None = None
 
@@ -173,8 +190,10 @@ class OmniStrategy(ModelParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self.parallel_dims.pp > 1:  # the pipeline schedule ran the backward inside training_step
+            return closure_loss
         # Under TP the loss was taken over vocabulary-sharded logits; their backward needs the same context.
-        with loss_parallel() if self.parallel_dims.tp_enabled else nullcontext():
+        with vocab_parallel_loss() if self.parallel_dims.tp_enabled else nullcontext():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override

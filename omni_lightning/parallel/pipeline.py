@@ -1,0 +1,333 @@
+"""Pipeline parallelism for the reference MLLM on ``torch.distributed.pipelining`` schedules.
+
+The decoder's layers are cut into contiguous stages by :func:`assign_layers` (cost-balanced, with the LM head
+charged to the last stage). Every pipeline rank keeps the same :class:`ReferenceMLLM` object, pruned to its stages'
+layers (plus the encoders and embedding on the first stage, the norm and head on the last), so parameter names are
+those of the unsplit model and checkpoints load under any layout.
+
+Micro-batches are packed variable-length sequences. Stage-to-stage tensors must have fixed shapes for the P2P
+buffers, so each one travels padded to ``max_tokens`` rows (hidden states, positions, sample boundaries); each
+stage computes on the real rows only. The first stage's input is just the micro-batch number: it reads the packed
+micro-batch (encoder inputs included) from the runner, so images and audio never need padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from omni_lightning.models.config import AUDIO_ID, BOS_ID, IMAGE_ID, LLMConfig
+from omni_lightning.models.llm import rotary_embedding
+from omni_lightning.models.mllm import IGNORE_INDEX, ReferenceMLLM, next_token_loss_sum
+
+__all__ = [
+    "PIPELINE_SCHEDULES",
+    "PipelineRunner",
+    "PipelineSettings",
+    "assign_layers",
+    "layer_costs",
+    "split_micro_batches",
+    "stage_ids_of_rank",
+]
+
+PIPELINE_SCHEDULES = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+}
+_MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble")
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """How a pipeline runs: ``schedule`` (a key of :data:`PIPELINE_SCHEDULES`), micro-batches per step (``None``:
+    ``pp``), stages per rank (``virtual_stages`` > 1 for the interleaved schedules), and the padded length of the
+    stage-to-stage buffers (``max_tokens``: the most tokens a micro-batch may hold)."""
+
+    schedule: str = "1F1B"
+    microbatches: int | None = None
+    virtual_stages: int = 1
+    max_tokens: int = 4096
+
+
+# ------------------------------------------------------------------------------------------------- planning
+def layer_costs(config: LLMConfig) -> tuple[list[float], float]:
+    """Per-token linear FLOPs of every decoder layer, and of the final norm and LM head (charged to the last stage).
+
+    The attention-pair term is the same for every layer, so it does not move the cut and is left out.
+    """
+    attention = 2.0 * config.dim * (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+    attention += 2.0 * config.n_heads * config.head_dim * config.dim
+    swiglu = 6.0 * config.dim * config.ffn_hidden
+    moe = 2.0 * config.dim * config.n_experts + config.moe_top_k * swiglu
+    costs = [attention + (moe if config.is_moe_layer(i) else swiglu) for i in range(config.n_layers)]
+    return costs, 2.0 * config.dim * config.vocab_size
+
+
+def assign_layers(costs: Sequence[float], n_stages: int, *, first_cost: float = 0.0,
+                  last_cost: float = 0.0) -> list[list[int]]:
+    """Contiguous layer ranges for ``n_stages`` stages minimising the costliest stage (pure).
+
+    Stage 0 also pays ``first_cost`` (embedding, encoders) and the last stage ``last_cost`` (norm and head).
+    Every stage gets at least one layer.
+    """
+    n = len(costs)
+    if n_stages < 1 or n < n_stages:
+        raise ValueError(f"{n} decoder layers cannot fill {n_stages} pipeline stages (each needs at least one); "
+                         "use fewer stages (pp x virtual stages) or a deeper model")
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+
+    def cost(stage: int, start: int, end: int) -> float:
+        extra = (first_cost if stage == 0 else 0.0) + (last_cost if stage == n_stages - 1 else 0.0)
+        return float(prefix[end] - prefix[start]) + extra
+
+    # best[s][i]: lowest peak over stages 0..s-1 covering layers [0, i); cut[s][i]: where stage s-1 starts.
+    best = np.full((n_stages + 1, n + 1), np.inf)
+    cut = np.zeros((n_stages + 1, n + 1), dtype=np.int64)
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for i in range(s, n - (n_stages - s) + 1):
+            for j in range(s - 1, i):
+                peak = max(best[s - 1][j], cost(s - 1, j, i))
+                if peak < best[s][i] - 1e-12:
+                    best[s][i], cut[s][i] = peak, j
+    stages, end = [], n
+    for s in range(n_stages, 0, -1):
+        start = int(cut[s][end])
+        stages.append(list(range(start, end)))
+        end = start
+    return stages[::-1]
+
+
+def stage_ids_of_rank(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
+    """Stages run by a pipeline rank: ``pp_rank``, ``pp_rank + pp``, ... (loop placement)."""
+    return [pp_rank + v * pp for v in range(virtual_stages)]
+
+
+def _filler(device: torch.device) -> dict[str, Any]:
+    """A micro-batch of one BOS token and no loss, for a step with fewer samples than micro-batches."""
+    return {
+        "input_ids": torch.tensor([BOS_ID], device=device), "labels": torch.tensor([IGNORE_INDEX], device=device),
+        "position_ids": torch.zeros(1, dtype=torch.long, device=device),
+        "cu_seqlens": torch.tensor([0, 1], dtype=torch.int32, device=device),
+        "vision_patches": torch.zeros(0, 0, device=device), "vision_positions": torch.zeros(0, 2, dtype=torch.long),
+        "vision_grids": torch.zeros(0, 2, dtype=torch.long, device=device),
+        "audio_mels": torch.zeros(0, 0, device=device), "audio_lengths": torch.zeros(0, dtype=torch.long),
+        "keys": [], "num_samples": 0,
+    }
+
+
+def split_micro_batches(batch: dict[str, Any], n: int, *, vision_merge: int = 4,
+                        audio_downsample: int = 4) -> list[dict[str, Any]]:
+    """Cut one packed batch into ``n`` packed micro-batches of whole samples, contiguous and even by tokens."""
+    cu = batch["cu_seqlens"].long().tolist()
+    samples = len(cu) - 1
+    ids = batch["input_ids"]
+    vision_tokens = [int((ids[a:b] == IMAGE_ID).sum()) for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    audio_tokens = [int((ids[a:b] == AUDIO_ID).sum()) for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    # Which vision items (images, frames) and audio clips belong to each sample, in packing order.
+    item_tokens = (batch["vision_grids"].prod(1) // vision_merge).tolist()
+    item_bounds, item = [0], 0
+    for tokens in vision_tokens:
+        while tokens > 0:
+            tokens -= item_tokens[item]
+            item += 1
+        item_bounds.append(item)
+    clip_bounds = np.concatenate([[0], np.cumsum([t > 0 for t in audio_tokens])]).tolist()
+    patch_bounds = np.concatenate([[0], np.cumsum(batch["vision_grids"].prod(1).tolist())]).astype(int).tolist()
+    frame_bounds = np.concatenate([[0], np.cumsum(batch["audio_lengths"].tolist())]).astype(int).tolist()
+    # Even by tokens: sample s goes to the group its token midpoint falls in.
+    midpoints = [(a + b) / 2 / max(cu[-1], 1) for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    groups = [[s for s in range(samples) if min(int(midpoints[s] * n), n - 1) == g] for g in range(n)]
+    out = []
+    for group in groups:
+        if not group:
+            out.append(_filler(ids.device))
+            continue
+        first, last = group[0], group[-1]
+        tokens = slice(cu[first], cu[last + 1])
+        items = slice(item_bounds[first], item_bounds[last + 1])
+        clips = slice(clip_bounds[first], clip_bounds[last + 1])
+        out.append({
+            "input_ids": ids[tokens], "labels": batch["labels"][tokens], "position_ids": batch["position_ids"][tokens],
+            "cu_seqlens": (batch["cu_seqlens"][first : last + 2] - cu[first]).to(torch.int32),
+            "vision_patches": batch["vision_patches"][patch_bounds[items.start] : patch_bounds[items.stop]],
+            "vision_positions": batch["vision_positions"][patch_bounds[items.start] : patch_bounds[items.stop]],
+            "vision_grids": batch["vision_grids"][items],
+            "audio_mels": batch["audio_mels"][frame_bounds[clips.start] : frame_bounds[clips.stop]],
+            "audio_lengths": batch["audio_lengths"][clips],
+            "keys": list(batch.get("keys", []))[first : last + 1], "num_samples": len(group),
+        })
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ runtime
+def _pad_rows(x: torch.Tensor, rows: int, value: float = 0, dim: int = 0) -> torch.Tensor:
+    """``x`` padded along ``dim`` to ``rows`` (a new tensor)."""
+    if x.shape[dim] > rows:
+        raise ValueError(f"a micro-batch of {x.shape[dim]} tokens exceeds the pipeline's max_tokens={rows}: raise "
+                         "OmniStrategy(pp_max_tokens=...) or cap micro-batches with OmniDataModule(token_budget=...)")
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, rows - x.shape[dim]]
+    return F.pad(x, pad, value=value)
+
+
+class _StageModule(nn.Module):
+    """One pipeline stage of a (pruned) ReferenceMLLM; parameters stay registered under the model too."""
+
+    def __init__(self, model: ReferenceMLLM, runner: PipelineRunner, layer_ids: list[int], *, is_first: bool,
+                 is_last: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): model.llm.layers[str(i)] for i in layer_ids})
+        self.is_first, self.is_last = is_first, is_last
+        if is_first:
+            self.tok_embeddings, self.vision, self.audio = model.llm.tok_embeddings, model.vision, model.audio
+        if is_last:
+            self.norm, self.output = model.llm.norm, model.llm.output
+        self._model = (model,)  # not registered: the model is not part of this stage
+        self._runner = (runner,)
+        self._config = model.config.llm
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        """First stage: ``(micro-batch number,)``; later stages: what the previous one sent. Middle stages return
+        ``(hidden, positions, cu_seqlens, micro-batch number)`` padded to ``max_tokens`` rows; the last returns the
+        micro-batch's summed token loss ``[1, 1]``."""
+        (model,), (runner,) = self._model, self._runner
+        number = inputs[-1]
+        batch = runner.micro_batches[int(number.reshape(-1)[0])]
+        if self.is_first:
+            x, positions, cu = model.embed(batch), batch["position_ids"], batch["cu_seqlens"].long()
+        else:
+            hidden, padded_positions, padded_cu, _ = inputs
+            cu = padded_cu[0][: int((padded_cu[0] < padded_cu[0, -1]).sum()) + 1]
+            x, positions = hidden[0, : int(cu[-1])], padded_positions[0, : int(cu[-1])]
+        rope = rotary_embedding(positions, self._config.head_dim, self._config.rope_theta)
+        for layer in self.layers.values():
+            x = layer(x, rope, cu)
+        if self.is_last:
+            loss_sum, _ = next_token_loss_sum(self.output(self.norm(x)), batch["labels"])
+            return loss_sum.reshape(1, 1).clone()
+        rows = runner.max_tokens
+        total = cu[-1:].expand(rows + 1 - cu.numel())
+        # Fresh tensors, not views: zero-bubble schedules detach stage outputs in place.
+        return (_pad_rows(x[None], rows, dim=1), _pad_rows(positions[None], rows, dim=1),
+                torch.cat([cu, total])[None].clone(), number.clone())
+
+    def example_io(self, max_tokens: int, dtype: torch.dtype, device: torch.device) -> tuple[tuple, tuple]:
+        """Shapes of this stage's inputs and outputs, given to PipelineStage so no inference forward is needed."""
+        number = torch.zeros(1, 1, dtype=torch.long, device=device)
+        between = (torch.zeros(1, max_tokens, self._config.dim, dtype=dtype, device=device, requires_grad=True),
+                   torch.zeros(1, max_tokens, dtype=torch.long, device=device),
+                   torch.zeros(1, max_tokens + 1, dtype=torch.long, device=device), number)
+        inputs = (number,) if self.is_first else between
+        outputs = (torch.zeros(1, 1, device=device, requires_grad=True),) if self.is_last else between
+        return inputs, outputs
+
+
+class PipelineRunner:
+    """The stages this rank runs and the schedule that drives them; ``step`` trains on one step's micro-batches."""
+
+    def __init__(self, model: ReferenceMLLM, pp_group: dist.ProcessGroup, *, schedule: str, n_microbatches: int,
+                 virtual_stages: int, max_tokens: int, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> None:
+        if schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"pp_schedule={schedule!r} must be one of {sorted(PIPELINE_SCHEDULES)}")
+        pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+        if schedule not in _MULTI_STAGE and virtual_stages != 1:
+            raise ValueError(f"pp_schedule={schedule!r} runs one stage per rank: use pp_virtual_stages=1")
+        if schedule in _MULTI_STAGE and n_microbatches % pp:
+            raise ValueError(f"{schedule} needs micro-batches ({n_microbatches}) to be a multiple of pp={pp}")
+        self.max_tokens = max_tokens
+        self.micro_batches: list[dict[str, Any]] = []
+        n_stages = pp * virtual_stages
+        costs, head = layer_costs(model.config.llm)
+        self.layers_by_stage = assign_layers(costs, n_stages, last_cost=head)
+        self.stage_ids = stage_ids_of_rank(pp_rank, pp, virtual_stages)
+        self.stage_modules = [
+            _StageModule(model, self, self.layers_by_stage[s], is_first=s == 0, is_last=s == n_stages - 1)
+            for s in self.stage_ids
+        ]
+        self._schedule_name, self._n_microbatches = schedule, n_microbatches
+        self._device, self._group, self._n_stages, self._dtype = device, pp_group, n_stages, dtype
+        self._prune(model)
+        self.schedule: Any = None
+        self._loss_scale = 1.0
+        self._loss_sums: list[torch.Tensor] = []
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self._n_stages - 1 in self.stage_ids
+
+    def _prune(self, model: ReferenceMLLM) -> None:
+        """Drop what this rank's stages do not run, so it holds (and checkpoints) only its own parameters."""
+        keep = {str(i) for s in self.stage_ids for i in self.layers_by_stage[s]}
+        model.llm.layers = nn.ModuleDict({k: v for k, v in model.llm.layers.items() if k in keep})
+        if not self.has_first_stage:
+            del model.vision, model.audio, model.llm.tok_embeddings
+        if not self.has_last_stage:
+            del model.llm.norm, model.llm.output
+
+    def build(self) -> None:
+        """Wrap the stages (after TP/FSDP were applied to them) and create the schedule."""
+        stages = []
+        for index, module in zip(self.stage_ids, self.stage_modules, strict=True):
+            inputs, outputs = module.example_io(self.max_tokens, self._dtype, self._device)
+            stages.append(PipelineStage(module, index, self._n_stages, self._device, input_args=inputs,
+                                        output_args=outputs, group=self._group))
+        schedule_class = PIPELINE_SCHEDULES[self._schedule_name]
+        first = stages if self._schedule_name in _MULTI_STAGE else stages[0]
+        # Loss scaling is ours (tokens of the whole step), so the schedule must not average over micro-batches.
+        self.schedule = schedule_class(first, n_microbatches=self._n_microbatches, loss_fn=self._loss,
+                                       scale_grads=False)
+
+    def _loss(self, loss_sum: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+        self._loss_sums.append(loss_sum.detach().sum())
+        return loss_sum.sum() * self._loss_scale
+
+    @property
+    def n_microbatches(self) -> int:
+        return self._n_microbatches
+
+    def step(self, micro_batches: list[dict[str, Any]], loss_scale: float) -> torch.Tensor:
+        """Run the schedule over ``micro_batches``, forward and backward; returns this rank's summed token loss
+        (non-zero on the last stage only). ``loss_scale`` multiplies every micro-batch's summed token loss."""
+        return self._run(micro_batches, loss_scale, train=True)
+
+    def evaluate(self, micro_batches: list[dict[str, Any]]) -> torch.Tensor:
+        """Forward only; returns this rank's summed token loss, as :meth:`step` does."""
+        with torch.no_grad():
+            return self._run(micro_batches, 1.0, train=False)
+
+    def _run(self, micro_batches: list[dict[str, Any]], loss_scale: float, *, train: bool) -> torch.Tensor:
+        if len(micro_batches) != self._n_microbatches:
+            raise ValueError(f"the pipeline schedule runs {self._n_microbatches} micro-batches a step, got "
+                             f"{len(micro_batches)}: set OmniStrategy(pp_microbatches=...) to match the data")
+        self.micro_batches, self._loss_scale, self._loss_sums = micro_batches, loss_scale, []
+        device = micro_batches[0]["input_ids"].device
+        args = (torch.arange(len(micro_batches), device=device)[:, None],) if self.has_first_stage else ()
+        kwargs: dict[str, Any] = {}
+        if self.has_last_stage:  # the last stage reads labels itself; the schedule only needs one target each
+            kwargs["target"] = torch.zeros(len(micro_batches), 1, device=device)
+        try:
+            (self.schedule.step if train else self.schedule.eval)(*args, return_outputs=False, **kwargs)
+        finally:
+            self.micro_batches = []
+        return torch.stack(self._loss_sums).sum() if self._loss_sums else torch.zeros((), device=device)
