@@ -165,11 +165,12 @@ def fit(
 
 def reference_run(
     shards: str, seed_checkpoint: Path, *, dp_size: int, steps: int, accumulate: int = 1,
-    config: ReferenceMLLMConfig | None = None,
+    config: ReferenceMLLMConfig | None = None, clip: float | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process runs the global batch of every micro-batch: the union of what the ``dp_size`` ranks read.
 
-    With ``accumulate`` > 1 each optimizer step averages that many micro-batch losses, as Lightning does.
+    With ``accumulate`` > 1 each optimizer step averages that many micro-batch losses, as Lightning does; ``clip``
+    clips the global gradient norm before each step (after the gradients are recorded, as Lightning's hooks see them).
     Returns every micro-batch's loss and the gradients of the first optimizer step.
     """
     data = WebDataModule(shards, batch_size=BATCH_SIZE)
@@ -191,5 +192,7 @@ def reference_run(
             losses.append(loss.item())
         if step == 0:
             first_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
     return losses, first_grads

@@ -1,0 +1,135 @@
+"""Pipeline parallelism: stage planning and micro-batch cutting (pure), training parity, checkpoints across layouts.
+
+Tolerance: the foundation's (losses 1e-4 relative, gradients 1e-4 of their norm; see test_parity.py). A pipeline
+computes every micro-batch's loss with the same operations as one process; only the order of fp32 gradient
+accumulation over micro-batches differs.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_runs import RecordRun, fit, merged_grads, reference_run
+from test_parity import STEPS, _assert_grads_match
+
+from omni_lightning.datamodules.collate import DecodedSample, pack_samples
+from omni_lightning.models.config import FIRST_TEXT_ID, ReferenceMLLMConfig
+from omni_lightning.parallel.pipeline import assign_layers, layer_costs, split_micro_batches, stage_ids_of_rank
+
+
+# -------------------------------------------------------------------------------------------------- planning
+@given(st.lists(st.floats(0.1, 10.0), min_size=1, max_size=12), st.integers(1, 6), st.floats(0.0, 20.0))
+def test_layer_assignment_is_contiguous_and_optimal(costs: list[float], stages: int, head: float) -> None:
+    if len(costs) < stages:
+        with pytest.raises(ValueError, match="cannot fill"):
+            assign_layers(costs, stages, last_cost=head)
+        return
+    plan = assign_layers(costs, stages, last_cost=head)
+    assert [i for stage in plan for i in stage] == list(range(len(costs)))
+    assert all(plan)
+
+    def peak(cuts: list[list[int]]) -> float:
+        loads = [sum(costs[i] for i in stage) for stage in cuts]
+        loads[-1] += head
+        return max(loads)
+
+    # Brute force over every way to cut the layers into `stages` non-empty runs.
+    import itertools
+
+    best = min(
+        peak([list(range(a, b)) for a, b in zip((0, *cut), (*cut, len(costs)), strict=True)])
+        for cut in itertools.combinations(range(1, len(costs)), stages - 1)
+    )
+    assert peak(plan) <= best + 1e-9
+
+
+def test_head_weight_moves_layers_off_the_last_stage() -> None:
+    costs, head = layer_costs(ReferenceMLLMConfig().llm)
+    assert assign_layers([1.0] * 4, 2) == [[0, 1], [2, 3]]
+    assert assign_layers([1.0] * 4, 2, last_cost=2.0) == [[0, 1, 2], [3]]
+    assert head > 0 and len(costs) == ReferenceMLLMConfig().llm.n_layers
+
+
+def test_loop_placement() -> None:
+    assert stage_ids_of_rank(1, 4, 2) == [1, 5]
+    assert stage_ids_of_rank(0, 2, 1) == [0]
+
+
+def _samples() -> list[DecodedSample]:
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (28, 56, 3), dtype=np.uint8)  # 2x4 patches: 2 merged tokens
+    return [
+        DecodedSample("text", rng.integers(FIRST_TEXT_ID, 256, 9)),
+        DecodedSample("image", rng.integers(FIRST_TEXT_ID, 256, 4), [image, image]),
+        DecodedSample("audio", rng.integers(FIRST_TEXT_ID, 256, 5), mel=rng.standard_normal((8, 80)).astype("f4")),
+        DecodedSample("both", rng.integers(FIRST_TEXT_ID, 256, 6), [image], rng.standard_normal((4, 80)).astype("f4")),
+    ]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 6])
+def test_split_micro_batches_equals_packing_the_groups(n: int) -> None:
+    samples = _samples()
+    parts = split_micro_batches(pack_samples(samples), n)
+    assert len(parts) == n
+    keys = [k for part in parts for k in part["keys"]]
+    assert keys == [s.key for s in samples]  # every sample once, in order
+    for part in parts:
+        if not part["keys"]:  # a filler: one token, no loss
+            assert part["num_samples"] == 0 and (part["labels"] == -100).all()
+            continue
+        expected = pack_samples([s for s in samples if s.key in part["keys"]])
+        for name, value in expected.items():
+            if isinstance(value, torch.Tensor) and value.numel():
+                torch.testing.assert_close(part[name], value, msg=f"{name} of {part['keys']}")
+
+
+# ---------------------------------------------------------------------------------------------------- parity
+LAYOUTS = {
+    "pp2_1f1b": ({"pp": 2, "dp_shard": 1}, 2),
+    "pp2_gpipe_4mb": ({"pp": 2, "dp_shard": 1, "pp_schedule": "GPipe", "pp_microbatches": 4}, 2),
+    "pp2_interleaved": ({"pp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B", "pp_virtual_stages": 2}, 2),
+    "pp2_zero_bubble": ({"pp": 2, "dp_shard": 1, "pp_schedule": "InterleavedZeroBubble", "pp_virtual_stages": 2}, 2),
+    "pp2_dp2": ({"pp": 2, "dp_shard": 2}, 4),
+    "pp2_tp2": ({"pp": 2, "dp_shard": 1, "tp": 2}, 4),
+    "pp2_dp2_tp2": ({"pp": 2, "dp_shard": 2, "tp": 2}, 8),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_pipeline_matches_single_process(name: str, tmp_path: Path, tiny_shards: str, seed_checkpoint: Path) -> None:
+    layout, devices = LAYOUTS[name]
+    fit(tmp_path, tiny_shards, seed_checkpoint, layout=layout, devices=devices, max_steps=STEPS,
+        gradient_clip_val=1.0, callbacks=[RecordRun(tmp_path, grads=True)])
+    ref_losses, ref_grads = reference_run(tiny_shards, seed_checkpoint, dp_size=layout["dp_shard"], steps=STEPS,
+                                          clip=1.0)
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+    _assert_grads_match(merged_grads(tmp_path), ref_grads, name)
+
+
+@pytest.mark.distributed
+def test_pipeline_checkpoint_resumes_without_pipeline(tmp_path: Path, tiny_shards: str,
+                                                      seed_checkpoint: Path) -> None:
+    """A checkpoint written by pp=2 x dp_shard=2 (each rank holding half the layers) resumes under dp_shard=2 x
+    tp=2, with the same data position, and continues like the uninterrupted pipeline run."""
+    pipelined = {"pp": 2, "dp_shard": 2}
+    fit(tmp_path / "full", tiny_shards, seed_checkpoint, layout=pipelined, max_steps=6,
+        callbacks=[RecordRun(tmp_path / "full"), ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3,
+                                                                 save_top_k=-1)])
+    (checkpoint,) = glob.glob(str(tmp_path / "ckpt" / "*step=3.ckpt"))
+    fit(tmp_path / "resumed", tiny_shards, seed_checkpoint, layout={"dp_shard": 2, "tp": 2}, max_steps=6,
+        callbacks=[RecordRun(tmp_path / "resumed")], ckpt_path=checkpoint)
+    full = json.loads((tmp_path / "full" / "losses.json").read_text())
+    resumed = json.loads((tmp_path / "resumed" / "losses.json").read_text())
+    assert sorted(resumed) == ["4", "5", "6"]
+    torch.testing.assert_close(torch.tensor([resumed[s] for s in "456"]), torch.tensor([full[s] for s in "456"]),
+                               rtol=1e-4, atol=0)
