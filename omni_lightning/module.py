@@ -215,9 +215,10 @@ class OmniModule(LightningModule):
         micro = batch.get("micro_batches") or split_micro_batches(batch, runner.n_microbatches, vision_merge=merge,
                                                                    audio_downsample=downsample)
         device = micro[0]["input_ids"].device
+        cp = self.omni_meshes.size("cp")  # CP peers hold the same micro-batches: each counts 1 / cp of them
         counts = torch.tensor([float(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)),
                                float(sum(mb["input_ids"].numel() for mb in micro)),
-                               float(sum(mb["num_samples"] for mb in micro))], dtype=torch.float64, device=device)
+                               float(sum(mb["num_samples"] for mb in micro))], dtype=torch.float64, device=device) / cp
         loss_mesh = self.omni_meshes.get("dp_cp")
         data_parallel = loss_mesh.size() if loss_mesh is not None else 1
         if loss_mesh is not None:
@@ -227,7 +228,10 @@ class OmniModule(LightningModule):
         tp = self.omni_meshes.get("tp") is not None
         with vocab_parallel_loss() if tp else nullcontext():
             if self.training:
-                loss_sum = runner.step(micro, loss_scale=data_parallel / tokens / accumulate)
+                loss_sum = runner.step(micro, loss_scale=data_parallel / tokens / accumulate,
+                                       # the load-balance loss is a mean over the schedule's micro-batches
+                                       aux_scale=self.config.llm.moe_aux_loss_coef * data_parallel / accumulate
+                                       / runner.n_microbatches)
             else:
                 loss_sum = runner.evaluate(micro)
         # Only the last stage holds losses: summing over the pipeline and the data-parallel ranks makes them global.

@@ -16,6 +16,7 @@ from omni_lightning import OmniModule, OmniStrategy, ReferenceMLLM, ReferenceMLL
 from omni_lightning.datamodules.collate import pack_samples
 from omni_lightning.datamodules.resumable import MARKER_KEY
 from omni_lightning.models.mllm import next_token_loss_sum
+from omni_lightning.parallel.pipeline import split_micro_batches
 
 LEARNING_RATE = 1e-3
 BATCH_SIZE = 2  # samples per micro-batch per data-parallel rank
@@ -165,13 +166,14 @@ def fit(
 
 def reference_run(
     shards: str, seed_checkpoint: Path, *, dp_size: int, steps: int, accumulate: int = 1,
-    config: ReferenceMLLMConfig | None = None, clip: float | None = None,
+    config: ReferenceMLLMConfig | None = None, clip: float | None = None, pipeline_micro_batches: int = 1,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process runs the global batch of every micro-batch: the union of what the ``dp_size`` ranks read.
 
     With ``accumulate`` > 1 each optimizer step averages that many micro-batch losses, as Lightning does; ``clip``
     clips the global gradient norm before each step (after the gradients are recorded, as Lightning's hooks see them).
-    Returns every micro-batch's loss and the gradients of the first optimizer step.
+    ``pipeline_micro_batches`` cuts each rank's batch as a pipeline does; only the MoE load-balance loss, which
+    is a mean over those micro-batches, sees the cut. Returns every batch's loss and the first step's gradients.
     """
     data = WebDataModule(shards, batch_size=BATCH_SIZE)
     streams = [data.stream(shards, dp_rank=r, dp_size=dp_size, num_workers=0).iter_samples() for r in range(dp_size)]
@@ -184,11 +186,20 @@ def reference_run(
     for step in range(steps):
         optimizer.zero_grad()
         for _ in range(accumulate):
-            batch = pack_samples([next(stream) for stream in streams for _ in range(BATCH_SIZE)])
-            loss_sum, count = next_token_loss_sum(model(batch), batch["labels"])
+            per_rank = [[next(stream) for _ in range(BATCH_SIZE)] for stream in streams]
+            cuts = [split_micro_batches(pack_samples(samples), pipeline_micro_batches) for samples in per_rank]
+            loss_sum = count = aux = 0.0
+            for i in range(pipeline_micro_batches):  # global micro-batch i: micro-batch i of every rank
+                keys = [k for rank_cuts in cuts for k in rank_cuts[i]["keys"]]
+                samples = [s for rank in per_rank for s in rank if s.key in keys]
+                if not samples:
+                    continue
+                batch = pack_samples(samples)
+                mb_sum, mb_count = next_token_loss_sum(model(batch), batch["labels"])
+                loss_sum, count = loss_sum + mb_sum, count + mb_count
+                aux = aux + model.llm.moe_aux_loss() / pipeline_micro_batches  # zero for a dense model
             loss = loss_sum / count
-            aux = config.llm.moe_aux_loss_coef * model.llm.moe_aux_loss()  # zero for a dense model
-            ((loss + aux) / accumulate).backward()
+            ((loss + config.llm.moe_aux_loss_coef * aux) / accumulate).backward()
             losses.append(loss.item())
         if step == 0:
             first_grads = {name: p.grad.clone() for name, p in model.named_parameters()}

@@ -17,11 +17,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_runs import RecordRun, fit, merged_grads, reference_run
+from lightning_runs import LEARNING_RATE, RecordRun, fit, merged_grads, reference_run
 from test_parity import STEPS, _assert_grads_match
 
+from omni_lightning import OmniModule
 from omni_lightning.datamodules.collate import DecodedSample, pack_samples
 from omni_lightning.models.config import FIRST_TEXT_ID, ReferenceMLLMConfig
+from omni_lightning.module import initial_state_dict
 from omni_lightning.parallel.pipeline import assign_layers, layer_costs, split_micro_batches, stage_ids_of_rank
 
 
@@ -92,25 +94,44 @@ def test_split_micro_batches_equals_packing_the_groups(n: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- parity
+DENSE, MOE = ReferenceMLLMConfig.tiny(), ReferenceMLLMConfig.tiny(moe=True)
 LAYOUTS = {
-    "pp2_1f1b": ({"pp": 2, "dp_shard": 1}, 2),
-    "pp2_gpipe_4mb": ({"pp": 2, "dp_shard": 1, "pp_schedule": "GPipe", "pp_microbatches": 4}, 2),
-    "pp2_interleaved": ({"pp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B", "pp_virtual_stages": 2}, 2),
-    "pp2_zero_bubble": ({"pp": 2, "dp_shard": 1, "pp_schedule": "InterleavedZeroBubble", "pp_virtual_stages": 2}, 2),
-    "pp2_dp2": ({"pp": 2, "dp_shard": 2}, 4),
-    "pp2_tp2": ({"pp": 2, "dp_shard": 1, "tp": 2}, 4),
-    "pp2_dp2_tp2": ({"pp": 2, "dp_shard": 2, "tp": 2}, 8),
+    "pp2_1f1b": ({"pp": 2, "dp_shard": 1}, 2, DENSE),
+    "pp2_gpipe_4mb": ({"pp": 2, "dp_shard": 1, "pp_schedule": "GPipe", "pp_microbatches": 4}, 2, DENSE),
+    "pp2_interleaved": ({"pp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B", "pp_virtual_stages": 2}, 2,
+                        DENSE),
+    "pp2_zero_bubble": ({"pp": 2, "dp_shard": 1, "pp_schedule": "InterleavedZeroBubble", "pp_virtual_stages": 2}, 2,
+                        DENSE),
+    "pp2_dp2": ({"pp": 2, "dp_shard": 2}, 4, DENSE),
+    "pp2_tp2": ({"pp": 2, "dp_shard": 1, "tp": 2}, 4, DENSE),
+    "pp2_moe": ({"pp": 2, "dp_shard": 1}, 2, MOE),
+    "pp2_dp2_ep2_moe": ({"pp": 2, "dp_shard": 2, "ep": 2}, 4, MOE),
+    "pp2_dp2_tp2": ({"pp": 2, "dp_shard": 2, "tp": 2}, 8, DENSE),
+    "pp2_dp2_cp2": ({"pp": 2, "dp_shard": 2, "cp": 2}, 8, DENSE),
+    "pp2_tp2_cp2": ({"pp": 2, "dp_shard": 1, "tp": 2, "cp": 2}, 8, DENSE),
 }
+
+
+@pytest.fixture(scope="module")
+def moe_seed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("moe_seed") / "seed.pt"
+    torch.save(initial_state_dict(MOE, seed=99), path)
+    return path
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_pipeline_matches_single_process(name: str, tmp_path: Path, tiny_shards: str, seed_checkpoint: Path) -> None:
-    layout, devices = LAYOUTS[name]
-    fit(tmp_path, tiny_shards, seed_checkpoint, layout=layout, devices=devices, max_steps=STEPS,
+def test_pipeline_matches_single_process(name: str, tmp_path: Path, tiny_shards: str, seed_checkpoint: Path,
+                                         moe_seed: Path) -> None:
+    """Every schedule, and pipelines composed with FSDP, TP, CP and EP (dense and MoE), on 2-8 ranks."""
+    layout, devices, config = LAYOUTS[name]
+    seed = moe_seed if config is MOE else seed_checkpoint
+    module = OmniModule(config, learning_rate=LEARNING_RATE, init_checkpoint=str(seed))
+    fit(tmp_path, tiny_shards, seed, layout=layout, devices=devices, max_steps=STEPS, module=module,
         gradient_clip_val=1.0, callbacks=[RecordRun(tmp_path, grads=True)])
-    ref_losses, ref_grads = reference_run(tiny_shards, seed_checkpoint, dp_size=layout["dp_shard"], steps=STEPS,
-                                          clip=1.0)
+    ref_losses, ref_grads = reference_run(tiny_shards, seed, dp_size=layout["dp_shard"], steps=STEPS, clip=1.0,
+                                          config=config,
+                                          pipeline_micro_batches=layout.get("pp_microbatches", layout["pp"]))
     losses = json.loads((tmp_path / "losses.json").read_text())
     torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor(ref_losses), rtol=1e-4, atol=0)
     _assert_grads_match(merged_grads(tmp_path), ref_grads, name)

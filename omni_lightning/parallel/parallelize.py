@@ -19,12 +19,6 @@ __all__ = ["parallelize_mllm", "check_model_fits_layout"]
 def check_model_fits_layout(model: ReferenceMLLM, meshes: OmniMeshes, *, encoder_balance: bool = False) -> None:
     """Raise ``ValueError`` naming the model size or degree that the layout cannot serve."""
     dims = meshes.parallel_dims
-    if dims.pp > 1 and (dims.cp > 1 or model.config.llm.moe_every):
-        raise ValueError(
-            f"pp={dims.pp} with {'cp=' + str(dims.cp) if dims.cp > 1 else 'an MoE model'}: pipeline stages do not "
-            "yet carry context-parallel shards or MoE load-balance losses between stages; use pp=1 or a dense model "
-            "without cp"
-        )
     check_tp_compatible(model.config.llm, dims.tp)
     llm = model.config.llm
     if dims.ep > 1 and not llm.moe_every:
@@ -94,6 +88,7 @@ def parallelize_mllm(
             if stage.is_first:
                 blocks += [*model.vision.blocks, *model.audio.blocks]
             # Micro-batches of a step reuse the gathered weights: no reshard between forwards (torchtitan's choice).
-            apply_fsdp(stage, fsdp_mesh, blocks=blocks, param_dtype=param_dtype, reshard_after_forward=False)
+            apply_fsdp(stage, fsdp_mesh, blocks=blocks, param_dtype=param_dtype, reshard_after_forward=False,
+                       ignored_params=set(experts) or None)
     runner.build()
     return runner

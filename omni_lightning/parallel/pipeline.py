@@ -33,6 +33,8 @@ from torch.distributed.pipelining.schedules import (
 from omni_lightning.models.config import AUDIO_ID, BOS_ID, IMAGE_ID, LLMConfig
 from omni_lightning.models.llm import rotary_embedding
 from omni_lightning.models.mllm import IGNORE_INDEX, ReferenceMLLM, next_token_loss_sum
+from omni_lightning.models.moe import MoEFeedForward
+from omni_lightning.parallel.context_parallel import shard_for_context_parallel
 
 __all__ = [
     "PIPELINE_SCHEDULES",
@@ -203,39 +205,65 @@ class _StageModule(nn.Module):
         self._config = model.config.llm
 
     def forward(self, *inputs: torch.Tensor) -> Any:
-        """First stage: ``(micro-batch number,)``; later stages: what the previous one sent. Middle stages return
-        ``(hidden, positions, cu_seqlens, micro-batch number)`` padded to ``max_tokens`` rows; the last returns the
-        micro-batch's summed token loss ``[1, 1]``."""
+        """First stage: ``(micro-batch number,)``; later stages: ``(hidden, number)`` from the previous one, hidden
+        padded to ``max_tokens`` rows. The last stage returns ``[[summed token loss, MoE load-balance share]]``.
+
+        Every pipeline rank holds the step's micro-batches, so positions, sample boundaries and labels are read
+        here rather than sent. Under context parallelism each stage works on this rank's head-tail token share.
+        """
         (model,), (runner,) = self._model, self._runner
         number = inputs[-1]
         batch = runner.micro_batches[int(number.reshape(-1)[0])]
+        cu, positions = batch["cu_seqlens"].long(), batch["position_ids"]
+        shard = shard_for_context_parallel(cu, model.cp_group) if model.cp_group is not None else None
+        local = shard.local_index if shard is not None else None
+        if local is not None:
+            positions = positions[local]
         if self.is_first:
-            x, positions, cu = model.embed(batch), batch["position_ids"], batch["cu_seqlens"].long()
+            x = model.embed(batch)
+            x = x[local] if local is not None else x
         else:
-            hidden, padded_positions, padded_cu, _ = inputs
-            cu = padded_cu[0][: int((padded_cu[0] < padded_cu[0, -1]).sum()) + 1]
-            x, positions = hidden[0, : int(cu[-1])], padded_positions[0, : int(cu[-1])]
+            x = inputs[0][0, : positions.numel()]
         rope = rotary_embedding(positions, self._config.head_dim, self._config.rope_theta)
         for layer in self.layers.values():
-            x = layer(x, rope, cu)
+            x = layer(x, rope, cu, shard)
+        aux = self._moe_aux_share()
         if self.is_last:
-            loss_sum, _ = next_token_loss_sum(self.output(self.norm(x)), batch["labels"])
-            return loss_sum.reshape(1, 1).clone()
-        rows = runner.max_tokens
-        total = cu[-1:].expand(rows + 1 - cu.numel())
-        # Fresh tensors, not views: zero-bubble schedules detach stage outputs in place.
-        return (_pad_rows(x[None], rows, dim=1), _pad_rows(positions[None], rows, dim=1),
-                torch.cat([cu, total])[None].clone(), number.clone())
+            labels = batch["labels"] if local is None else batch["labels"][local]
+            loss_sum, _ = next_token_loss_sum(self.output(self.norm(x)), labels)
+            return torch.stack([loss_sum.reshape(()), aux.to(loss_sum.dtype)]).reshape(1, 2)
+        if aux.requires_grad:
+            x = _AddAuxGradient.apply(x, aux, runner.aux_scale)
+        # A fresh tensor, not a view: zero-bubble schedules detach stage outputs in place.
+        return _pad_rows(x[None], runner.max_tokens, dim=1), number.clone()
+
+    def _moe_aux_share(self) -> torch.Tensor:
+        shares = [layer.feed_forward.aux_loss for layer in self.layers.values()
+                  if isinstance(layer.feed_forward, MoEFeedForward) and layer.feed_forward.aux_loss is not None]
+        return torch.stack(shares).sum() if shares else torch.zeros(())
 
     def example_io(self, max_tokens: int, dtype: torch.dtype, device: torch.device) -> tuple[tuple, tuple]:
         """Shapes of this stage's inputs and outputs, given to PipelineStage so no inference forward is needed."""
         number = torch.zeros(1, 1, dtype=torch.long, device=device)
         between = (torch.zeros(1, max_tokens, self._config.dim, dtype=dtype, device=device, requires_grad=True),
-                   torch.zeros(1, max_tokens, dtype=torch.long, device=device),
-                   torch.zeros(1, max_tokens + 1, dtype=torch.long, device=device), number)
+                   number)
         inputs = (number,) if self.is_first else between
-        outputs = (torch.zeros(1, 1, device=device, requires_grad=True),) if self.is_last else between
+        outputs = (torch.zeros(1, 2, device=device, requires_grad=True),) if self.is_last else between
         return inputs, outputs
+
+
+class _AddAuxGradient(torch.autograd.Function):
+    """Identity on a stage's hidden states whose backward also feeds ``scale`` as the gradient of the stage's MoE
+    load-balance share, so that loss term trains the routers although only the last stage produces a loss."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.aux_shape, ctx.scale = aux.shape, scale
+        return hidden.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
 class PipelineRunner:
@@ -266,6 +294,7 @@ class PipelineRunner:
         self._prune(model)
         self.schedule: Any = None
         self._loss_scale = 1.0
+        self.aux_scale = 0.0
         self._loss_sums: list[torch.Tensor] = []
 
     @property
@@ -298,17 +327,20 @@ class PipelineRunner:
         self.schedule = schedule_class(first, n_microbatches=self._n_microbatches, loss_fn=self._loss,
                                        scale_grads=False)
 
-    def _loss(self, loss_sum: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
-        self._loss_sums.append(loss_sum.detach().sum())
-        return loss_sum.sum() * self._loss_scale
+    def _loss(self, output: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+        loss_sum, aux = output[0, 0], output[0, 1]
+        self._loss_sums.append(loss_sum.detach())
+        return loss_sum * self._loss_scale + aux * self.aux_scale
 
     @property
     def n_microbatches(self) -> int:
         return self._n_microbatches
 
-    def step(self, micro_batches: list[dict[str, Any]], loss_scale: float) -> torch.Tensor:
+    def step(self, micro_batches: list[dict[str, Any]], loss_scale: float, aux_scale: float = 0.0) -> torch.Tensor:
         """Run the schedule over ``micro_batches``, forward and backward; returns this rank's summed token loss
-        (non-zero on the last stage only). ``loss_scale`` multiplies every micro-batch's summed token loss."""
+        (non-zero on the last stage only). ``loss_scale`` multiplies every micro-batch's summed token loss,
+        ``aux_scale`` every MoE load-balance share."""
+        self.aux_scale = aux_scale
         return self._run(micro_batches, loss_scale, train=True)
 
     def evaluate(self, micro_batches: list[dict[str, Any]]) -> torch.Tensor:
