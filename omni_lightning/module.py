@@ -125,6 +125,11 @@ class OmniModule(LightningModule):
         self.model = model
         self._built_model = ()
 
+    @property
+    def pipeline(self) -> PipelineRunner | None:
+        """The pipeline runner under pipeline parallelism (``None`` otherwise)."""
+        return self._pipeline
+
     def forward(self, batch: dict[str, Any]) -> torch.Tensor:
         assert self.model is not None, "configure_model() has not run"
         return self.model(batch)
@@ -293,22 +298,26 @@ class OmniModule(LightningModule):
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: only 'norm' is supported")
         assert self.model is not None
         pp_mesh = self.omni_meshes.get("pp") if self.omni_meshes is not None else None
+        copies: set[torch.nn.Parameter] = set()
+        if self._pipeline is not None and pp_mesh is not None and pp_mesh.get_local_rank() != 0:
+            copies = self._pipeline.replicated_parameters()  # in the norm once, from the first pipeline rank
         clip_grad_norm_(list(self.model.parameters()), gradient_clip_val,
-                        pp_group=pp_mesh.get_group() if pp_mesh is not None else None)
+                        pp_group=pp_mesh.get_group() if pp_mesh is not None else None, not_in_norm=copies)
 
 
 def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float,
-                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                    pp_group: dist.ProcessGroup | None = None,
+                    not_in_norm: set[torch.nn.Parameter] | None = None) -> torch.Tensor:
     """Clip by the global gradient norm across parameters sharded on different meshes (plain tensors too).
 
     ``torch.nn.utils.clip_grad_norm_`` stacks per-parameter norms, which fails when DTensors live on different
     meshes (decoder on ``dp x tp``, encoders on ``dp``); reducing each norm to a plain scalar first avoids that.
     Under pipeline parallelism each rank holds only its stages' parameters: ``pp_group`` sums the squares over the
-    stages.
+    stages; ``not_in_norm`` are copies another pipeline rank already counts (they are still scaled).
     """
     squares = []
     for p in parameters:
-        if p.grad is None:
+        if p.grad is None or (not_in_norm and p in not_in_norm):
             continue
         norm = p.grad.norm()
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).double() ** 2)

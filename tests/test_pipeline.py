@@ -11,6 +11,7 @@ import glob
 import json
 from pathlib import Path
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -21,9 +22,11 @@ from lightning_runs import LEARNING_RATE, RecordRun, fit, merged_grads, referenc
 from test_parity import STEPS, _assert_grads_match
 
 from omni_lightning import OmniModule
+from omni_lightning.balance.cost import CostModel
 from omni_lightning.datamodules.collate import DecodedSample, pack_samples
 from omni_lightning.models.config import FIRST_TEXT_ID, ReferenceMLLMConfig
 from omni_lightning.module import initial_state_dict
+from omni_lightning.parallel.joint_pipeline import _item_order, share_items
 from omni_lightning.parallel.pipeline import assign_layers, layer_costs, split_micro_batches, stage_ids_of_rank
 
 
@@ -98,6 +101,7 @@ DENSE, MOE = ReferenceMLLMConfig.tiny(), ReferenceMLLMConfig.tiny(moe=True)
 LAYOUTS = {
     "pp2_1f1b": ({"pp": 2, "dp_shard": 1}, 2, DENSE),
     "pp2_gpipe_4mb": ({"pp": 2, "dp_shard": 1, "pp_schedule": "GPipe", "pp_microbatches": 4}, 2, DENSE),
+    "pp2_dp2_first_stage_encoders": ({"pp": 2, "dp_shard": 2, "pp_encoders": "first_stage"}, 4, DENSE),
     "pp2_interleaved": ({"pp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B", "pp_virtual_stages": 2}, 2,
                         DENSE),
     "pp2_zero_bubble": ({"pp": 2, "dp_shard": 1, "pp_schedule": "InterleavedZeroBubble", "pp_virtual_stages": 2}, 2,
@@ -154,3 +158,43 @@ def test_pipeline_checkpoint_resumes_without_pipeline(tmp_path: Path, tiny_shard
     assert sorted(resumed) == ["4", "5", "6"]
     torch.testing.assert_close(torch.tensor([resumed[s] for s in "456"]), torch.tensor([full[s] for s in "456"]),
                                rtol=1e-4, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------- joint pipeline
+def test_items_are_shared_by_predicted_cost() -> None:
+    vision = CostModel.from_config(ReferenceMLLMConfig.tiny()).vision
+    owner = share_items(np.array([64, 64, 4, 4, 4, 4]), vision, 2)
+    assert sorted(owner[:2].tolist()) == [0, 1]  # the two big items go to different ranks
+    assert share_items(np.zeros(0), vision, 4).size == 0
+
+
+def test_outputs_return_to_item_order() -> None:
+    rows, owner = np.array([2, 1, 3]), np.array([1, 0, 1])
+    arrival = [1, 0, 0, 2, 2, 2]  # arrival order: item 1 (rank 0), item 0, item 2 (rank 1)
+    order = _item_order(rows, owner, 2)
+    assert [arrival[i] for i in order] == [0, 0, 1, 2, 2, 2]
+
+
+class _JointProbe(pl.Callback):
+    """Rank 0 records, each step, the order encoder work ran in and the most micro-batches alive at once."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir, self.steps = out_dir, []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: object) -> None:
+        joint = module.pipeline.joint
+        self.steps.append({"done": joint.done, "peak": joint.peak_in_flight})
+        if trainer.global_rank == 0:
+            (self.out_dir / "joint.json").write_text(json.dumps(self.steps))
+
+
+@pytest.mark.distributed
+def test_joint_pipeline_bounds_encoder_activations(tmp_path: Path, tiny_shards: str, seed_checkpoint: Path) -> None:
+    """pp=2, 1F1B, 6 micro-batches a step: every micro-batch is encoded once, in order, and at most 2 pp - 1 of
+    them hold encoder activations at a time (GPipe-style pre-encoding would hold all 6)."""
+    layout = {"pp": 2, "dp_shard": 1, "pp_microbatches": 6}
+    fit(tmp_path, tiny_shards, seed_checkpoint, layout=layout, devices=2, max_steps=2,
+        callbacks=[_JointProbe(tmp_path)])
+    steps = json.loads((tmp_path / "joint.json").read_text())
+    assert [s["done"] for s in steps] == [list(range(6))] * 2
+    assert all(s["peak"] <= 3 for s in steps), steps

@@ -71,11 +71,15 @@ class ReferenceMLLM(nn.Module):
         local = shard.local_index
         return self.llm(embeddings[local], batch["position_ids"][local], batch["cu_seqlens"], shard)
 
-    def embed(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Token embeddings with every placeholder replaced by its encoder output: the decoder's input."""
+    def embed(self, batch: dict[str, torch.Tensor],
+              encoded: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Token embeddings with every placeholder replaced by its encoder output: the decoder's input.
+
+        ``encoded`` gives the vision and audio outputs when they were computed elsewhere (the joint pipeline).
+        """
         input_ids = batch["input_ids"]
         embeddings = self.llm.tok_embeddings(input_ids)
-        vision, audio = self._encode(batch)
+        vision, audio = encoded if encoded is not None else self._encode(batch)
         embeddings = _scatter(embeddings, input_ids == IMAGE_ID, vision, "vision")
         return _scatter(embeddings, input_ids == AUDIO_ID, audio, "audio")
 

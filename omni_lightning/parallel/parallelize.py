@@ -57,10 +57,12 @@ def parallelize_mllm(
         runner = PipelineRunner(model, pp_mesh.get_group(), schedule=settings.schedule,
                                 n_microbatches=settings.microbatches or pp_mesh.size(),
                                 virtual_stages=settings.virtual_stages, max_tokens=settings.max_tokens,
-                                device=torch.device(pp_mesh.device_type), dtype=param_dtype or torch.float32)
+                                device=torch.device(pp_mesh.device_type), dtype=param_dtype or torch.float32,
+                                encoders=settings.encoders)
     if (cp_mesh := meshes.get("cp")) is not None:
         model.cp_group = cp_mesh.get_group()
-    if encoder_balance and meshes.encoder_group is not None and hasattr(model, "vision"):
+    first_stage_encoders = runner is None or (runner.joint is None and runner.has_first_stage)
+    if encoder_balance and meshes.encoder_group is not None and first_stage_encoders:
         costs = CostModel.from_config(model.config)
         model.encoder_balancer = EncoderBalancer(
             meshes.encoder_group, meshes.encoder_sp_blocks, {"vision": costs.vision, "audio": costs.audio},
@@ -83,9 +85,12 @@ def parallelize_mllm(
             apply_fsdp(model, fsdp_mesh, blocks=blocks, param_dtype=param_dtype, ignored_params=set(experts) or None)
         return None
     if fsdp_mesh is not None:
+        if runner.joint is not None:  # every pipeline rank runs the encoders: each is its own FSDP root
+            for encoder in (model.vision, model.audio):
+                apply_fsdp(encoder, fsdp_mesh, blocks=[*encoder.blocks], param_dtype=param_dtype)
         for stage in runner.stage_modules:
             blocks = [*stage.layers.values()]
-            if stage.is_first:
+            if stage.is_first and runner.joint is None:
                 blocks += [*model.vision.blocks, *model.audio.blocks]
             # Micro-batches of a step reuse the gathered weights: no reshard between forwards (torchtitan's choice).
             apply_fsdp(stage, fsdp_mesh, blocks=blocks, param_dtype=param_dtype, reshard_after_forward=False,

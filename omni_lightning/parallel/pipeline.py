@@ -30,11 +30,13 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleavedZeroBubble,
 )
 
+from omni_lightning.balance.cost import CostModel
 from omni_lightning.models.config import AUDIO_ID, BOS_ID, IMAGE_ID, LLMConfig
 from omni_lightning.models.llm import rotary_embedding
 from omni_lightning.models.mllm import IGNORE_INDEX, ReferenceMLLM, next_token_loss_sum
 from omni_lightning.models.moe import MoEFeedForward
 from omni_lightning.parallel.context_parallel import shard_for_context_parallel
+from omni_lightning.parallel.joint_pipeline import JointEncoders
 
 __all__ = [
     "PIPELINE_SCHEDULES",
@@ -58,13 +60,16 @@ _MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble")
 @dataclass(frozen=True)
 class PipelineSettings:
     """How a pipeline runs: ``schedule`` (a key of :data:`PIPELINE_SCHEDULES`), micro-batches per step (``None``:
-    ``pp``), stages per rank (``virtual_stages`` > 1 for the interleaved schedules), and the padded length of the
-    stage-to-stage buffers (``max_tokens``: the most tokens a micro-batch may hold)."""
+    ``pp``), stages per rank (``virtual_stages`` > 1 for the interleaved schedules), the padded length of the
+    stage-to-stage buffers (``max_tokens``: the most tokens a micro-batch may hold), and where encoders run:
+    ``"joint"`` (inserted into the schedule on every stage's rank; 1F1B and GPipe, see
+    :mod:`omni_lightning.parallel.joint_pipeline`) or ``"first_stage"`` (inside stage 0, torchtitan's way)."""
 
     schedule: str = "1F1B"
     microbatches: int | None = None
     virtual_stages: int = 1
     max_tokens: int = 4096
+    encoders: str = "joint"
 
 
 # ------------------------------------------------------------------------------------------------- planning
@@ -191,13 +196,16 @@ def _pad_rows(x: torch.Tensor, rows: int, value: float = 0, dim: int = 0) -> tor
 class _StageModule(nn.Module):
     """One pipeline stage of a (pruned) ReferenceMLLM; parameters stay registered under the model too."""
 
-    def __init__(self, model: ReferenceMLLM, runner: PipelineRunner, layer_ids: list[int], *, is_first: bool,
-                 is_last: bool) -> None:
+    def __init__(self, model: ReferenceMLLM, runner: PipelineRunner, layer_ids: list[int], *, stage_index: int,
+                 is_first: bool, is_last: bool) -> None:
         super().__init__()
+        self.stage_index = stage_index
         self.layers = nn.ModuleDict({str(i): model.llm.layers[str(i)] for i in layer_ids})
         self.is_first, self.is_last = is_first, is_last
         if is_first:
-            self.tok_embeddings, self.vision, self.audio = model.llm.tok_embeddings, model.vision, model.audio
+            self.tok_embeddings = model.llm.tok_embeddings
+            if runner.joint is None:  # joint encoders are their own FSDP roots, on every pipeline rank
+                self.vision, self.audio = model.vision, model.audio
         if is_last:
             self.norm, self.output = model.llm.norm, model.llm.output
         self._model = (model,)  # not registered: the model is not part of this stage
@@ -213,14 +221,17 @@ class _StageModule(nn.Module):
         """
         (model,), (runner,) = self._model, self._runner
         number = inputs[-1]
-        batch = runner.micro_batches[int(number.reshape(-1)[0])]
+        index = int(number.reshape(-1)[0])
+        batch = runner.micro_batches[index]
+        if runner.joint is not None:
+            runner.joint.before_forward(self.stage_index, index)
         cu, positions = batch["cu_seqlens"].long(), batch["position_ids"]
         shard = shard_for_context_parallel(cu, model.cp_group) if model.cp_group is not None else None
         local = shard.local_index if shard is not None else None
         if local is not None:
             positions = positions[local]
         if self.is_first:
-            x = model.embed(batch)
+            x = model.embed(batch, runner.joint.outputs(index) if runner.joint is not None else None)
             x = x[local] if local is not None else x
         else:
             x = inputs[0][0, : positions.numel()]
@@ -271,7 +282,7 @@ class PipelineRunner:
 
     def __init__(self, model: ReferenceMLLM, pp_group: dist.ProcessGroup, *, schedule: str, n_microbatches: int,
                  virtual_stages: int, max_tokens: int, device: torch.device,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, encoders: str = "first_stage") -> None:
         if schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"pp_schedule={schedule!r} must be one of {sorted(PIPELINE_SCHEDULES)}")
         pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
@@ -285,8 +296,21 @@ class PipelineRunner:
         costs, head = layer_costs(model.config.llm)
         self.layers_by_stage = assign_layers(costs, n_stages, last_cost=head)
         self.stage_ids = stage_ids_of_rank(pp_rank, pp, virtual_stages)
+        self.joint: JointEncoders | None = None
+        if encoders == "joint":
+            if schedule not in ("1F1B", "GPipe"):
+                raise ValueError(f"pp_encoders='joint' inserts encoder work into 1F1B or GPipe, not {schedule}: use "
+                                 "pp_encoders='first_stage' with it")
+            costs = CostModel.from_config(model.config)
+            # 1F1B has finished micro-batch T - pp's backward on stage 0 when it starts T; GPipe only at the end.
+            self.joint = JointEncoders(model, pp_group, {"vision": costs.vision, "audio": costs.audio},
+                                       n_microbatches=n_microbatches,
+                                       lag=pp if schedule == "1F1B" else n_microbatches)
+        elif encoders != "first_stage":
+            raise ValueError(f"pp_encoders={encoders!r} must be 'joint' or 'first_stage'")
         self.stage_modules = [
-            _StageModule(model, self, self.layers_by_stage[s], is_first=s == 0, is_last=s == n_stages - 1)
+            _StageModule(model, self, self.layers_by_stage[s], stage_index=s, is_first=s == 0,
+                         is_last=s == n_stages - 1)
             for s in self.stage_ids
         ]
         self._schedule_name, self._n_microbatches = schedule, n_microbatches
@@ -310,7 +334,9 @@ class PipelineRunner:
         keep = {str(i) for s in self.stage_ids for i in self.layers_by_stage[s]}
         model.llm.layers = nn.ModuleDict({k: v for k, v in model.llm.layers.items() if k in keep})
         if not self.has_first_stage:
-            del model.vision, model.audio, model.llm.tok_embeddings
+            del model.llm.tok_embeddings
+            if self.joint is None:
+                del model.vision, model.audio
         if not self.has_last_stage:
             del model.llm.norm, model.llm.output
 
@@ -336,6 +362,17 @@ class PipelineRunner:
     def n_microbatches(self) -> int:
         return self._n_microbatches
 
+    def sync_gradients(self) -> None:
+        """Reduce gradients of weights replicated over the pipeline ranks (the joint pipeline's encoders)."""
+        if self.joint is not None:
+            self.joint.sync_gradients()
+
+    def replicated_parameters(self) -> set[nn.Parameter]:
+        """Parameters every pipeline rank holds a copy of (counted once in a global gradient norm)."""
+        if self.joint is None:
+            return set()
+        return {*self.joint.model.vision.parameters(), *self.joint.model.audio.parameters()}
+
     def step(self, micro_batches: list[dict[str, Any]], loss_scale: float, aux_scale: float = 0.0) -> torch.Tensor:
         """Run the schedule over ``micro_batches``, forward and backward; returns this rank's summed token loss
         (non-zero on the last stage only). ``loss_scale`` multiplies every micro-batch's summed token loss,
@@ -359,7 +396,11 @@ class PipelineRunner:
         if self.has_last_stage:  # the last stage reads labels itself; the schedule only needs one target each
             kwargs["target"] = torch.zeros(len(micro_batches), 1, device=device)
         try:
+            if self.joint is not None:
+                self.joint.start(micro_batches, train=train)
             (self.schedule.step if train else self.schedule.eval)(*args, return_outputs=False, **kwargs)
+            if self.joint is not None:
+                self.joint.finish()
         finally:
             self.micro_batches = []
         return torch.stack(self._loss_sums).sum() if self._loss_sums else torch.zeros((), device=device)

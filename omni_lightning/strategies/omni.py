@@ -53,7 +53,11 @@ class OmniStrategy(ModelParallelStrategy):
             ``"InterleavedZeroBubble"`` (the last two run ``pp_virtual_stages`` stages per rank).
         pp_microbatches: micro-batches per step in the pipeline (default ``pp``); each training batch is cut into
             this many, or taken as is when it carries a ``micro_batches`` list.
+        pp_virtual_stages: stages per rank for the interleaved schedules.
         pp_max_tokens: most tokens in one micro-batch; stage-to-stage buffers have this many rows.
+        pp_encoders: ``"joint"`` (default for 1F1B and GPipe) inserts each micro-batch's encoder work into the
+            schedule, shared by every stage's rank; ``"first_stage"`` runs encoders inside stage 0 (torchtitan's
+            way; what the interleaved schedules use).
         launcher: how Lightning starts local processes when no cluster environment does: ``"subprocess"``
             (default; re-runs the script, for scripts and the CLI), ``"fork"`` (tests and notebooks) or
             ``"spawn"``. Under torchrun or SLURM the cluster starts the processes and this is ignored.
@@ -84,6 +88,7 @@ class OmniStrategy(ModelParallelStrategy):
         pp_microbatches: int | None = None,
         pp_virtual_stages: int = 1,
         pp_max_tokens: int = 4096,
+        pp_encoders: str = "joint",
         launcher: LauncherName = "subprocess",
         timeout: float = 1800.0,
         process_group_backend: str | None = None,
@@ -114,7 +119,12 @@ class OmniStrategy(ModelParallelStrategy):
                             ("pp_microbatches", pp_microbatches or 1)):
             if value < 1:
                 raise ValueError(f"{name}={value} must be at least 1")
-        self.pipeline_settings = PipelineSettings(pp_schedule, pp_microbatches, pp_virtual_stages, pp_max_tokens)
+        if pp_encoders not in ("joint", "first_stage"):
+            raise ValueError(f"pp_encoders={pp_encoders!r} must be 'joint' or 'first_stage'")
+        if pp_encoders == "joint" and pp_schedule not in ("1F1B", "GPipe"):
+            pp_encoders = "first_stage"  # the interleaved schedules keep the encoders inside stage 0
+        self.pipeline_settings = PipelineSettings(pp_schedule, pp_microbatches, pp_virtual_stages, pp_max_tokens,
+                                                  pp_encoders)
         self._parallel_dims: ParallelDims | None = None
         self._meshes: OmniMeshes | None = None
 
@@ -204,6 +214,8 @@ class OmniStrategy(ModelParallelStrategy):
             # has run, before the precision plugin's hooks and gradient clipping see them.
             result = closure()
             sync_expert_gradients(self.lightning_module)
+            if (pipeline := getattr(self.lightning_module, "pipeline", None)) is not None:
+                pipeline.sync_gradients()
             return result
 
         return super().optimizer_step(optimizer, closure_then_sync_experts, model, **kwargs)
