@@ -3,21 +3,24 @@
 With encoders on the first stage only (torchtitan's way), stage 0 runs every micro-batch's encoders on top of its
 layers, so it is the slowest stage and every other stage waits on it; an encoder-heavy step stretches the whole
 pipeline. Here every pipeline rank keeps the encoders, holds the step's micro-batches (so inputs need not travel),
-and encodes a share of each micro-batch's items, planned identically everywhere (LPT over the pipeline ranks with
-the encoder cost model); outputs go to stage 0 in one ``all_to_all_single``.
+and encodes a share of each micro-batch's items, planned identically everywhere (:func:`share_items`: LPT over the
+pipeline ranks with the encoder cost model, balanced over the step). Shares travel to stage 0, and their
+gradients back, point to point and asynchronously, so no stage waits for another's encoder work unless stage 0
+would otherwise have it late.
 
-*When* (uniform on-demand insertion): encoder work of micro-batch ``T`` runs on every pipeline rank at the moment
-stage 0 starts micro-batch ``T``, i.e. just before stage ``s`` runs its forward of micro-batch ``T - s`` (the 1F1B
-forward wave puts those at the same time); the first ``pp - 1`` micro-batches are encoded before the schedule. The
-same call returns the gradients of micro-batch ``T - lag`` (``lag = pp`` for 1F1B: stage 0 has finished that
-micro-batch's backward by then) and runs its encoder backward, so encoder activations of at most ``2 pp - 1``
-micro-batches are alive, whatever the step's encoder load. Each rank's added work per micro-batch is about
-``1 / pp`` of the encoder work, the same on every stage, so the 1F1B order, micro-batch count and bubble stay
-those of the LLM.
+*When* (uniform on-demand insertion), for 1F1B with ``p`` stages: just before its forward of micro-batch ``m``,
+stage ``s > 0`` encodes its share of micro-batch ``m + s + 1`` (the forward wave reaches stage 0's forward of that
+micro-batch about ``s + 1`` slots later, so the share is there in time) and backpropagates its share of micro-batch
+``m - p``, whose gradients stage 0 sent when it started ``m`` (1F1B has finished ``m - p``'s backward on stage 0 by
+then). Stage 0 encodes its own share of ``m`` in line and sends the gradients of ``m - p``. So each rank's added
+work per micro-batch is about ``1 / p`` of that micro-batch's encoder work, the LLM's 1F1B order and micro-batch
+count do not change, and encoder activations of at most ``2 p`` micro-batches are alive whatever the step's load.
+GPipe runs every backward after every forward, so there the encoder backward waits for the end of the step.
 
-Every call is a collective over the pipeline group in the same order on every rank, and every rank runs every
-encoder (a dummy item when it was given none), so FSDP and the exchanges never hang. Encoder weights are
-replicated over the pipeline ranks; :meth:`JointEncoders.sync_gradients` sums their gradients before the optimizer.
+A rank skips an encoder at an insertion only when none of its data-parallel peers (same stage, other data) has
+items for it there, which they agree on with one all-reduce per step; otherwise it runs a dummy item, so the
+encoders' FSDP collectives line up across the peers. Encoder weights are replicated
+over the pipeline ranks: :meth:`JointEncoders.sync_gradients` sums their gradients before the optimizer step.
 """
 
 from __future__ import annotations
@@ -31,38 +34,53 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from omni_lightning.balance.cost import ModuleCost
-from omni_lightning.balance.reshard import plan_encoder_work
 
 __all__ = ["JointEncoders", "share_items"]
 
 _MODALITIES = ("vision", "audio")
 
 
-def share_items(token_counts: np.ndarray, cost: ModuleCost, pp: int) -> np.ndarray:
-    """The pipeline rank that encodes each item of a micro-batch (pure; LPT on predicted cost, ties kept local)."""
+def share_items(token_counts: np.ndarray, cost: ModuleCost, loads: np.ndarray) -> np.ndarray:
+    """The pipeline rank that encodes each item of a micro-batch (pure).
+
+    Longest item first onto the rank with the least encoder work so far this step (``loads``, updated in place),
+    so that over a step every rank gets about the same; on ties the later stage, because stage 0 is on the
+    pipeline's critical path (it also embeds and waits for everyone's shares).
+    """
     tokens = np.asarray(token_counts, dtype=np.float64)
     costs = cost.linear * tokens + cost.quadratic * tokens**2
-    return plan_encoder_work(costs, np.zeros(tokens.size, dtype=np.int64), n_ranks=pp).rank_of
+    owner = np.zeros(tokens.size, dtype=np.int64)
+    for item in np.lexsort((np.arange(tokens.size), -costs)):
+        rank = int(np.lexsort((-np.arange(loads.size), loads))[0])  # least loaded, then highest rank
+        owner[item] = rank
+        loads[rank] += costs[item]
+    return owner
 
 
 class _Items:
-    """One modality's items of a micro-batch: their input rows, output rows and how to slice a subset."""
+    """One modality's items of a micro-batch: their input rows, output rows, and which rank encodes each."""
 
-    def __init__(self, name: str, batch: dict[str, Any], encoder: nn.Module) -> None:
+    def __init__(self, name: str, batch: dict[str, Any], encoder: nn.Module, cost: ModuleCost,
+                 loads: np.ndarray) -> None:
         self.name, self.encoder = name, encoder
         if name == "vision":
             self.grids = batch["vision_grids"]
             self.input_rows = (self.grids[:, 0] * self.grids[:, 1]).tolist()
-            self.tokens = np.array(self.input_rows)
+            self.tokens = np.array(self.input_rows, dtype=np.int64)
             self.sources = (batch["vision_patches"], batch["vision_positions"])
         else:
             self.lengths = batch["audio_lengths"]
             self.input_rows = self.lengths.tolist()
-            self.tokens = np.array(self.input_rows) // encoder.config.downsample
+            self.tokens = np.array(self.input_rows, dtype=np.int64) // encoder.config.downsample
             self.sources = (batch["audio_mels"],)
-        self.output_rows = (self.tokens // encoder.tokens_per_output).astype(int).tolist()
+        self.output_rows = (self.tokens // encoder.tokens_per_output).astype(np.int64)
+        self.owner = share_items(self.tokens, cost, loads)
 
-    def inputs_of(self, items: np.ndarray) -> tuple[torch.Tensor, ...] | None:
+    def rows_of(self, rank: int) -> int:
+        return int(self.output_rows[self.owner == rank].sum())
+
+    def inputs_of(self, rank: int) -> tuple[torch.Tensor, ...] | None:
+        items = np.flatnonzero(self.owner == rank)
         if items.size == 0:
             return None
         starts = np.concatenate([[0], np.cumsum(self.input_rows)]).astype(int)
@@ -71,133 +89,202 @@ class _Items:
         index = torch.as_tensor(items, device=self.sources[0].device)
         return (*picked, self.grids[index]) if self.name == "vision" else (*picked, self.lengths[index])
 
+    def item_order(self, pp: int) -> torch.Tensor:
+        """Row index that turns the shares, concatenated by rank, into item order."""
+        return torch.as_tensor(_item_order(self.output_rows, self.owner, pp), device=self.sources[0].device)
+
 
 class JointEncoders:
-    """Encoder work of a pipeline step, inserted into the schedule (see the module docstring)."""
+    """Encoder work of a pipeline step, inserted into the schedule (see the module docstring).
 
-    def __init__(self, model: nn.Module, pp_group: dist.ProcessGroup, costs: dict[str, ModuleCost], *,
-                 n_microbatches: int, lag: int) -> None:
-        self.model, self.group, self.costs = model, pp_group, costs
-        self.pp, self.rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
-        self.n_microbatches, self.lag = n_microbatches, lag
+    Args:
+        model: the (pruned) ReferenceMLLM; every pipeline rank keeps its encoders.
+        p2p_group: a process group over this rank's pipeline ranks, used only for these transfers.
+        costs: cost of each encoder by name, per stem token and per attention pair.
+        n_microbatches: micro-batches per step.
+        lag: how many micro-batches after its forward an encoder backward runs (``pp`` for 1F1B; for GPipe the
+            micro-batch count, i.e. after the schedule).
+        dtype: dtype of the encoders' outputs (the FSDP compute dtype).
+        dp_group: the data-parallel peers whose FSDP collectives the encoders share (``None`` without them).
+    """
+
+    def __init__(self, model: nn.Module, p2p_group: dist.ProcessGroup, costs: dict[str, ModuleCost], *,
+                 n_microbatches: int, lag: int, dtype: torch.dtype = torch.float32,
+                 dp_group: dist.ProcessGroup | None = None) -> None:
+        self.model, self.group, self.costs = model, p2p_group, costs
+        self.pp, self.rank = dist.get_world_size(p2p_group), dist.get_rank(p2p_group)
+        self.n_microbatches, self.lag, self.dtype, self.dp_group = n_microbatches, lag, dtype, dp_group
+        self._runs: np.ndarray = np.zeros(0, dtype=bool)  # [micro-batch, modality]: this rank runs the encoder
         self.micro_batches: list[dict[str, Any]] = []
         self.train = True
-        self.encoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # stage 0: leaves fed to the embedding
-        self._retained: dict[int, list[tuple[torch.Tensor, bool]]] = {}  # this rank's outputs awaiting backward
-        self._plans: dict[int, list[tuple[_Items, np.ndarray]]] = {}
-        self.done: list[int] = []  # micro-batches encoded so far this step, in order
+        self.encoded: dict[int, tuple[torch.Tensor, ...]] = {}  # stage 0: leaves fed to the embedding
         self.peak_in_flight = 0  # most micro-batches whose encoder activations were alive at once, this step
+        self.done: list[int] = []  # micro-batches whose share this rank encoded, in order
+        self._items: dict[int, list[_Items]] = {}
+        self._retained: dict[int, list[tuple[torch.Tensor | None, bool]]] = {}
+        self._incoming: dict[int, list[tuple[torch.Tensor, list[dist.Work]]]] = {}
+        self._sends: list[dist.Work] = []
 
     # ---------------------------------------------------------------------------------------------- schedule
-    def start(self, micro_batches: list[dict[str, Any]], *, train: bool) -> None:
-        """Before the schedule: encode the micro-batches stage 0 needs before the first insertion point."""
-        self.micro_batches, self.train, self.done, self.peak_in_flight = micro_batches, train, [], 0
-        for step in range(min(self.pp - 1, self.n_microbatches)):
-            self._insert(step)
+    @property
+    def ahead(self) -> int:
+        """How many micro-batches ahead of its forward this rank encodes (0 on stage 0: in line)."""
+        return self.rank + 1 if self.rank > 0 else 0
 
-    def before_forward(self, stage: int, micro_batch: int) -> None:
-        """Called by stage ``stage`` before its forward of ``micro_batch``: the insertion point of ``stage +
-        micro_batch`` (every rank reaches the same point at the same time of the forward wave)."""
-        point = stage + micro_batch
-        if self.pp - 1 <= point < self.n_microbatches:
-            self._insert(point)
+    def start(self, micro_batches: list[dict[str, Any]], *, train: bool) -> None:
+        """Before the schedule: plan every micro-batch, post the receives, encode the first shares."""
+        self.micro_batches, self.train, self.done, self.peak_in_flight = micro_batches, train, [], 0
+        loads = np.zeros(self.pp)  # encoder work given to each rank so far this step, in micro-batch order
+        self._items = {m: [_Items(name, batch, getattr(self.model, name), self.costs[name], loads)
+                           for name in _MODALITIES] for m, batch in enumerate(micro_batches)}
+        mine = np.array([[items.rows_of(self.rank) > 0 for items in self._items[m]]
+                         for m in range(len(micro_batches))], dtype=np.int64).reshape(len(micro_batches), -1)
+        if self.dp_group is not None:  # a dummy is needed wherever a data-parallel peer runs the encoder
+            agreed = torch.from_numpy(mine)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.dp_group)
+            mine = agreed.numpy()
+        self._runs = mine.astype(bool)
+        for m in range(len(micro_batches)):
+            self._post_receives(m)
+        for m in range(min(self.ahead, self.n_microbatches)):
+            self._encode(m)
+
+    def before_forward(self, micro_batch: int) -> None:
+        """Called by this rank's stage before its forward of ``micro_batch``."""
+        if self.rank == 0:
+            if self.train and micro_batch - self.lag >= 0:
+                self._send_gradients(micro_batch - self.lag)
+                self._backward(micro_batch - self.lag)
+            self._encode(micro_batch)
+            self._collect(micro_batch)
+            return
+        if micro_batch + self.ahead < self.n_microbatches:
+            self._encode(micro_batch + self.ahead)
+        if self.train and micro_batch - self.lag >= 0:
+            self._backward(micro_batch - self.lag)
 
     def finish(self) -> None:
         """After the schedule: the encoder backward of the micro-batches not yet done, in order."""
         if self.train:
-            for step in sorted(self._retained):
-                self._backward(step)
+            for m in sorted(self._retained):
+                if self.rank == 0:
+                    self._send_gradients(m)
+                self._backward(m)
+        for work in self._sends:
+            work.wait()
+        self._sends.clear()
         self.encoded.clear()
         self._retained.clear()
-        self._plans.clear()
+        self._incoming.clear()
+        self._items.clear()
         self.micro_batches = []
 
-    def outputs(self, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def outputs(self, micro_batch: int) -> tuple[torch.Tensor, ...]:
         """Stage 0: the vision and audio outputs of ``micro_batch`` (leaves that collect their gradients)."""
         return self.encoded[micro_batch]
 
     # ------------------------------------------------------------------------------------------------ work
-    def _insert(self, step: int) -> None:
-        self._forward(step)
-        if self.train and step - self.lag >= 0:
-            self._backward(step - self.lag)
+    def _tag(self, micro_batch: int, modality: int, backward: bool) -> int:
+        return (micro_batch * len(_MODALITIES) + modality) * 2 + int(backward)
 
-    def _forward(self, step: int) -> None:
-        batch = self.micro_batches[step]
-        plans, retained, gathered = [], [], []
-        for name in _MODALITIES:
-            items = _Items(name, batch, getattr(self.model, name))
-            owner = share_items(items.tokens, self.costs[name], self.pp)
-            mine = np.flatnonzero(owner == self.rank)
-            inputs = items.inputs_of(mine)
-            encoder = items.encoder
-            with torch.set_grad_enabled(self.train):
-                if inputs is None:  # nothing for this rank: a dummy item keeps every rank's collectives in step
-                    out = encoder(*encoder.dummy_inputs(items.sources[0].device))
-                    retained.append((out, True))
-                    out = out[:0]
-                else:
-                    out = encoder(*inputs)
-                    retained.append((out, False))
-            plans.append((items, owner))
-            gathered.append(self._to_stage_zero(out.detach(), items, owner))
-        self._plans[step], self._retained[step] = plans, retained
-        self.peak_in_flight = max(self.peak_in_flight, len(self._retained))
-        if self.rank == 0:
-            self.encoded[step] = tuple(g.requires_grad_(self.train) for g in gathered)  # type: ignore[assignment]
-        self.done.append(step)
-
-    def _to_stage_zero(self, out: torch.Tensor, items: _Items, owner: np.ndarray) -> torch.Tensor:
-        """Every rank's outputs to pipeline rank 0, there put back in item order."""
-        rows = np.array(items.output_rows, dtype=np.int64)
-        from_rank = [int(rows[owner == r].sum()) for r in range(self.pp)]
-        recv = from_rank if self.rank == 0 else [0] * self.pp
-        send = [out.shape[0] if r == 0 else 0 for r in range(self.pp)]
-        received = out.new_empty(sum(recv), out.shape[1])
-        dist.all_to_all_single(received, out.contiguous(), recv, send, group=self.group)
-        if self.rank != 0:
-            return received
-        return received[torch.as_tensor(_item_order(rows, owner, self.pp), device=out.device)]
-
-    def _backward(self, step: int) -> None:
-        """Stage 0 returns each rank its items' output gradients; each rank backpropagates its encoders."""
-        outputs, grads = [], []
-        for index, ((items, owner), (out, dummy)) in enumerate(zip(self._plans.pop(step), self._retained.pop(step),
-                                                                   strict=True)):
-            rows = np.array(items.output_rows, dtype=np.int64)
-            width = out.shape[1]
+    def _post_receives(self, m: int) -> None:
+        """Stage 0 receives every other rank's shares of ``m``; the others receive their shares' gradients."""
+        posted = []
+        width = self.model.config.llm.dim
+        for modality, items in enumerate(self._items[m]):
+            device = items.sources[0].device
             if self.rank == 0:
-                leaf = self.encoded[step][index]
-                full = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                send_tensor = full[torch.as_tensor(np.argsort(_item_order(rows, owner, self.pp), kind="stable"),
-                                                   device=full.device)]
-                send = [int(rows[owner == r].sum()) for r in range(self.pp)]
+                buffers = [torch.empty(items.rows_of(r), width, dtype=self.dtype, device=device)
+                           for r in range(self.pp)]
+                works = [dist.irecv(buffers[r], group=self.group, group_src=r, tag=self._tag(m, modality, False))
+                         for r in range(1, self.pp) if buffers[r].shape[0]]
+                posted.append((buffers, works))
+            elif self.train and items.rows_of(self.rank):
+                grad = torch.empty(items.rows_of(self.rank), width, dtype=self.dtype, device=device)
+                works = [dist.irecv(grad, group=self.group, group_src=0, tag=self._tag(m, modality, True))]
+                posted.append((grad, works))
             else:
-                send_tensor, send = out.new_empty(0, width), [0] * self.pp
-            mine = 0 if dummy else int(rows[owner == self.rank].sum())
-            grad = out.new_empty(mine, width)
-            dist.all_to_all_single(grad, send_tensor.contiguous(), [mine if r == 0 else 0 for r in range(self.pp)],
-                                   send, group=self.group)
+                posted.append((None, []))
+        self._incoming[m] = posted  # type: ignore[assignment]
+
+    def _encode(self, m: int) -> None:
+        retained = []
+        for modality, items in enumerate(self._items[m]):
+            inputs, encoder = items.inputs_of(self.rank), items.encoder
+            if not self._runs[m, modality]:  # neither this rank nor its data-parallel peers have work here
+                retained.append((None, True))
+                continue
+            with torch.set_grad_enabled(self.train):
+                if inputs is None:  # nothing for this rank: a dummy item keeps its FSDP collectives in line
+                    retained.append((encoder(*encoder.dummy_inputs(items.sources[0].device)), True))
+                    continue
+                out = encoder(*inputs)
+            retained.append((out, False))
+            if self.rank == 0:
+                buffers, _ = self._incoming[m][modality]
+                buffers[0] = out.detach()
+            else:
+                self._sends.append(dist.isend(out.detach().contiguous(), group=self.group, group_dst=0,
+                                              tag=self._tag(m, modality, False)))
+        self._retained[m] = retained
+        self.done.append(m)
+        self.peak_in_flight = max(self.peak_in_flight, len(self._retained))
+
+    def _collect(self, m: int) -> None:
+        """Stage 0: wait for ``m``'s shares and put them in item order as leaves."""
+        leaves = []
+        for modality, items in enumerate(self._items[m]):
+            buffers, works = self._incoming[m][modality]
+            for work in works:
+                work.wait()
+            gathered = torch.cat(buffers)[items.item_order(self.pp)]
+            leaves.append(gathered.requires_grad_(self.train))
+        self.encoded[m] = tuple(leaves)
+
+    def _send_gradients(self, m: int) -> None:
+        """Stage 0: each rank's share of ``m``'s output gradients."""
+        for modality, items in enumerate(self._items[m]):
+            leaf = self.encoded[m][modality]
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            by_rank = grad[torch.argsort(items.item_order(self.pp))].split(
+                [items.rows_of(r) for r in range(self.pp)])
+            self._incoming[m][modality] = (by_rank[0], [])
+            for r in range(1, self.pp):
+                if by_rank[r].shape[0]:
+                    self._sends.append(dist.isend(by_rank[r].contiguous(), group=self.group, group_dst=r,
+                                                  tag=self._tag(m, modality, True)))
+        del self.encoded[m]
+
+    def _backward(self, m: int) -> None:
+        outputs, grads = [], []
+        for modality, (out, dummy) in enumerate(self._retained.pop(m)):
+            if out is None:
+                continue
             if dummy:
                 outputs.append(out.sum() * 0.0)
                 grads.append(torch.ones((), device=out.device))
-            else:
-                outputs.append(out)
-                grads.append(grad)
-        torch.autograd.backward(outputs, grads)
-        self.encoded.pop(step, None)
+                continue
+            grad, works = self._incoming[m][modality]
+            for work in works:
+                work.wait()
+            outputs.append(out)
+            grads.append(grad)
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+        del self._incoming[m]
 
     def sync_gradients(self) -> None:
         """Sum the encoders' gradients over the pipeline ranks (each encoded a share of every micro-batch)."""
         for name in _MODALITIES:
             for param in getattr(self.model, name).parameters():
-                if param.grad is not None:
-                    local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-                    dist.all_reduce(local, group=self.group)
+                if param.grad is None:  # no share of this encoder's work here this step; the others had some
+                    param.grad = torch.zeros_like(param)
+                local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                dist.all_reduce(local, group=self.group)
 
 
 def _item_order(rows: np.ndarray, owner: np.ndarray, pp: int) -> np.ndarray:
-    """Row index that turns outputs received rank by rank (each rank's items in order) into item order."""
+    """Row index that turns outputs concatenated rank by rank (each rank's items in order) into item order."""
     arrival = [i for r in range(pp) for i in np.flatnonzero(owner == r)]
     arrival_start = np.zeros(len(rows), dtype=np.int64)
     position = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.models.mllm import ReferenceMLLM
@@ -54,11 +55,15 @@ def parallelize_mllm(
     runner = None
     if (pp_mesh := meshes.get("pp")) is not None:
         settings = pipeline or PipelineSettings()
+        encoder_group = None
+        if settings.encoders == "joint":  # its own group, so its transfers never meet the schedule's
+            encoder_group, _ = dist.new_subgroups_by_enumeration(meshes.parallel_dims.groups("pp"))
         runner = PipelineRunner(model, pp_mesh.get_group(), schedule=settings.schedule,
                                 n_microbatches=settings.microbatches or pp_mesh.size(),
                                 virtual_stages=settings.virtual_stages, max_tokens=settings.max_tokens,
                                 device=torch.device(pp_mesh.device_type), dtype=param_dtype or torch.float32,
-                                encoders=settings.encoders)
+                                encoders=settings.encoders, encoder_group=encoder_group,
+                                data_parallel_group=dp_cp.get_group() if (dp_cp := meshes.get("dp_cp")) else None)
     if (cp_mesh := meshes.get("cp")) is not None:
         model.cp_group = cp_mesh.get_group()
     first_stage_encoders = runner is None or (runner.joint is None and runner.has_first_stage)

@@ -224,7 +224,7 @@ class _StageModule(nn.Module):
         index = int(number.reshape(-1)[0])
         batch = runner.micro_batches[index]
         if runner.joint is not None:
-            runner.joint.before_forward(self.stage_index, index)
+            runner.joint.before_forward(index)
         cu, positions = batch["cu_seqlens"].long(), batch["position_ids"]
         shard = shard_for_context_parallel(cu, model.cp_group) if model.cp_group is not None else None
         local = shard.local_index if shard is not None else None
@@ -282,7 +282,9 @@ class PipelineRunner:
 
     def __init__(self, model: ReferenceMLLM, pp_group: dist.ProcessGroup, *, schedule: str, n_microbatches: int,
                  virtual_stages: int, max_tokens: int, device: torch.device,
-                 dtype: torch.dtype = torch.float32, encoders: str = "first_stage") -> None:
+                 dtype: torch.dtype = torch.float32, encoders: str = "first_stage",
+                 encoder_group: dist.ProcessGroup | None = None,
+                 data_parallel_group: dist.ProcessGroup | None = None) -> None:
         if schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"pp_schedule={schedule!r} must be one of {sorted(PIPELINE_SCHEDULES)}")
         pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
@@ -301,11 +303,13 @@ class PipelineRunner:
             if schedule not in ("1F1B", "GPipe"):
                 raise ValueError(f"pp_encoders='joint' inserts encoder work into 1F1B or GPipe, not {schedule}: use "
                                  "pp_encoders='first_stage' with it")
+            if encoder_group is None:
+                raise ValueError("the joint pipeline needs its own process group over the pipeline ranks")
             costs = CostModel.from_config(model.config)
             # 1F1B has finished micro-batch T - pp's backward on stage 0 when it starts T; GPipe only at the end.
-            self.joint = JointEncoders(model, pp_group, {"vision": costs.vision, "audio": costs.audio},
-                                       n_microbatches=n_microbatches,
-                                       lag=pp if schedule == "1F1B" else n_microbatches)
+            self.joint = JointEncoders(model, encoder_group, {"vision": costs.vision, "audio": costs.audio},
+                                       n_microbatches=n_microbatches, lag=pp if schedule == "1F1B" else n_microbatches,
+                                       dtype=dtype, dp_group=data_parallel_group)
         elif encoders != "first_stage":
             raise ValueError(f"pp_encoders={encoders!r} must be 'joint' or 'first_stage'")
         self.stage_modules = [

@@ -1,0 +1,210 @@
+"""Pipeline bubbles with encoders on stage 0 only (torchtitan's way) against the joint encoder-LLM pipeline.
+
+Starts ``--stages`` fork-started gloo processes, one pipeline stage each, and trains the reference MLLM (12 decoder
+layers, cut into cost-balanced stages) with 1F1B for ``--steps`` steps per configuration, on micro-batches drawn
+from each workload's synthetic samples. Every rank records its actions in the order they ran (forward and
+backward of each micro-batch, and in the joint pipeline each encoder insertion) with their thread CPU times. This
+machine runs more ranks than it has cores, so wall-clock idle time mixes bubbles with waiting for a core; the step
+is therefore replayed as dedicated devices would run it (:func:`omni_lightning.sim.replay_pipeline`: the recorded
+order, the measured durations, the pipeline's dependencies), and the bubble is the idle share of all stages' time
+(encoder work counts as busy: it is work that has to be done somewhere).
+The theoretical bubble of 1F1B with uniform micro-batches is ``(p - 1) / (m + p - 1)``.
+
+    python benchmarks/pipeline.py [--workload FILE ...] [--micro-batches 8 16 32] [--stages 4]
+
+Its last line is ``joint bubble/theoretical: X``, the worst over the workloads and micro-batch counts it ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from common import default_workloads
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
+from omni_lightning.datamodules.collate import DecodedSample, pack_samples
+from omni_lightning.datamodules.workload import SampleMeta, load_workload, sample_metadata
+from omni_lightning.models.config import (
+    FIRST_TEXT_ID,
+    AudioEncoderConfig,
+    LLMConfig,
+    ReferenceMLLMConfig,
+    VisionEncoderConfig,
+)
+from omni_lightning.models.mllm import ReferenceMLLM
+from omni_lightning.module import initial_state_dict
+from omni_lightning.parallel import joint_pipeline, pipeline
+from omni_lightning.parallel.dims import ParallelDims
+from omni_lightning.parallel.mesh import build_meshes
+from omni_lightning.parallel.parallelize import parallelize_mllm
+from omni_lightning.parallel.pipeline import PipelineSettings
+from omni_lightning.sim import Action, one_f_one_b_bubble, replay_pipeline
+
+RESULTS = Path(__file__).parent / "results" / "pipeline.json"
+# Wide enough that matmuls, not per-call overheads, dominate each action on a CPU.
+CONFIG = ReferenceMLLMConfig(
+    vision=VisionEncoderConfig(dim=128, n_layers=2, n_heads=4),
+    audio=AudioEncoderConfig(n_mels=80, dim=128, n_layers=2, n_heads=4),
+    llm=LLMConfig(dim=192, n_layers=12, n_heads=4, n_kv_heads=4, ffn_hidden=512),
+)
+
+
+def _micro_batches(workload: str, count: int, step: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The same micro-batches on every rank (seeded by workload and step), evened out by LLM tokens the way the
+    balancing loader does (LPT), so the LLM stages see uniform micro-batches and encoder load is what varies."""
+    spec = load_workload(workload)
+    rng = np.random.default_rng([args.seed, step])
+    metas = [sample_metadata(spec, rng, length_scale=args.length_scale, max_llm_tokens=args.max_llm_tokens)
+             for _ in range(count * args.samples_per_micro_batch)]
+    bins: list[list[SampleMeta]] = [[] for _ in range(count)]
+    tokens = [0] * count
+    for meta in sorted(metas, key=lambda m: -m.llm_tokens):
+        target = min(range(count), key=lambda b: (tokens[b], len(bins[b])))
+        bins[target].append(meta)
+        tokens[target] += meta.llm_tokens
+    return [pack_samples([_sample(meta, rng) for meta in group]) for group in bins]
+
+
+def _sample(meta: SampleMeta, rng: np.random.Generator) -> DecodedSample:
+    """Random content of the shape ``meta`` says (what the shards would decode to)."""
+    grids = list(meta.images) + [meta.video_grid] * meta.video_frames
+    images = [rng.integers(0, 256, (h * 14, w * 14, 3), dtype=np.uint8) for h, w in grids]
+    mel = rng.standard_normal((meta.audio_frames, 80)).astype(np.float32) if meta.audio_frames else None
+    return DecodedSample("synthetic", rng.integers(FIRST_TEXT_ID, 256, meta.text_tokens), images, mel)
+
+
+class _Recorder:
+    """Times every stage forward and backward and every joint-pipeline action of this rank (thread CPU seconds);
+    actions that run inside a forward are recorded first and taken out of the forward's time."""
+
+    def __init__(self) -> None:
+        self.actions: list[tuple[str, int, float]] = []
+        self._inside = 0.0
+        recorder = self
+        forward, backward = pipeline._StageModule.forward, _PipelineStageBase.backward_one_chunk
+
+        def timed_forward(module: Any, *inputs: torch.Tensor) -> Any:
+            started, recorder._inside = time.thread_time(), 0.0
+            out = forward(module, *inputs)
+            recorder.actions.append(("F", int(inputs[-1].reshape(-1)[0]),
+                                     time.thread_time() - started - recorder._inside))
+            return out
+
+        def timed_backward(stage: Any, chunk: int, *args: Any, **kwargs: Any) -> Any:
+            started = time.thread_time()
+            out = backward(stage, chunk, *args, **kwargs)
+            recorder.actions.append(("B", chunk, time.thread_time() - started))
+            return out
+
+        pipeline._StageModule.forward = timed_forward  # type: ignore[method-assign]
+        _PipelineStageBase.backward_one_chunk = timed_backward  # type: ignore[method-assign]
+        for kind, name in (("E", "_encode"), ("EB", "_backward"), ("G", "_send_gradients")):
+            setattr(joint_pipeline.JointEncoders, name, self._timed(kind, getattr(joint_pipeline.JointEncoders, name)))
+
+    def _timed(self, kind: str, method: Any) -> Any:
+        def timed(joint: Any, micro_batch: int) -> None:
+            started = time.thread_time()
+            method(joint, micro_batch)
+            seconds = time.thread_time() - started
+            self._inside += seconds
+            self.actions.append((kind, micro_batch, seconds))
+
+        return timed
+
+
+def _worker(rank: int, size: int, port: int, args: argparse.Namespace, results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=900))
+    recorder = _Recorder()
+    meshes = build_meshes(ParallelDims(world_size=size, pp=size, dp_shard=1), "cpu")
+    state = initial_state_dict(CONFIG, seed=0)
+    for workload in args.workload:
+        for count in args.micro_batches:
+            for encoders in ("first_stage", "joint"):
+                with torch.device("meta"):
+                    model = ReferenceMLLM(CONFIG)
+                max_tokens = args.max_llm_tokens * args.samples_per_micro_batch * 2
+                settings = PipelineSettings("1F1B", count, 1, max_tokens=max_tokens, encoders=encoders)
+                runner = parallelize_mllm(model, meshes, pipeline=settings)
+                assert runner is not None
+                model.to_empty(device="cpu")
+                kept = model.state_dict().keys()
+                set_model_state_dict(model, {k: v for k, v in state.items() if k in kept},
+                                     options=StateDictOptions(full_state_dict=True, strict=True))
+                steps = []
+                for step in range(args.steps + 1):  # the first step warms up
+                    micro = _micro_batches(workload, count, step, args)
+                    recorder.actions = []
+                    dist.barrier()
+                    runner.step(micro, loss_scale=1e-3)
+                    everyone: list[Any] = [None] * size
+                    dist.all_gather_object(everyone, recorder.actions)
+                    if step > 0:
+                        steps.append(everyone)
+                if rank == 0:
+                    results[(Path(workload).stem, count, encoders)] = steps
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", nargs="+", default=default_workloads())
+    parser.add_argument("--micro-batches", nargs="+", type=int, default=[8, 16])
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--length-scale", type=float, default=0.05)
+    parser.add_argument("--max-llm-tokens", type=int, default=384)
+    parser.add_argument("--samples-per-micro-batch", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.start_processes(_worker, args=(args.stages, port, args, results), nprocs=args.stages, start_method="fork")
+
+    rows, worst = [], 0.0
+    print(f"{'workload':<14}{'m':>4}{'theory':>8}{'stage-0 enc':>13}{'joint':>8}{'joint/theory':>14}"
+          f"{'step ms (s0, joint)':>22}")
+    for workload, count in sorted({(w, c) for w, c, _ in dict(results)}):
+        theory = one_f_one_b_bubble(args.stages, count)
+        outcome = {}
+        for mode in ("first_stage", "joint"):
+            replays = [replay_pipeline([[Action(*a) for a in rank] for rank in step])
+                       for step in results[(workload, count, mode)]]
+            outcome[mode] = (float(np.mean([r.bubble for r in replays])), float(np.mean([r.makespan for r in replays])),
+                             [float(np.mean(b)) for b in zip(*[r.bubbles for r in replays], strict=True)])
+        ratio = outcome["joint"][0] / theory
+        for mode in ("first_stage", "joint"):
+            steps = results[(workload, count, mode)]
+            seconds = {kind: [float(np.mean([a[2] for step in steps for a in step[s] if a[0] == kind] or [0.0]))
+                              for s in range(args.stages)] for kind in ("F", "B", "E", "EB")}
+            outcome[mode] = (*outcome[mode], seconds)
+        worst = max(worst, ratio)
+        rows.append({"workload": workload, "micro_batches": count, "theoretical_bubble": theory,
+                     "first_stage_bubble": outcome["first_stage"][0], "joint_bubble": outcome["joint"][0],
+                     "first_stage_stage_bubbles": outcome["first_stage"][2], "joint_stage_bubbles": outcome["joint"][2],
+                     "first_stage_step_s": outcome["first_stage"][1], "joint_step_s": outcome["joint"][1],
+                     "first_stage_action_s": outcome["first_stage"][3], "joint_action_s": outcome["joint"][3]})
+        print(f"{workload:<14}{count:>4}{theory:>8.3f}{outcome['first_stage'][0]:>13.3f}{outcome['joint'][0]:>8.3f}"
+              f"{ratio:>14.3f}{outcome['first_stage'][1] * 1e3:>11.0f},{outcome['joint'][1] * 1e3:>8.0f}")
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    print(f"joint bubble/theoretical: {worst:.3f}")
+
+
+if __name__ == "__main__":
+    main()
