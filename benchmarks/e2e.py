@@ -1,0 +1,214 @@
+"""End to end, side by side: what a Lightning user has today against OmniStrategy, on the same data and steps.
+
+Trains the same reference MLLM on the same synthetic shards for the same steps and global batch on ``--ranks``
+fork-started CPU processes, under
+
+* (a) Lightning's ``ModelParallelStrategy`` with FSDP2 over every rank and the plain per-rank data split;
+* (b) OmniStrategy (FSDP2) with balancing off (``OmniDataModule(workload_balance="none")``, no encoder resharding);
+* (c) OmniStrategy with grouped reordering in the loader;
+* (d) (c) plus encoder resharding with long-short sequence parallelism (``enc_sp``).
+
+This machine has 2 cores and runs more ranks than that, so wall time is not what dedicated devices would see.
+Each rank's compute per step is its training thread's CPU time (a rank blocked in a collective uses none); the
+*modeled step time* is the slowest rank's, i.e. the step time on dedicated devices when communication overlaps
+or is small (the CPU a rank spends inside collectives is included). Reported per configuration: samples/s and
+tokens/s (wall, for reference), the modeled step time, its max/mean imbalance over ranks, and the ratio to (a).
+Results go to ``benchmarks/results/e2e.json`` and a plot of per-rank time per step to ``e2e.png`` (needs the
+``bench`` extra: matplotlib).
+
+    python benchmarks/e2e.py [--workload FILE] [--ranks 4] [--steps 16] [--quick]
+
+Its last line is ``modeled speedup (d)/(a): X``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.distributed as dist
+from common import SHARED_WORKLOADS
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
+
+from omni_lightning import OmniDataModule, OmniModule, OmniStrategy, ReferenceMLLM, WebDataModule
+from omni_lightning.datamodules.synthetic import make_synthetic_shards
+from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig, VisionEncoderConfig
+from omni_lightning.module import initial_state_dict
+from omni_lightning.monitor import BalanceMonitor
+from omni_lightning.strategies.omni import _NoWeightsMultiProcessingLauncher
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# Encoders wide enough that their work, and its imbalance, matter next to the LLM's (as in real VLMs).
+CONFIG = ReferenceMLLMConfig(
+    vision=VisionEncoderConfig(dim=96, n_layers=2, n_heads=4),
+    audio=AudioEncoderConfig(n_mels=80, dim=96, n_layers=2, n_heads=4),
+    llm=LLMConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_hidden=256),
+)
+CONFIGURATIONS = {
+    "a": "Lightning ModelParallelStrategy (FSDP2), naive split",
+    "b": "OmniStrategy, balancing off",
+    "c": "OmniStrategy, grouped reordering",
+    "d": "OmniStrategy, grouped reordering + encoder resharding/LSSP",
+}
+
+
+class _ForkedModelParallel(ModelParallelStrategy):
+    """Lightning's strategy, started by fork like the other runs (its default re-runs the script)."""
+
+    def _configure_launcher(self) -> None:
+        self._launcher = _NoWeightsMultiProcessingLauncher(self, start_method="fork")
+
+
+class _UserFSDPModule(OmniModule):
+    """What a Lightning user writes for ModelParallelStrategy: FSDP2 on its data-parallel mesh in configure_model."""
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        model = ReferenceMLLM(self.config)
+        model.load_state_dict(initial_state_dict(self.config, seed=self.hparams.init_seed))
+        mesh = self.device_mesh["data_parallel"]
+        for block in [*model.llm.layers.values(), *model.vision.blocks, *model.audio.blocks]:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.model = model
+
+
+class _Throughput(pl.Callback):
+    """Rank 0 keeps wall time and global tokens of every step; everything is saved at the end of training."""
+
+    def __init__(self, monitor: BalanceMonitor, path: Path) -> None:
+        self.monitor, self.path = monitor, path
+        self.wall: list[float] = []
+        self.tokens: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        tokens = torch.tensor([float(batch["input_ids"].numel())], dtype=torch.float64)
+        dist.all_reduce(tokens)
+        self.wall.append(time.perf_counter())
+        self.tokens.append(float(tokens) / trainer.strategy.parallel_dims.tp
+                           if isinstance(trainer.strategy, OmniStrategy) else float(tokens))
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            self.path.write_text(json.dumps({"cpu": self.monitor.history, "wall": self.wall, "tokens": self.tokens}))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(name: str, shards: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    os.environ["MASTER_PORT"] = str(_free_port())
+    monitor = BalanceMonitor()
+    record = out / f"{name}.json"
+    if name == "a":
+        strategy: Any = _ForkedModelParallel(data_parallel_size=args.ranks, tensor_parallel_size=1)
+        module: OmniModule = _UserFSDPModule(CONFIG, init_seed=args.seed)
+        data: pl.LightningDataModule = WebDataModule(shards, batch_size=args.samples_per_step, seed=args.seed)
+    else:
+        strategy = OmniStrategy(launcher="fork", timeout=600, encoder_balance=name == "d",
+                                enc_sp=args.enc_sp if name == "d" else 1)
+        module = OmniModule(CONFIG, init_seed=args.seed)
+        data = OmniDataModule(shards, samples_per_step=args.samples_per_step, group_steps=args.group_steps,
+                              workload_balance="none" if name == "b" else "grouped", balance_group_size=None,
+                              seed=args.seed)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=args.ranks, strategy=strategy, max_steps=args.steps, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        callbacks=[monitor, _Throughput(monitor, record)],
+    )
+    trainer.fit(module, datamodule=data)
+    return json.loads(record.read_text())
+
+
+def summarize(record: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    cpu = np.array(record["cpu"][args.warmup:])
+    wall = np.array(record["wall"])
+    seconds = float(wall[-1] - wall[args.warmup - 1]) if args.warmup > 0 else float(wall[-1] - wall[0])
+    steps = len(record["wall"]) - max(args.warmup, 1)
+    return {
+        "modeled_step_s": float(cpu.max(axis=1).mean()),
+        "imbalance": float((cpu.max(axis=1) / cpu.mean(axis=1)).mean()),
+        "samples_per_s": steps * args.samples_per_step * args.ranks / seconds,
+        "tokens_per_s": float(sum(record["tokens"][args.warmup:])) / seconds,
+        "per_rank_step_s": cpu.tolist(),
+    }
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+        return
+    figure, axes = plt.subplots(1, len(results), figsize=(4 * len(results), 3), sharey=True)
+    for axis, (name, result) in zip(axes, results.items(), strict=True):
+        per_rank = np.array(result["per_rank_step_s"]) * 1e3
+        for rank in range(per_rank.shape[1]):
+            axis.plot(per_rank[:, rank], label=f"rank {rank}", linewidth=1)
+        axis.set_title(f"({name}) max/mean {result['imbalance']:.2f}", fontsize=9)
+        axis.set_xlabel("step")
+    axes[0].set_ylabel("compute per step (ms, thread CPU)")
+    axes[-1].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default_workload = SHARED_WORKLOADS / "vlm_dynres.yaml"
+    parser.add_argument("--workload", default=str(default_workload) if default_workload.exists() else "vlm_dynres")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--quick", action="store_true", help="fewer steps (about 5 minutes here)")
+    parser.add_argument("--samples-per-step", type=int, default=4)
+    parser.add_argument("--group-steps", type=int, default=8)
+    parser.add_argument("--enc-sp", type=int, default=2)
+    parser.add_argument("--length-scale", type=float, default=0.08)
+    parser.add_argument("--max-llm-tokens", type=int, default=512)
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out (allocator and import warm-up)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.quick:
+        args.steps = 10
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as scratch:
+        shard_count = 2 * args.ranks
+        per_shard = -(-args.steps * args.samples_per_step * args.ranks // shard_count) + 2 * args.samples_per_step
+        make_synthetic_shards(scratch, workload=args.workload, num_shards=shard_count, samples_per_shard=per_shard,
+                              seed=args.seed, length_scale=args.length_scale, max_llm_tokens=args.max_llm_tokens)
+        shards = f"{scratch}/train-{{000000..{shard_count - 1:06d}}}.tar"
+        results = {name: summarize(run(name, shards, args, Path(scratch)), args) for name in CONFIGURATIONS}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "e2e.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    plot(results, RESULTS / "e2e.png")
+    base = results["a"]["modeled_step_s"]
+    print(f"{Path(args.workload).stem}: {args.ranks} ranks, {args.steps} steps, {args.samples_per_step} samples per "
+          f"rank and step (first {args.warmup} steps left out)")
+    for name, label in CONFIGURATIONS.items():
+        r = results[name]
+        print(f"({name}) {label:<58} modeled step {r['modeled_step_s'] * 1e3:7.1f} ms, max/mean {r['imbalance']:.3f}, "
+              f"{r['samples_per_s']:6.1f} samples/s, {r['tokens_per_s']:8.0f} tokens/s (wall), "
+              f"vs (a) {base / r['modeled_step_s']:.3f}x")
+    print(f"modeled speedup (d)/(a): {base / results['d']['modeled_step_s']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
