@@ -3,12 +3,15 @@
 Runs in the training process (loader workers only read and decode): every ``group_steps`` steps it pulls the
 rank's next samples, all-gathers their integer metadata over the balance group, computes the shared plan with
 :func:`~omni_lightning.balance.reorder.plan_balance_group`, sends the payloads the plan moves with one
-``all_to_all_single``, and then yields that rank's packed micro-batches, step by step.
+``all_to_all_single``, and then yields that rank's packed micro-batches, step by step. Those two are the only
+collectives of a group (a second gather only when carried samples overfill a buffer): every rank waits in each
+for the slowest, so each one more would be another stall per group.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 import time
 from collections.abc import Iterator
@@ -108,6 +111,59 @@ def _pack(samples: list[DecodedSample], pack_kwargs: dict[str, int]) -> dict[str
     return batch
 
 
+# Received arrays are views into one receive buffer; each starts at an offset aligned as an allocator's would be.
+_ALIGN = 64
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _arrays(sample: DecodedSample) -> list[np.ndarray]:
+    return [sample.tokens, *sample.images, *([] if sample.mel is None else [sample.mel])]
+
+
+class _Wire:
+    """A sample as the payload exchange sends it: each array's raw bytes at an aligned offset, then a pickled
+    header (key, metadata, array layouts), then the header's length in the last 8 bytes.
+
+    Its size is known before the plan, so it travels with the gathered metadata and the receiver needs no separate
+    size exchange; the receiver's arrays are views of the received bytes, not copies made by unpickling.
+    """
+
+    def __init__(self, sample: DecodedSample) -> None:
+        self.arrays = [np.ascontiguousarray(a) for a in _arrays(sample)]
+        layouts, offset = [], 0
+        for array in self.arrays:
+            layouts.append((array.dtype.str, array.shape, offset))
+            offset += _aligned(array.nbytes)
+        self.header = pickle.dumps((sample.key, sample.meta, len(sample.images), sample.mel is not None, layouts),
+                                   protocol=pickle.HIGHEST_PROTOCOL)
+        self.nbytes = offset + _aligned(len(self.header) + 8)
+
+    def write(self, out: memoryview, start: int) -> None:
+        """Serialise into ``out[start : start + nbytes]`` (``start`` aligned)."""
+        offset = start
+        for array in self.arrays:
+            if array.nbytes:  # a byte view of an empty array cannot be made
+                out[offset : offset + array.nbytes] = memoryview(array).cast("B")
+            offset += _aligned(array.nbytes)
+        end = start + self.nbytes
+        out[end - 8 - len(self.header) : end - 8] = self.header
+        out[end - 8 : end] = len(self.header).to_bytes(8, "little")
+
+    @staticmethod
+    def read(data: memoryview, start: int, nbytes: int) -> DecodedSample:
+        """The sample written at ``data[start : start + nbytes]``; its arrays are views of ``data``."""
+        end = start + nbytes
+        length = int.from_bytes(data[end - 8 : end], "little")
+        key, meta, n_images, has_mel, layouts = pickle.loads(data[end - 8 - length : end - 8])
+        arrays = [np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=start + offset).reshape(shape)
+                  for dtype, shape, offset in layouts]
+        return DecodedSample(key=key, tokens=arrays[0], images=arrays[1 : 1 + n_images],
+                             mel=arrays[-1] if has_mel else None, meta=meta)
+
+
 class BalancedStream:
     """Yields this rank's packed micro-batches, planned group by group with the other ranks of its balance group.
 
@@ -171,11 +227,15 @@ class BalancedStream:
             started = time.perf_counter()
             samples = [pickle.loads(b) for b in carry]
             samples += [self._admit(next(records)) for _ in range(self._fresh_count(len(carry)))]
-            gathered = self._all_gather(self._rows(samples))
+            # Only a group of ranks that plans moves can send a payload; others skip serialising.
+            moves = self.group is not None and self.settings.balance
+            wires = [_Wire(s) if moves and s is not None else None for s in samples]
+            gathered = self._all_gather(self._rows(samples, wires))
             plan = self._plan(gathered, group_number)
             owned = self._owned_ids(gathered)
             local = {i: samples[i - owned.start] for i in owned if samples[i - owned.start] is not None}
-            everything = {**local, **self._exchange(local, gathered, plan)}
+            outgoing = {i: wires[i - owned.start] for i in local}
+            everything = {**local, **self._exchange(outgoing, gathered, plan)}
             rank = self._rank()
             carry = [pickle.dumps(local[i], protocol=pickle.HIGHEST_PROTOCOL) for i in plan.leftover if i in local]
             seconds = time.perf_counter() - started
@@ -223,42 +283,53 @@ class BalancedStream:
             self.counters[outcome] += 1
         return sample
 
-    def _rows(self, samples: list[DecodedSample | None]) -> np.ndarray:
-        """int64 per sample: valid, the six cost features, LLM tokens, owner rank, approximate payload bytes."""
-        rows = np.zeros((len(samples), 10), dtype=np.int64)
-        rows[:, 8] = self._rank()
+    def _rows(self, samples: list[DecodedSample | None], wires: list[_Wire | None]) -> np.ndarray:
+        """int64 per sample: valid, the six cost features, LLM tokens, owner rank, approximate payload bytes, and
+        the exact size it would travel with (0 where it cannot travel)."""
         patch = self.pack_kwargs.get("patch_size", 14)
         downsample = self.pack_kwargs.get("audio_downsample", 4)
-        for i, sample in enumerate(samples):
+        rank = self._rank()
+        table = []
+        for sample, wire in zip(samples, wires, strict=True):
             if sample is None:
+                table.append([0] * 8 + [rank, 0, 0])
                 continue
-            items = np.array([(img.shape[0] // patch) * (img.shape[1] // patch) for img in sample.images],
-                             dtype=np.int64)
+            items = [(img.shape[0] // patch) * (img.shape[1] // patch) for img in sample.images]
             audio = 0 if sample.mel is None else sample.mel.shape[0] // downsample
             length = llm_length(sample, self.pack_kwargs)
             # The cost model's features (see omni_lightning.balance.cost.FEATURES), from the payload itself.
-            rows[i, :8] = [1, items.sum(), (items**2).sum(), audio, audio**2, length, length * (length + 1) // 2,
-                           length]
-            arrays = [sample.tokens, *sample.images, *([] if sample.mel is None else [sample.mel])]
-            rows[i, 9] = sum(a.nbytes for a in arrays)
-        return rows
+            table.append([1, sum(items), sum(n * n for n in items), audio, audio * audio, length,
+                          length * (length + 1) // 2, length, rank, sum(a.nbytes for a in _arrays(sample)),
+                          0 if wire is None else wire.nbytes])
+        return np.array(table, dtype=np.int64).reshape(len(samples), 11)
 
     def _all_gather(self, rows: np.ndarray) -> np.ndarray:
         """Every member's rows, rank-major. Only integers travel: a few dozen bytes per sample."""
         if self.group is None:
             return rows
-        size = dist.get_world_size(self.group)
-        # Carried samples make buffers differ in length: pad to the longest with invalid rows.
-        length = torch.tensor([rows.shape[0]])
-        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-        dist.all_gather(lengths, length, group=self.group)
-        longest = max(int(n) for n in lengths)
-        padded = torch.zeros(longest, rows.shape[1], dtype=torch.int64)
-        padded[: rows.shape[0]] = torch.from_numpy(rows)
-        out = torch.empty(size * longest, rows.shape[1], dtype=torch.int64)
-        dist.all_gather_into_tensor(out, padded, group=self.group)
-        keep = np.concatenate([np.arange(r * longest, r * longest + int(n)) for r, n in enumerate(lengths)])
-        return out.numpy()[keep]
+        size, columns = dist.get_world_size(self.group), rows.shape[1]
+        # A buffer holds a group's worth of samples, more only when more were carried in. So one collective of that
+        # many rows, behind a row with the true count, covers the usual case; a longer buffer sends the rest in a
+        # second one, which every member issues because all of them see the counts of the first.
+        block = self.settings.samples_per_step * self.settings.group_steps
+        first = torch.zeros(block + 1, columns, dtype=torch.int64)
+        first[0, 0] = rows.shape[0]
+        first[1 : 1 + min(rows.shape[0], block)] = torch.from_numpy(rows[:block])
+        out = torch.empty(size * (block + 1), columns, dtype=torch.int64)
+        dist.all_gather_single(out, first, group=self.group)
+        heads = out.view(size, block + 1, columns).numpy()
+        lengths = heads[:, 0, 0].tolist()
+        parts = [heads[r, 1 : 1 + min(n, block)] for r, n in enumerate(lengths)]
+        longest = max(lengths)
+        if longest > block:
+            extra = rows[block:]
+            rest = torch.zeros(longest - block, columns, dtype=torch.int64)
+            rest[: len(extra)] = torch.from_numpy(extra)
+            tails = torch.empty(size * (longest - block), columns, dtype=torch.int64)
+            dist.all_gather_single(tails, rest, group=self.group)
+            tail = tails.view(size, longest - block, columns).numpy()
+            parts = [np.concatenate([parts[r], tail[r, : max(n - block, 0)]]) for r, n in enumerate(lengths)]
+        return np.concatenate(parts)
 
     def _plan(self, gathered: np.ndarray, group_number: int) -> GroupPlan:
         valid = np.flatnonzero(gathered[:, 0])
@@ -282,13 +353,11 @@ class BalancedStream:
         plan.leftover = valid[plan.leftover].tolist()
         return plan
 
-    def _exchange(
-        self, local: dict[int, DecodedSample], gathered: np.ndarray, plan: GroupPlan
-    ) -> dict[int, DecodedSample]:
+    def _exchange(self, outgoing: dict[int, _Wire], gathered: np.ndarray, plan: GroupPlan) -> dict[int, DecodedSample]:
         """Send every planned sample to its rank; returns the samples received, by id.
 
-        Both sides know from the plan which samples travel between them, in id order; a first small
-        ``all_to_all_single`` tells the exact serialised sizes, a second carries the bytes.
+        Both sides know from the plan which samples travel between them, in id order, and from the gathered
+        metadata the size of each: one ``all_to_all_single`` carries the bytes.
         """
         if self.group is None:
             return {}
@@ -298,35 +367,25 @@ class BalancedStream:
             for step in steps:
                 for ids in step:
                     destination[ids] = r
-        owner = gathered[:, 8]
-        send_ids = [[i for i in sorted(local) if destination[i] == r] if r != rank else [] for r in range(size)]
-        recv_ids = [np.flatnonzero((owner == r) & (destination == rank)).tolist() if r != rank else []
-                    for r in range(size)]
-        blobs = [pickle.dumps(local[i], protocol=pickle.HIGHEST_PROTOCOL) for ids in send_ids for i in ids]
-        sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
-        recv_sizes = torch.empty(sum(len(ids) for ids in recv_ids), dtype=torch.int64)
-        dist.all_to_all_single(recv_sizes, sizes, [len(ids) for ids in recv_ids], [len(ids) for ids in send_ids],
-                               group=self.group)
-        packed = bytearray()
-        for blob in blobs:
-            packed += blob
-        send = torch.frombuffer(packed, dtype=torch.uint8) if packed else torch.empty(0, dtype=torch.uint8)
-        out = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
-        blob_sizes = sizes.tolist()
-        send_splits, start = [], 0
-        for ids in send_ids:
-            send_splits.append(sum(blob_sizes[start : start + len(ids)]))
-            start += len(ids)
-        recv_flat = recv_sizes.tolist()
-        recv_splits, start = [], 0
-        for ids in recv_ids:
-            recv_splits.append(sum(recv_flat[start : start + len(ids)]))
-            start += len(ids)
+        owner, nbytes = gathered[:, 8], gathered[:, 10]
+        moving = (destination >= 0) & (destination != owner)
+        if not moving.any():
+            return {}  # every member derives the same plan, so all of them skip the collective
+        send_ids = [np.flatnonzero(moving & (owner == rank) & (destination == r)) for r in range(size)]
+        recv_ids = [np.flatnonzero(moving & (owner == r) & (destination == rank)) for r in range(size)]
+        send_splits = [int(nbytes[ids].sum()) for ids in send_ids]
+        recv_splits = [int(nbytes[ids].sum()) for ids in recv_ids]
+        send = torch.zeros(sum(send_splits), dtype=torch.uint8)  # zeroed: alignment padding travels too
+        buffer, offset = memoryview(send.numpy()), 0
+        for i in np.concatenate(send_ids).tolist():
+            outgoing[i].write(buffer, offset)
+            offset += int(nbytes[i])
+        out = torch.empty(sum(recv_splits), dtype=torch.uint8)
         dist.all_to_all_single(out, send, recv_splits, send_splits, group=self.group)
-        received, offset, data = {}, 0, memoryview(out.numpy())  # pickle reads slices without copying them
-        for i, nbytes in zip((i for ids in recv_ids for i in ids), recv_flat, strict=True):
-            received[i] = pickle.loads(data[offset : offset + nbytes])
-            offset += nbytes
+        received, offset, data = {}, 0, memoryview(out.numpy())
+        for i in np.concatenate(recv_ids).tolist():
+            received[i] = _Wire.read(data, offset, int(nbytes[i]))
+            offset += int(nbytes[i])
         return received
 
     def _module_costs(self, gathered: np.ndarray, ids: list[int]) -> tuple[float, float]:

@@ -1,0 +1,126 @@
+"""BalancedStream's collectives: the wire format of moved samples, one metadata gather per group (two only when a
+buffer outgrows a group), one payload exchange per group, none when nothing moves."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from omni_lightning.balance.cost import CostModel
+from omni_lightning.datamodules.balanced import BalancedStream, BalanceSettings, _Wire
+from omni_lightning.datamodules.collate import DecodedSample
+from omni_lightning.datamodules.omni import SampleStream
+from omni_lightning.datamodules.web import existing_shards
+from omni_lightning.models.config import ReferenceMLLMConfig
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+
+COST = CostModel.from_config(ReferenceMLLMConfig.tiny())
+PACK = {"patch_size": 14, "vision_merge": 4, "audio_downsample": 4}
+
+
+def _samples() -> list[DecodedSample]:
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 255, size=(3, 28, 42, 3), dtype=np.uint8)
+    return [
+        DecodedSample("image", np.arange(5, 40, dtype=np.int32),
+                      images=[rng.integers(0, 255, size=(28, 56, 3), dtype=np.uint8),
+                              np.ascontiguousarray(frames[0])[:, ::-1]],  # a view that is not contiguous
+                      meta={"modality": "image", "images": [[2, 4], [2, 3]], "nested": {"a": [1, 2]}}),
+        DecodedSample("video", np.arange(5, 9, dtype=np.int64), images=list(frames), meta={"video_frames": 3}),
+        DecodedSample("audio", np.array([7], dtype=np.int32), mel=rng.random((13, 80)).astype(np.float16)),
+        DecodedSample("empty-mel", np.array([9], dtype=np.int32), mel=np.zeros((0, 80), dtype=np.float16)),
+    ]
+
+
+def test_wire_round_trip_gives_aligned_writable_views() -> None:
+    samples = _samples()
+    wires = [_Wire(s) for s in samples]
+    buffer = torch.zeros(sum(w.nbytes for w in wires), dtype=torch.uint8)
+    data, offset = memoryview(buffer.numpy()), 0
+    for wire in wires:
+        assert wire.nbytes % 64 == 0
+        wire.write(data, offset)
+        offset += wire.nbytes
+    offset = 0
+    for sample, wire in zip(samples, wires, strict=True):
+        back = _Wire.read(data, offset, wire.nbytes)
+        offset += wire.nbytes
+        assert (back.key, back.meta) == (sample.key, sample.meta)
+        assert (back.mel is None) == (sample.mel is None) and len(back.images) == len(sample.images)
+        arrays = [back.tokens, *back.images, *([] if back.mel is None else [back.mel])]
+        originals = [sample.tokens, *sample.images, *([] if sample.mel is None else [sample.mel])]
+        for received, original in zip(arrays, originals, strict=True):
+            assert received.dtype == original.dtype and received.shape == original.shape
+            np.testing.assert_array_equal(received, original)
+            assert received.flags.writeable and received.ctypes.data % 64 == 0
+            assert received.size == 0 or np.shares_memory(received, buffer.numpy()), "received arrays are views"
+
+
+class _NoLoader:
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+def _stream(group: dist.ProcessGroup | None, *, samples_per_step: int, group_steps: int) -> BalancedStream:
+    return BalancedStream(_NoLoader(), group=group, group_index=0, cost_model=COST,
+                          settings=BalanceSettings(samples_per_step=samples_per_step, group_steps=group_steps))
+
+
+def _counting(name: str, calls: list[str]) -> Callable[..., Any]:
+    original = getattr(dist, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return original(*args, **kwargs)
+
+    return counted
+
+
+def _world_gather(rank: int, world_size: int) -> None:
+    stream = _stream(dist.group.WORLD, samples_per_step=2, group_steps=2)  # a group's buffer: 4 samples
+    calls: list[str] = []
+    dist.all_gather_single = _counting("all_gather_single", calls)  # type: ignore[assignment]
+    for lengths, collectives in (((4, 4), 1), ((7, 4), 2), ((4, 5), 2), ((3, 4), 1)):
+        rows = [np.arange(n * 11, dtype=np.int64).reshape(n, 11) + 1000 * r for r, n in enumerate(lengths)]
+        calls.clear()
+        gathered = stream._all_gather(rows[rank])
+        np.testing.assert_array_equal(gathered, np.concatenate(rows))
+        assert len(calls) == collectives, (lengths, calls)
+
+
+@pytest.mark.distributed
+def test_metadata_gather_is_one_collective_unless_a_buffer_outgrows_a_group() -> None:
+    run_distributed(_world_gather, 2)
+
+
+def _world_collectives(rank: int, world_size: int, shards: str) -> None:
+    calls: list[str] = []
+    for name in ("all_gather_single", "all_to_all_single"):
+        setattr(dist, name, _counting(name, calls))
+    paths = existing_shards(shards)
+    groups = 3
+    for balance in (True, False):
+        samples = SampleStream(paths, dp_rank=rank, dp_size=world_size, batch_size=1, pack_kwargs=PACK)
+        loader = StatefulDataLoader(samples, batch_size=None, collate_fn=lambda item: item)
+        stream = BalancedStream(loader, group=dist.group.WORLD, group_index=0, cost_model=COST,
+                                settings=BalanceSettings(samples_per_step=2, group_steps=3, balance=balance),
+                                pack_kwargs=PACK)
+        calls.clear()
+        iterator = iter(stream)
+        batches = [next(iterator) for _ in range(groups * 3)]
+        assert calls.count("all_gather_single") == groups
+        moved = batches[-1]["balance"]["samples_moved"]
+        assert (moved > 0, calls.count("all_to_all_single")) == ((True, groups) if balance else (False, 0)), calls
+
+
+@pytest.mark.distributed
+def test_one_payload_exchange_per_group_and_none_when_nothing_moves(tiny_shards: str) -> None:
+    run_distributed(_world_collectives, 3, tiny_shards)
