@@ -18,13 +18,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_runs import LEARNING_RATE, RecordRun, fit, merged_grads, reference_run
+from lightning_runs import LEARNING_RATE, RecordBatches, RecordRun, fit, merged_grads, reference_run
 from test_parity import STEPS, _assert_grads_match
 
-from omni_lightning import OmniModule
+from omni_lightning import OmniDataModule, OmniModule, ReferenceMLLM
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.datamodules.collate import DecodedSample, pack_samples
 from omni_lightning.models.config import FIRST_TEXT_ID, ReferenceMLLMConfig
+from omni_lightning.models.mllm import next_token_loss_sum
 from omni_lightning.module import initial_state_dict
 from omni_lightning.parallel.joint_pipeline import _item_order, share_items
 from omni_lightning.parallel.pipeline import assign_layers, layer_costs, split_micro_batches, stage_ids_of_rank
@@ -202,3 +203,22 @@ def test_joint_pipeline_bounds_encoder_activations(tmp_path: Path, tiny_shards: 
     steps = json.loads((tmp_path / "joint.json").read_text())
     assert [s["done"] for s in steps] == [list(range(6))] * 2
     assert all(s["peak"] <= 3 for s in steps), steps
+
+
+@pytest.mark.distributed
+def test_balanced_data_module_feeds_whole_steps_to_the_pipeline(tmp_path: Path, tiny_shards: str,
+                                                                 seed_checkpoint: Path) -> None:
+    """OmniDataModule under pp=2 x dp_shard=2 plans the schedule's 4 micro-batches per step and hands them over
+    together; the step's gradient equals one process's over those micro-batches of both data-parallel ranks."""
+    data = OmniDataModule(tiny_shards, samples_per_step=4, group_steps=2)
+    fit(tmp_path, tiny_shards, seed_checkpoint, layout={"pp": 2, "dp_shard": 2, "pp_microbatches": 4}, max_steps=1,
+        datamodule=data, callbacks=[RecordRun(tmp_path, grads=True), RecordBatches(tmp_path)])
+    steps = [torch.load(tmp_path / f"batches_rank{r}.pt", weights_only=False)[0] for r in (0, 1)]  # stage 0, dp 0/1
+    assert all(len(step["micro_batches"]) == 4 for step in steps)
+    micro = [mb for step in steps for mb in step["micro_batches"]]
+    model = ReferenceMLLM(ReferenceMLLMConfig.tiny())
+    model.load_state_dict(torch.load(seed_checkpoint, weights_only=True))
+    sums, counts = zip(*(next_token_loss_sum(model(mb), mb["labels"]) for mb in micro), strict=True)
+    (torch.stack(sums).sum() / torch.stack(counts).sum()).backward()
+    reference = {name: p.grad for name, p in model.named_parameters()}
+    _assert_grads_match(merged_grads(tmp_path), reference, "pipelined OmniDataModule")

@@ -49,7 +49,8 @@ class BalanceSettings:
         length_policy: ``"truncate"`` cuts text (drops the sample if its media alone are too long), ``"drop"``
             skips it, ``"error"`` raises. Truncations and drops are counted.
         balance: ``False`` keeps every sample on the rank that read it, in arrival order (the naive split).
-        pp: pipeline stages; micro-batches are ordered for 1F1B when ``pp > 1``.
+        pp: pipeline stages; with ``pp > 1`` micro-batches are ordered for 1F1B and a step's micro-batches are
+            yielded together, as one batch holding the list ``micro_batches``.
     """
 
     samples_per_step: int
@@ -258,6 +259,13 @@ class BalancedStream:
                 # so accumulated gradients equal one pass over the whole step however the samples were split.
                 step = {"loss_tokens": sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in packed),
                         "micro_batches": len(packed)}
+                if self.settings.pp > 1:  # a pipeline schedule takes the whole step at once, in 1F1B order
+                    yielded += len(packed)
+                    self._state = {**group_start, "yielded": yielded}
+                    if yielded > skip:
+                        yield {"micro_batches": packed, "num_samples": sum(b["num_samples"] for b in packed),
+                               "balance": stats, "step": step}
+                    continue
                 for batch in packed:
                     yielded += 1
                     self._state = {**group_start, "yielded": yielded}

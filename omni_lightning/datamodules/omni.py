@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch.distributed as dist
@@ -46,7 +47,8 @@ class OmniDataModule(WebDataModule):
         shards: brace pattern, glob, directory, list or fsspec URLs of ``.tar`` shards.
         samples_per_step: samples each rank reads per step (on average; a rank may train on more or fewer).
         group_steps: steps planned together (each rank buffers ``group_steps * samples_per_step`` samples).
-        micro_batches: micro-batches per step; use with ``accumulate_grad_batches=micro_batches``.
+        micro_batches: micro-batches per step; use with ``accumulate_grad_batches=micro_batches``. Under pipeline
+            parallelism the strategy's ``pp_microbatches`` sets it, and each batch holds a whole step.
         workload_balance: ``"grouped"`` (reorder) or ``"none"`` (each rank trains on what it read, in order).
         balance_group_size: data-parallel ranks planned together: 1 (local only), k (all of them when there are
             fewer), or ``None`` for all.
@@ -117,12 +119,24 @@ class OmniDataModule(WebDataModule):
             raise ValueError(
                 f"balance_group_size={self.balance_group_size} must divide the data-parallel size {self.dp_size}"
             )
+        dims = getattr(self.trainer.strategy, "parallel_dims", None)
+        if dims is not None and dims.pp > 1:
+            self._plan_for_pipeline(dims.pp, self.trainer.strategy.pipeline_settings.microbatches or dims.pp)
         if self.cost_model is None:
             config = getattr(self.trainer.lightning_module, "config", None)
             config = config if isinstance(config, ReferenceMLLMConfig) else ReferenceMLLMConfig.tiny()
             self.cost_model = CostModel.from_config(config)
         if stage == "fit" and self.dp_size > 1:
             self._create_balance_groups()
+
+    def _plan_for_pipeline(self, pp: int, micro_batches: int) -> None:
+        """Under pipeline parallelism a step is the schedule's micro-batches, planned (and ordered for 1F1B) here."""
+        if self.settings.micro_batches not in (1, micro_batches):
+            raise ValueError(
+                f"OmniDataModule(micro_batches={self.settings.micro_batches}) but the pipeline schedule runs "
+                f"{micro_batches} micro-batches a step: leave micro_batches at 1 or set it to {micro_batches}"
+            )
+        self.settings = replace(self.settings, micro_batches=micro_batches, pp=pp)
 
     def _create_balance_groups(self) -> None:
         """One process group per balance group of every data-parallel group, created in the same order everywhere

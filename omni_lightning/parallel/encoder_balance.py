@@ -35,7 +35,8 @@ __all__ = ["EncoderBalancer", "EncoderStep"]
 
 @dataclass
 class EncoderStep:
-    """One encoder's plan for this rank and step; ``exchange`` is ``None`` when the group has no such items."""
+    """One encoder's plan for this rank and step; ``exchange`` is ``None`` when nothing travels (no such items in
+    the group, or resharding would not gain enough)."""
 
     exchange: ItemExchange | None
     own_items: int
@@ -57,6 +58,8 @@ class EncoderBalancer:
         sp_groups: this rank's aligned SP block of each degree ``2, 4, ..., enc_sp`` (a rank is in one per degree).
         costs: cost of each encoder by name, for an item of ``tokens`` stem tokens and ``tokens ** 2`` pairs.
         enc_sp: largest SP degree (1: whole items only, resharded by LPT).
+        min_gain: reshard only when it lowers the slowest rank's predicted encoder cost by more than this fraction;
+            otherwise each rank encodes its own items and nothing travels.
     """
 
     def __init__(
@@ -66,11 +69,13 @@ class EncoderBalancer:
         costs: Mapping[str, ModuleCost],
         *,
         enc_sp: int = 1,
+        min_gain: float = 0.05,
     ) -> None:
         self.group = group
         self.sp_groups = dict(sp_groups)
         self.costs = dict(costs)
         self.enc_sp = enc_sp
+        self.min_gain = min_gain
         self.rank = dist.get_rank(group)
         self.n_ranks = dist.get_world_size(group)
         self.stats: dict[str, float] = {}
@@ -109,6 +114,10 @@ class EncoderBalancer:
         item_costs = cost.linear * item_lengths + cost.quadratic * item_lengths.astype(np.float64) ** 2
         plan = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, enc_sp=self.enc_sp)
         unbalanced = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, reshard=False)
+        if unbalanced.rank_cost.max() <= plan.rank_cost.max() * (1.0 + self.min_gain):
+            # Already about as even as resharding would make it (e.g. the loader balanced the samples): every rank
+            # encodes its own items and nothing travels.
+            return EncoderStep(None, own, unbalanced.rank_cost, unbalanced.rank_cost, 0, 0)
         exchange = plan_item_exchange(item_lengths, owners, plan, rank=self.rank, n_ranks=self.n_ranks,
                                       multiple=multiple)
         return EncoderStep(exchange, own, plan.rank_cost, unbalanced.rank_cost, plan.items_split, plan.moved)
@@ -123,9 +132,9 @@ class EncoderBalancer:
         collectives in backward.
         """
         device = _device_of(inputs)
-        if step.exchange is None:  # no such items in the group: every rank runs a dummy item locally
-            dummy = encoder(*encoder.dummy_inputs(device))[:0]
-            return dummy + 0.0 * dependency.sum() if dependency is not None else dummy
+        if step.exchange is None:  # nothing moves: each rank encodes its own items (a dummy one if it has none)
+            local = encoder(*inputs) if step.own_items > 0 else encoder(*encoder.dummy_inputs(device))[:0]
+            return local + 0.0 * dependency.sum() if dependency is not None else local
         exchange = step.exchange
         if step.own_items > 0:
             tokens, _ = encoder.embed(*inputs)
@@ -164,7 +173,7 @@ def _bytes_moved(exchange: ItemExchange, rank: int, token_bytes: float, output_b
 def _summary(steps: Mapping[str, EncoderStep]) -> dict[str, float]:
     """Group-wide plan metrics of the step: encoders run one after another, so a step's encoder time is the sum
     over encoders of the slowest rank's share."""
-    planned = [s for s in steps.values() if s.exchange is not None]
+    planned = [s for s in steps.values() if s.predicted_cost.size]
     if not planned:
         return {"items_split": 0.0, "items_moved": 0.0, "predicted_imbalance": 1.0, "unbalanced_imbalance": 1.0}
 
