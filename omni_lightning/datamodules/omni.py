@@ -119,7 +119,7 @@ class OmniDataModule(WebDataModule):
             raise ValueError(
                 f"balance_group_size={self.balance_group_size} must divide the data-parallel size {self.dp_size}"
             )
-        dims = getattr(self.trainer.strategy, "parallel_dims", None)
+        dims = getattr(self.trainer.strategy, "parallel_dims", None) if self.trainer is not None else None
         if dims is not None and dims.pp > 1:
             self._plan_for_pipeline(dims.pp, self.trainer.strategy.pipeline_settings.microbatches or dims.pp)
         if self.cost_model is None:
