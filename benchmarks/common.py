@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 from omni_lightning.datamodules.workload import WORKLOADS_DIR
@@ -21,3 +22,10 @@ def default_workloads() -> list[str]:
     """Every spec in ../shared/workloads/ beside the checkout, else the copies bundled with the package."""
     folder = SHARED_WORKLOADS if SHARED_WORKLOADS.is_dir() else WORKLOADS_DIR
     return sorted(str(p) for p in folder.glob("*.yaml"))
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for the rendezvous of a benchmark's process group."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

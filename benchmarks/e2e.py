@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 import torch.distributed as dist
-from common import SHARED_WORKLOADS
+from common import SHARED_WORKLOADS, free_port
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 
@@ -105,14 +104,8 @@ class _Throughput(pl.Callback):
             self.path.write_text(json.dumps({"cpu": self.monitor.history, "wall": self.wall, "tokens": self.tokens}))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(name: str, shards: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ["MASTER_PORT"] = str(free_port())
     monitor = BalanceMonitor()
     record = out / f"{name}.json"
     if name == "a":

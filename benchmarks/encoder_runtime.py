@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import free_port
 
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.datamodules.collate import DecodedSample, pack_samples
@@ -172,9 +172,7 @@ def main() -> None:
         make_synthetic_shards(scratch, workload=args.workload, num_shards=args.ranks, samples_per_shard=per_shard,
                               length_scale=args.length_scale, max_llm_tokens=4096)
         paths = expand_shards(scratch)
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         out = mp.Manager().dict()
         mp.start_processes(_worker, args=(args.ranks, port, paths, args, out), nprocs=args.ranks, start_method="fork")
     records = out["records"]

@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
 from pathlib import Path
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from common import free_port
 
 from omni_lightning import OmniDataModule, OmniModule, OmniStrategy, ReferenceMLLMConfig
 from omni_lightning.datamodules.synthetic import make_synthetic_shards
@@ -39,14 +39,8 @@ class _SaveHistory(pl.Callback):
             self.path.write_text(json.dumps(self.monitor.history))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(mode: str, shards: str, args: argparse.Namespace, out: Path) -> list[list[float]]:
-    os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ["MASTER_PORT"] = str(free_port())
     monitor = BalanceMonitor()
     history = out / f"{mode}.json"
     trainer = pl.Trainer(

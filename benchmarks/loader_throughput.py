@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import free_port
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from omni_lightning.balance.cost import CostModel
@@ -91,9 +91,7 @@ def main() -> None:
         make_synthetic_shards(scratch, workload=args.workload, num_shards=shard_count, samples_per_shard=per_shard,
                               length_scale=args.length_scale, max_llm_tokens=512)
         paths = expand_shards(scratch)
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         out = mp.Manager().dict()
         mp.start_processes(_worker, args=(args.ranks, port, paths, args, out), nprocs=args.ranks, start_method="fork")
     samples = args.batches * args.samples_per_step * args.ranks

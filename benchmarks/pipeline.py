@@ -21,7 +21,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import default_workloads
+from common import default_workloads, free_port
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
@@ -170,9 +169,7 @@ def main() -> None:
     parser.add_argument("--samples-per-micro-batch", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     results = mp.Manager().dict()
     mp.start_processes(_worker, args=(args.stages, port, args, results), nprocs=args.stages, start_method="fork")
 

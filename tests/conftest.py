@@ -35,3 +35,11 @@ def seed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("seed") / "seed.pt"
     torch.save(initial_state_dict(ReferenceMLLMConfig.tiny(), seed=1234), path)
     return path
+
+
+@pytest.fixture(scope="session")
+def moe_seed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Seed checkpoint of the MoE variant of the tiny reference model."""
+    path = tmp_path_factory.mktemp("moe_seed") / "seed.pt"
+    torch.save(initial_state_dict(ReferenceMLLMConfig.tiny(moe=True), seed=99), path)
+    return path

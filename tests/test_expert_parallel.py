@@ -21,7 +21,6 @@ from test_parity import STEPS, _assert_grads_match
 
 from omni_lightning import OmniModule, ReferenceMLLMConfig
 from omni_lightning.models.moe import MoEFeedForward
-from omni_lightning.module import initial_state_dict
 from omni_lightning.parallel.dims import ParallelDims
 from omni_lightning.parallel.expert_parallel import apply_ep, expert_major_order, sync_expert_gradients
 from omni_lightning.parallel.mesh import build_meshes
@@ -75,12 +74,6 @@ def test_ep_layer_matches_one_process_with_an_idle_expert_route() -> None:
 
 MOE = ReferenceMLLMConfig.tiny(moe=True)
 
-
-@pytest.fixture(scope="module")
-def moe_seed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("moe_seed") / "seed.pt"
-    torch.save(initial_state_dict(MOE, seed=99), path)
-    return path
 
 
 @pytest.mark.distributed

@@ -26,7 +26,6 @@ from omni_lightning.balance.cost import CostModel
 from omni_lightning.datamodules.collate import DecodedSample, pack_samples
 from omni_lightning.models.config import FIRST_TEXT_ID, ReferenceMLLMConfig
 from omni_lightning.models.mllm import next_token_loss_sum
-from omni_lightning.module import initial_state_dict
 from omni_lightning.parallel.joint_pipeline import _item_order, share_items
 from omni_lightning.parallel.pipeline import assign_layers, layer_costs, split_micro_batches, stage_ids_of_rank
 
@@ -116,12 +115,6 @@ LAYOUTS = {
     "pp2_tp2_cp2": ({"pp": 2, "dp_shard": 1, "tp": 2, "cp": 2}, 8, DENSE),
 }
 
-
-@pytest.fixture(scope="module")
-def moe_seed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("moe_seed") / "seed.pt"
-    torch.save(initial_state_dict(MOE, seed=99), path)
-    return path
 
 
 @pytest.mark.distributed
