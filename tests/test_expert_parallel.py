@@ -6,7 +6,6 @@ outputs and gradients agree to 1e-5. Training parity uses the foundation's 1e-4 
 
 from __future__ import annotations
 
-import glob
 import json
 from pathlib import Path
 
@@ -15,8 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_runs import LEARNING_RATE, RecordRun, fit, reference_run
+from lightning_runs import LEARNING_RATE, RecordRun, assert_resumes_under, fit, reference_run
 from test_parity import STEPS, _assert_grads_match
 
 from omni_lightning import OmniModule, ReferenceMLLMConfig
@@ -102,14 +100,5 @@ def test_expert_parallel_checkpoint_resumes_without_ep(tmp_path: Path, tiny_shar
     def module() -> OmniModule:
         return OmniModule(MOE, learning_rate=LEARNING_RATE, init_checkpoint=str(moe_seed))
 
-    fit(tmp_path / "full", tiny_shards, moe_seed, layout={"dp_shard": 4, "ep": 4}, max_steps=6, module=module(),
-        callbacks=[RecordRun(tmp_path / "full"), ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3,
-                                                                 save_top_k=-1)])
-    (checkpoint,) = glob.glob(str(tmp_path / "ckpt" / "*step=3.ckpt"))
-    fit(tmp_path / "resumed", tiny_shards, moe_seed, layout={"dp_shard": 4}, max_steps=6, module=module(),
-        callbacks=[RecordRun(tmp_path / "resumed")], ckpt_path=checkpoint)
-    full = json.loads((tmp_path / "full" / "losses.json").read_text())
-    resumed = json.loads((tmp_path / "resumed" / "losses.json").read_text())
-    assert sorted(resumed) == ["4", "5", "6"]
-    torch.testing.assert_close(torch.tensor([resumed[s] for s in "456"]), torch.tensor([full[s] for s in "456"]),
-                               rtol=1e-4, atol=0)
+    assert_resumes_under(tmp_path, tiny_shards, moe_seed, saved={"dp_shard": 4, "ep": 4}, resumed={"dp_shard": 4},
+                         module=module)

@@ -7,7 +7,6 @@ accumulation over micro-batches differs.
 
 from __future__ import annotations
 
-import glob
 import json
 from pathlib import Path
 
@@ -17,8 +16,15 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_runs import LEARNING_RATE, RecordBatches, RecordRun, fit, merged_grads, reference_run
+from lightning_runs import (
+    LEARNING_RATE,
+    RecordBatches,
+    RecordRun,
+    assert_resumes_under,
+    fit,
+    merged_grads,
+    reference_run,
+)
 from test_parity import STEPS, _assert_grads_match
 
 from omni_lightning import OmniDataModule, OmniModule, ReferenceMLLM
@@ -140,18 +146,8 @@ def test_pipeline_checkpoint_resumes_without_pipeline(tmp_path: Path, tiny_shard
                                                       seed_checkpoint: Path) -> None:
     """A checkpoint written by pp=2 x dp_shard=2 (each rank holding half the layers) resumes under dp_shard=2 x
     tp=2, with the same data position, and continues like the uninterrupted pipeline run."""
-    pipelined = {"pp": 2, "dp_shard": 2}
-    fit(tmp_path / "full", tiny_shards, seed_checkpoint, layout=pipelined, max_steps=6,
-        callbacks=[RecordRun(tmp_path / "full"), ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3,
-                                                                 save_top_k=-1)])
-    (checkpoint,) = glob.glob(str(tmp_path / "ckpt" / "*step=3.ckpt"))
-    fit(tmp_path / "resumed", tiny_shards, seed_checkpoint, layout={"dp_shard": 2, "tp": 2}, max_steps=6,
-        callbacks=[RecordRun(tmp_path / "resumed")], ckpt_path=checkpoint)
-    full = json.loads((tmp_path / "full" / "losses.json").read_text())
-    resumed = json.loads((tmp_path / "resumed" / "losses.json").read_text())
-    assert sorted(resumed) == ["4", "5", "6"]
-    torch.testing.assert_close(torch.tensor([resumed[s] for s in "456"]), torch.tensor([full[s] for s in "456"]),
-                               rtol=1e-4, atol=0)
+    assert_resumes_under(tmp_path, tiny_shards, seed_checkpoint, saved={"pp": 2, "dp_shard": 2},
+                         resumed={"dp_shard": 2, "tp": 2})
 
 
 # ---------------------------------------------------------------------------------------------- joint pipeline
