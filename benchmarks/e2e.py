@@ -41,7 +41,15 @@ from torch.distributed.fsdp import fully_shard
 
 from omni_lightning import OmniDataModule, OmniModule, OmniStrategy, ReferenceMLLM, WebDataModule
 from omni_lightning.datamodules.synthetic import make_synthetic_shards
-from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig, VisionEncoderConfig
+from omni_lightning.datamodules.workload import SampleMeta
+from omni_lightning.models.config import (
+    AUDIO_ID,
+    IMAGE_ID,
+    AudioEncoderConfig,
+    LLMConfig,
+    ReferenceMLLMConfig,
+    VisionEncoderConfig,
+)
 from omni_lightning.module import initial_state_dict
 from omni_lightning.monitor import BalanceMonitor
 from omni_lightning.strategies.omni import _NoWeightsMultiProcessingLauncher
@@ -83,13 +91,37 @@ class _UserFSDPModule(OmniModule):
         self.model = model
 
 
+def batch_metas(batch: dict[str, Any]) -> list[dict[str, Any]]:
+    """The samples of a packed micro-batch as ``SampleMeta.to_json`` dicts, read back from its layout (placeholder
+    counts per sample, image grids, mel lengths), so the simulator's validation can price what each rank trained on.
+    Video frames arrive as images: both are one vision attention item each, so the cost features are the same."""
+    ids = batch["input_ids"]
+    bounds = batch["cu_seqlens"].tolist()
+    grids = iter(tuple(g) for g in batch["vision_grids"].tolist())
+    mels = iter(batch["audio_lengths"].tolist())
+    merge = {"image": CONFIG.vision.merge, "video": CONFIG.vision.merge, "audio": 4}  # pack_samples' downsample 4
+    metas = []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        vision = int((ids[start:end] == IMAGE_ID).sum())
+        audio = int((ids[start:end] == AUDIO_ID).sum())
+        images: list[tuple[int, int]] = []
+        while sum(h * w // merge["image"] for h, w in images) < vision:
+            images.append(next(grids))
+        frames = next(mels) if audio else 0
+        modality = "image" if images else "audio" if frames else "text"
+        metas.append(SampleMeta(modality=modality, text_tokens=end - start - 1 - vision - audio, images=tuple(images),
+                                audio_frames=frames, merge=tuple(merge.items())).to_json())
+    return metas
+
+
 class _Throughput(pl.Callback):
-    """Rank 0 keeps wall time and global tokens of every step; everything is saved at the end of training."""
+    """Rank 0 keeps wall time, global tokens and every rank's samples of every step; all saved at the end."""
 
     def __init__(self, monitor: BalanceMonitor, path: Path) -> None:
         self.monitor, self.path = monitor, path
         self.wall: list[float] = []
         self.tokens: list[float] = []
+        self.samples: list[list[list[dict[str, Any]]]] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -98,10 +130,14 @@ class _Throughput(pl.Callback):
         self.wall.append(time.perf_counter())
         self.tokens.append(float(tokens) / trainer.strategy.parallel_dims.tp
                            if isinstance(trainer.strategy, OmniStrategy) else float(tokens))
+        per_rank: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, batch_metas(batch))
+        self.samples.append(per_rank)
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if trainer.global_rank == 0:
-            self.path.write_text(json.dumps({"cpu": self.monitor.history, "wall": self.wall, "tokens": self.tokens}))
+            self.path.write_text(json.dumps({"cpu": self.monitor.history, "wall": self.wall, "tokens": self.tokens,
+                                             "samples": self.samples}))
 
 
 def run(name: str, shards: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -139,6 +175,7 @@ def summarize(record: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         "samples_per_s": steps * args.samples_per_step * args.ranks / seconds,
         "tokens_per_s": float(sum(record["tokens"][args.warmup:])) / seconds,
         "per_rank_step_s": cpu.tolist(),
+        "per_rank_samples": record["samples"][args.warmup:],  # [step][rank] -> SampleMeta.to_json() dicts
     }
 
 
