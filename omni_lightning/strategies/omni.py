@@ -11,28 +11,36 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from omni_lightning.datamodules.resumable import commit_consumed
-from omni_lightning.models.mllm import vocab_parallel_loss
+from omni_lightning.models.config import ReferenceMLLMConfig
+from omni_lightning.models.mllm import ReferenceMLLM, vocab_parallel_loss
 from omni_lightning.parallel.dims import ParallelDims
 from omni_lightning.parallel.expert_parallel import sync_expert_gradients
 from omni_lightning.parallel.fsdp import set_gradient_sync
 from omni_lightning.parallel.mesh import OmniMeshes, build_meshes
-from omni_lightning.parallel.pipeline import PIPELINE_SCHEDULES, PipelineSettings
+from omni_lightning.parallel.parallelize import check_model_fits_layout
+from omni_lightning.parallel.pipeline import PIPELINE_SCHEDULES, PipelineSettings, assign_layers, layer_costs
 
 __all__ = ["OmniStrategy", "loader_state_for_rank"]
 
 log = logging.getLogger(__name__)
 
 LauncherName = Literal["subprocess", "fork", "spawn"]
+NonFinitePolicy = Literal["skip", "stop"]
+
+# Schedules that run one stage per pipeline rank (the others run pp_virtual_stages and need micro-batches % pp == 0).
+_SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
 
 # Where Lightning keeps the train loader state inside a checkpoint (written from rank 0 only).
 _LOADER_STATE_PATH = ("loops", "fit_loop", "state_dict", "combined_loader")
@@ -65,6 +73,14 @@ class OmniStrategy(ModelParallelStrategy):
         process_group_backend: defaults to gloo on CPU and nccl on CUDA.
         save_distributed_checkpoint: write sharded torch.distributed.checkpoint directories (resumable under
             another layout) rather than one consolidated file.
+        on_nonfinite: what a step does when the loss or a gradient is NaN or infinite on any rank (checked after the
+            last backward of the step, agreed by one all-reduce over the world): ``"skip"`` (default) drops the
+            gradients on every rank so the optimizer changes neither weights nor state (the step still counts, as does
+            the learning-rate schedule), logs a warning with the step and the ranks, and counts it in the
+            ``guard/skipped_steps`` metric; ``"stop"`` raises ``FloatingPointError`` on every rank.
+
+    Invalid arguments, layouts and model sizes fail before any process starts where the launcher allows it (see
+    ``docs/configuration_errors.md``).
 
     The LLM mesh, its flattened views and the encoder groups are built in :meth:`setup_environment`, before the
     data module's ``setup`` and the model's ``configure_model``, and exposed as :attr:`parallel_dims` and
@@ -93,7 +109,10 @@ class OmniStrategy(ModelParallelStrategy):
         timeout: float = 1800.0,
         process_group_backend: str | None = None,
         save_distributed_checkpoint: bool = True,
+        on_nonfinite: NonFinitePolicy = "skip",
     ) -> None:
+        if on_nonfinite not in ("skip", "stop"):
+            raise ValueError(f"on_nonfinite={on_nonfinite!r} must be 'skip' or 'stop'")
         if launcher not in ("subprocess", "fork", "spawn"):
             raise ValueError(f"launcher={launcher!r} must be 'subprocess', 'fork' or 'spawn'")
         if timeout <= 0:
@@ -121,10 +140,19 @@ class OmniStrategy(ModelParallelStrategy):
                 raise ValueError(f"{name}={value} must be at least 1")
         if pp_encoders not in ("joint", "first_stage"):
             raise ValueError(f"pp_encoders={pp_encoders!r} must be 'joint' or 'first_stage'")
-        if pp_encoders == "joint" and pp_schedule not in ("1F1B", "GPipe"):
+        if pp_schedule in _SINGLE_STAGE_SCHEDULES and pp_virtual_stages != 1:
+            raise ValueError(f"pp_schedule={pp_schedule!r} runs one stage per rank but pp_virtual_stages="
+                             f"{pp_virtual_stages}: use pp_virtual_stages=1 or pp_schedule='Interleaved1F1B'")
+        microbatches = pp_microbatches or pp
+        if pp_schedule not in _SINGLE_STAGE_SCHEDULES and microbatches % pp:
+            raise ValueError(f"pp_schedule={pp_schedule!r} needs pp_microbatches ({microbatches}) to be a multiple of "
+                             f"pp={pp}: use pp_microbatches={pp * -(-microbatches // pp)}")
+        if pp_encoders == "joint" and pp_schedule not in _SINGLE_STAGE_SCHEDULES:
             pp_encoders = "first_stage"  # the interleaved schedules keep the encoders inside stage 0
         self.pipeline_settings = PipelineSettings(pp_schedule, pp_microbatches, pp_virtual_stages, pp_max_tokens,
                                                   pp_encoders)
+        self.on_nonfinite = on_nonfinite
+        self._skipped_steps = 0
         self._parallel_dims: ParallelDims | None = None
         self._meshes: OmniMeshes | None = None
 
@@ -156,6 +184,26 @@ class OmniStrategy(ModelParallelStrategy):
             raise RuntimeError("OmniStrategy.meshes exist only after setup_environment() created the process groups")
         return self._meshes
 
+    def check_model_fits(self, module: Any) -> None:
+        """Raise ``ValueError`` if the model cannot run on this layout (heads or experts that the degrees do not
+        divide, fewer decoder layers than pipeline stages, ...), without building anything but a meta-device copy.
+
+        Runs in the launching process before workers start (fork and spawn launchers) and in
+        :meth:`setup_environment` before the process group exists (every rank, whoever started it: the subprocess
+        launcher, torchrun or SLURM). Modules without a :class:`ReferenceMLLMConfig` ``config`` are not checked.
+        """
+        config = getattr(module, "config", None)
+        if not isinstance(config, ReferenceMLLMConfig):
+            return
+        dims = self.parallel_dims
+        with torch.device("meta"):
+            model = ReferenceMLLM(config)
+        # No groups: the checks read only the degrees, and group creation would be collective.
+        check_model_fits_layout(model, OmniMeshes(dims, None, {}, None, {}), encoder_balance=self.encoder_balance)
+        if dims.pp_enabled:
+            stages = dims.pp * self.pipeline_settings.virtual_stages
+            assign_layers(layer_costs(config.llm)[0], stages)
+
     @override
     def _configure_launcher(self) -> None:
         # Fail on a bad layout in the launching process, before any worker or process group exists.
@@ -170,6 +218,7 @@ class OmniStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         dims = self.parallel_dims
+        self.check_model_fits(self.lightning_module)
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
         if dist.get_world_size() != dims.world_size:
@@ -206,19 +255,61 @@ class OmniStrategy(ModelParallelStrategy):
         with vocab_parallel_loss() if self.parallel_dims.tp_enabled else nullcontext():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped so far because the loss or a gradient was not finite (``on_nonfinite="skip"``)."""
+        return self._skipped_steps
+
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None,
                        **kwargs: Any) -> Any:
-        def closure_then_sync_experts() -> Any:
+        def closure_then_sync_and_guard() -> Any:
             # Expert-parallel weights are outside FSDP: reduce their gradients once the last backward of the step
             # has run, before the precision plugin's hooks and gradient clipping see them.
             result = closure()
             sync_expert_gradients(self.lightning_module)
             if (pipeline := getattr(self.lightning_module, "pipeline", None)) is not None:
                 pipeline.sync_gradients()
+            self._guard_nonfinite(optimizer, result)
             return result
 
-        return super().optimizer_step(optimizer, closure_then_sync_experts, model, **kwargs)
+        return super().optimizer_step(optimizer, closure_then_sync_and_guard, model, **kwargs)
+
+    def _guard_nonfinite(self, optimizer: Optimizer, loss: Any) -> None:
+        """Agree over the world whether any rank's loss or gradients are non-finite, then skip the step or stop.
+
+        Every rank enters the one all-reduce every step, whatever it found, so no rank can skip a collective the
+        others enter. Gradients are checked after their reduction: a NaN from one rank reaches its data-parallel
+        peers' gradients too, so the loss flag is the one that names where it started.
+        """
+        module = self.lightning_module
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        flags = torch.zeros(self.world_size, dtype=torch.int32, device=self.root_device)
+        flags[self.global_rank] = (_LOSS_NONFINITE * int(_nonfinite(loss))
+                                   + _GRADS_NONFINITE * int(_any_nonfinite_grad(params)))
+        if dist.is_initialized():
+            dist.all_reduce(flags)
+        step = module.trainer.global_step
+        if not bool(flags.any()):
+            module.log("guard/skipped_steps", float(self._skipped_steps), batch_size=1)
+            return
+        bad_loss = [r for r, f in enumerate(flags.tolist()) if f & _LOSS_NONFINITE]
+        bad_grads = [r for r, f in enumerate(flags.tolist()) if f & _GRADS_NONFINITE]
+        found = "; ".join(f"{what} on rank(s) {ranks}" for what, ranks in
+                          (("non-finite loss", bad_loss), ("non-finite gradients", bad_grads)) if ranks)
+        if self.on_nonfinite == "stop":
+            raise FloatingPointError(
+                f"{found} at global_step={step}: stopping on every rank (OmniStrategy(on_nonfinite='stop')); pass "
+                "on_nonfinite='skip' to skip such steps, or look for bad data, a too high learning rate or overflow "
+                "in low precision"
+            )
+        for p in params:  # the optimizer leaves parameters without gradients alone: weights and state unchanged
+            p.grad = None
+        self._skipped_steps += 1
+        module.log("guard/skipped_steps", float(self._skipped_steps), batch_size=1)
+        if self.global_rank == 0:
+            log.warning("skipped optimizer step at global_step=%d on every rank: %s (%d skipped so far)",
+                        step, found, self._skipped_steps)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -282,12 +373,31 @@ class _NoWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
     """
 
     @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self._strategy.check_model_fits(self._strategy.lightning_module)  # before any worker starts
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> _WorkerOutput | None:
         if self._strategy.local_rank != 0:
             return None
         checkpoint_callback = trainer.checkpoint_callback
         best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
         return _WorkerOutput(best_model_path, None, trainer.state, results, self.get_extra_results(trainer))
+
+
+_LOSS_NONFINITE, _GRADS_NONFINITE = 1, 2  # bits of a rank's flag in the non-finite guard's all-reduce
+
+
+def _nonfinite(value: Any) -> bool:
+    return isinstance(value, Tensor) and not bool(torch.isfinite(value.detach()).all())
+
+
+def _any_nonfinite_grad(params: list[Tensor]) -> bool:
+    if not params:
+        return False
+    local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    return not bool(torch.stack([torch.isfinite(g).all() for g in local]).all())
 
 
 def _smallest_world(degrees: dict[str, int]) -> int:
