@@ -167,22 +167,24 @@ def fit(
 
 def assert_resumes_under(
     out_dir: Path, shards: str, seed_checkpoint: Path, *, saved: dict[str, Any], resumed: dict[str, Any],
-    module: Callable[[], OmniModule] | None = None,
-) -> None:
+    module: Callable[[], OmniModule] | None = None, datamodule: Callable[[], Any] | None = None,
+) -> Path:
     """Train 6 steps under layout ``saved`` with a checkpoint at step 3, resume that checkpoint under ``resumed``,
-    and check steps 4-6 lose what the uninterrupted run lost (1e-4 relative: the layouts reduce in other orders)."""
-    make = module or (lambda: None)
-    fit(out_dir / "full", shards, seed_checkpoint, layout=saved, max_steps=6, module=make(),
+    and check steps 4-6 lose what the uninterrupted run lost (1e-4 relative: the layouts reduce in other orders).
+    Returns the checkpoint's path."""
+    make, make_data = module or (lambda: None), datamodule or (lambda: None)
+    fit(out_dir / "full", shards, seed_checkpoint, layout=saved, max_steps=6, module=make(), datamodule=make_data(),
         callbacks=[RecordRun(out_dir / "full"),
                    pl.callbacks.ModelCheckpoint(dirpath=out_dir / "ckpt", every_n_train_steps=3, save_top_k=-1)])
     (checkpoint,) = (out_dir / "ckpt").glob("*step=3.ckpt")
     fit(out_dir / "resumed", shards, seed_checkpoint, layout=resumed, max_steps=6, module=make(),
-        callbacks=[RecordRun(out_dir / "resumed")], ckpt_path=str(checkpoint))
+        datamodule=make_data(), callbacks=[RecordRun(out_dir / "resumed")], ckpt_path=str(checkpoint))
     full = json.loads((out_dir / "full" / "losses.json").read_text())
     after = json.loads((out_dir / "resumed" / "losses.json").read_text())
     assert sorted(after) == ["4", "5", "6"]
     torch.testing.assert_close(torch.tensor([after[s] for s in "456"]), torch.tensor([full[s] for s in "456"]),
                                rtol=1e-4, atol=0)
+    return checkpoint
 
 
 def reference_run(

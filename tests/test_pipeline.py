@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from lightning.fabric.strategies.fsdp import _METADATA_FILENAME
 from lightning_runs import (
     LEARNING_RATE,
     RecordBatches,
@@ -30,6 +31,7 @@ from test_parity import STEPS, _assert_grads_match
 from omni_lightning import OmniDataModule, OmniModule, ReferenceMLLM
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.datamodules.collate import DecodedSample, pack_samples
+from omni_lightning.datamodules.relay import PAYLOAD_KEYS
 from omni_lightning.models.config import FIRST_TEXT_ID, ReferenceMLLMConfig
 from omni_lightning.models.mllm import next_token_loss_sum
 from omni_lightning.parallel.joint_pipeline import _item_order, share_items
@@ -150,6 +152,19 @@ def test_pipeline_checkpoint_resumes_without_pipeline(tmp_path: Path, tiny_shard
                          resumed={"dp_shard": 2, "tp": 2})
 
 
+@pytest.mark.distributed
+def test_relayed_loader_position_resumes_exactly(tmp_path: Path, tiny_shards: str, seed_checkpoint: Path) -> None:
+    """With encoders on stage 0, stage 1 checkpoints the loader position stage 0 relayed, so both stages' saved
+    positions are the same, and a resumed run continues exactly where the uninterrupted one went on."""
+    layout = {"pp": 2, "dp_shard": 2, "pp_encoders": "first_stage"}
+    checkpoint = assert_resumes_under(tmp_path, tiny_shards, seed_checkpoint, saved=layout, resumed=layout,
+                                      datamodule=lambda: OmniDataModule(tiny_shards, samples_per_step=4))
+    ranks = torch.load(checkpoint / _METADATA_FILENAME, weights_only=False)["omni"]["ranks"]
+    assert [r["dp_rank"] for r in ranks] == [0, 1, 0, 1]
+    assert ranks[0]["loader"] == ranks[2]["loader"] and ranks[1]["loader"] == ranks[3]["loader"]
+    assert ranks[0]["loader"] != ranks[1]["loader"]
+
+
 # ---------------------------------------------------------------------------------------------- joint pipeline
 def test_items_are_shared_by_predicted_cost() -> None:
     vision = CostModel.from_config(ReferenceMLLMConfig.tiny()).vision
@@ -195,15 +210,25 @@ def test_joint_pipeline_bounds_encoder_activations(tmp_path: Path, tiny_shards: 
 
 
 @pytest.mark.distributed
-def test_balanced_data_module_feeds_whole_steps_to_the_pipeline(tmp_path: Path, tiny_shards: str,
+@pytest.mark.parametrize("encoders", ["joint", "first_stage"])
+def test_balanced_data_module_feeds_whole_steps_to_the_pipeline(encoders: str, tmp_path: Path, tiny_shards: str,
                                                                  seed_checkpoint: Path) -> None:
     """OmniDataModule under pp=2 x dp_shard=2 plans the schedule's 4 micro-batches per step and hands them over
-    together; the step's gradient equals one process's over those micro-batches of both data-parallel ranks."""
+    together; the step's gradient equals one process's over those micro-batches of both data-parallel ranks.
+    With encoders on stage 0 only, stage 1 reads no shard: it gets stage 0's token layout without the payloads."""
     data = OmniDataModule(tiny_shards, samples_per_step=4, group_steps=2)
-    fit(tmp_path, tiny_shards, seed_checkpoint, layout={"pp": 2, "dp_shard": 2, "pp_microbatches": 4}, max_steps=1,
-        datamodule=data, callbacks=[RecordRun(tmp_path, grads=True), RecordBatches(tmp_path)])
-    steps = [torch.load(tmp_path / f"batches_rank{r}.pt", weights_only=False)[0] for r in (0, 1)]  # stage 0, dp 0/1
+    layout = {"pp": 2, "dp_shard": 2, "pp_microbatches": 4, "pp_encoders": encoders}
+    fit(tmp_path, tiny_shards, seed_checkpoint, layout=layout, max_steps=2, datamodule=data,
+        callbacks=[RecordRun(tmp_path, grads=True), RecordBatches(tmp_path)])
+    ranks = [torch.load(tmp_path / f"batches_rank{r}.pt", weights_only=False) for r in range(4)]
+    steps = [ranks[r][0] for r in (0, 1)]  # stage 0, dp 0/1, the first step (the gradients recorded are its)
     assert all(len(step["micro_batches"]) == 4 for step in steps)
+    for stage0, stage1 in ((ranks[0], ranks[2]), (ranks[1], ranks[3])):  # pipeline peers (pp is outermost)
+        for first, later in zip(stage0, stage1, strict=True):
+            for mb0, mb1 in zip(first["micro_batches"], later["micro_batches"], strict=True):
+                assert mb0["keys"] == mb1["keys"]
+                torch.testing.assert_close(mb0["labels"], mb1["labels"])
+                assert set(PAYLOAD_KEYS) <= mb1.keys() if encoders == "joint" else not set(PAYLOAD_KEYS) & mb1.keys()
     micro = [mb for step in steps for mb in step["micro_batches"]]
     model = ReferenceMLLM(ReferenceMLLMConfig.tiny())
     model.load_state_dict(torch.load(seed_checkpoint, weights_only=True))

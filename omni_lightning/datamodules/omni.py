@@ -13,6 +13,7 @@ from typing_extensions import override
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.reorder import balance_groups
 from omni_lightning.datamodules.balanced import BalancedStream, BalanceSettings, LengthPolicy
+from omni_lightning.datamodules.relay import StageRelay
 from omni_lightning.datamodules.resumable import ResumableLoader
 from omni_lightning.datamodules.streaming import ShardStream, Tokenizer
 from omni_lightning.datamodules.web import SyntheticShards, WebDataModule, existing_shards
@@ -111,6 +112,7 @@ class OmniDataModule(WebDataModule):
         self.tokenizer = tokenizer
         self.balance_group: dist.ProcessGroup | None = None
         self.balance_group_index = 0
+        self.relay_group: dist.ProcessGroup | None = None
 
     @override
     def setup(self, stage: str) -> None:
@@ -121,7 +123,11 @@ class OmniDataModule(WebDataModule):
             )
         dims = getattr(self.trainer.strategy, "parallel_dims", None) if self.trainer is not None else None
         if dims is not None and dims.pp > 1:
-            self._plan_for_pipeline(dims.pp, self.trainer.strategy.pipeline_settings.microbatches or dims.pp)
+            pipeline = self.trainer.strategy.pipeline_settings
+            self._plan_for_pipeline(dims.pp, pipeline.microbatches or dims.pp)
+            if stage == "fit" and pipeline.encoders == "first_stage":
+                # Group creation is collective: every rank creates every pipeline group, in the same order.
+                self.relay_group, _ = dist.new_subgroups_by_enumeration(dims.groups("pp"), backend="gloo")
         if self.cost_model is None:
             config = getattr(self.trainer.lightning_module, "config", None)
             config = config if isinstance(config, ReferenceMLLMConfig) else ReferenceMLLMConfig.tiny()
@@ -180,4 +186,6 @@ class OmniDataModule(WebDataModule):
             seed=self.seed,
             pack_kwargs=self.pack_kwargs,
         )
+        if self.relay_group is not None:  # encoders on stage 0 only: the other stages take shapes from it
+            return ResumableLoader(StageRelay(stream, group=self.relay_group))
         return ResumableLoader(stream)

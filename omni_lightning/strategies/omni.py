@@ -31,6 +31,7 @@ from omni_lightning.parallel.fsdp import set_gradient_sync
 from omni_lightning.parallel.mesh import OmniMeshes, build_meshes
 from omni_lightning.parallel.parallelize import check_model_fits_layout
 from omni_lightning.parallel.pipeline import PIPELINE_SCHEDULES, PipelineSettings, assign_layers, layer_costs
+from omni_lightning.strategies.checkpointing import load_sharded_checkpoint, optimizer_state_by_name
 
 __all__ = ["OmniStrategy", "loader_state_for_rank"]
 
@@ -330,8 +331,21 @@ class OmniStrategy(ModelParallelStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        assert self.model is not None
+        return optimizer_state_by_name(self.model, getattr(optimizer, "_optimizer", optimizer))
+
+    @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        path = Path(self.broadcast(checkpoint_path))
+        if path.is_dir():  # sharded: optimizer state keyed by parameter name (see strategies/checkpointing.py)
+            assert self.model is not None and self.lightning_module is not None
+            checkpoint = load_sharded_checkpoint(path, self.model, self.optimizers,
+                                                 strict=self.lightning_module.strict_loading, weights_only=weights_only)
+        else:
+            checkpoint = super().load_checkpoint(path, weights_only)
         loop_state = _get_path(checkpoint, _LOADER_STATE_PATH[:-1])
         if "omni" not in checkpoint or loop_state is None:
             return checkpoint
