@@ -18,6 +18,7 @@ from omni_lightning.datamodules.resumable import ResumableLoader
 from omni_lightning.datamodules.streaming import ShardStream, Tokenizer
 from omni_lightning.datamodules.web import SyntheticShards, WebDataModule, existing_shards
 from omni_lightning.models.config import ReferenceMLLMConfig
+from omni_lightning.parallel.pipeline import PipelineSettings
 
 __all__ = ["OmniDataModule", "SampleStream"]
 
@@ -124,10 +125,20 @@ class OmniDataModule(WebDataModule):
         dims = getattr(self.trainer.strategy, "parallel_dims", None) if self.trainer is not None else None
         if dims is not None and dims.pp > 1:
             pipeline = self.trainer.strategy.pipeline_settings
-            self._plan_for_pipeline(dims.pp, pipeline.microbatches or dims.pp)
+            self._plan_for_pipeline(dims.pp, pipeline)
             if stage == "fit" and pipeline.encoders == "first_stage":
                 # Group creation is collective: every rank creates every pipeline group, in the same order.
                 self.relay_group, _ = dist.new_subgroups_by_enumeration(dims.groups("pp"), backend="gloo")
+        elif stage == "fit" and self.trainer is not None:
+            accumulate = self.trainer.accumulate_grad_batches
+            if self.settings.micro_batches != accumulate:
+                # A step's loss is normalised by the tokens of all its micro-batches: Lightning must step after
+                # exactly those.
+                raise ValueError(
+                    f"OmniDataModule(micro_batches={self.settings.micro_batches}) plans that many micro-batches per "
+                    f"step but Trainer(accumulate_grad_batches={accumulate}): set OmniDataModule(micro_batches="
+                    f"{accumulate}) or accumulate_grad_batches={self.settings.micro_batches}"
+                )
         if self.cost_model is None:
             config = getattr(self.trainer.lightning_module, "config", None)
             config = config if isinstance(config, ReferenceMLLMConfig) else ReferenceMLLMConfig.tiny()
@@ -135,8 +146,16 @@ class OmniDataModule(WebDataModule):
         if stage == "fit" and self.dp_size > 1:
             self._create_balance_groups()
 
-    def _plan_for_pipeline(self, pp: int, micro_batches: int) -> None:
+    def _plan_for_pipeline(self, pp: int, pipeline: PipelineSettings) -> None:
         """Under pipeline parallelism a step is the schedule's micro-batches, planned (and ordered for 1F1B) here."""
+        micro_batches = pipeline.microbatches or pp
+        budget = self.settings.token_budget
+        if budget is not None and budget > pipeline.max_tokens:
+            raise ValueError(
+                f"OmniDataModule(token_budget={budget}) lets a micro-batch hold more tokens than the pipeline's "
+                f"stage buffers (OmniStrategy(pp_max_tokens={pipeline.max_tokens})): lower token_budget or raise "
+                "pp_max_tokens"
+            )
         if self.settings.micro_batches not in (1, micro_batches):
             raise ValueError(
                 f"OmniDataModule(micro_batches={self.settings.micro_batches}) but the pipeline schedule runs "

@@ -15,8 +15,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from typing_extensions import override
 
 from omni_lightning.datamodules.resumable import ResumableLoader
-from omni_lightning.datamodules.streaming import ShardStream
+from omni_lightning.datamodules.streaming import ShardStream, assign_shards
 from omni_lightning.datamodules.synthetic import make_synthetic_shards
+from omni_lightning.models.config import ReferenceMLLMConfig
 
 __all__ = ["SyntheticShards", "WebDataModule", "existing_shards", "expand_shards"]
 
@@ -138,6 +139,25 @@ class WebDataModule(LightningDataModule):
         if trainer is not None and trainer.world_size > 1:
             kwargs = trainer.strategy.distributed_sampler_kwargs
             self.dp_rank, self.dp_size = kwargs["rank"], kwargs["num_replicas"]
+        if trainer is not None:
+            self._check_matches_model(getattr(trainer.lightning_module, "config", None))
+        # Settings that starve a rank's loader fail here, on every rank alike, rather than once the loop has started.
+        if stage == "fit":
+            assign_shards(existing_shards(self.shards), dp_rank=self.dp_rank, dp_size=self.dp_size,
+                          num_workers=self.num_workers)
+        if self.val_shards is not None and stage in ("fit", "validate"):
+            assign_shards(existing_shards(self.val_shards), dp_rank=self.dp_rank, dp_size=self.dp_size)
+
+    def _check_matches_model(self, config: Any) -> None:
+        """Packing must cut images and audio as the model's encoders expect (else shapes fail deep in a forward)."""
+        if not isinstance(config, ReferenceMLLMConfig):
+            return
+        expected = {"patch_size": config.vision.patch_size, "vision_merge": config.vision.merge,
+                    "audio_downsample": config.audio.downsample}
+        for name, value in expected.items():
+            if self.pack_kwargs[name] != value:
+                raise ValueError(f"{type(self).__name__}({name}={self.pack_kwargs[name]}) but the model expects "
+                                 f"{name}={value}: set {name}={value} on the data module")
 
     def stream(self, shards: str | list[str], *, dp_rank: int | None = None, dp_size: int | None = None,
                num_workers: int | None = None, max_batches: int | None = None) -> ShardStream:

@@ -91,8 +91,21 @@ class ReferenceMLLMConfig:
 
     def __post_init__(self) -> None:
         llm = self.llm
+        # Sizes first: a zero would otherwise surface as a division error below.
+        sizes = {"llm": ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "n_experts"),
+                 "vision": ("dim", "n_layers", "n_heads", "patch_size"), "audio": ("dim", "n_layers", "n_heads")}
+        for part, names in sizes.items():
+            for name in names:
+                value = getattr(getattr(self, part), name)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"{part}.{name} must be a positive integer, got {value!r}")
+        if llm.moe_every < 0:
+            raise ValueError(f"llm.moe_every={llm.moe_every} must be 0 (dense) or the spacing of MoE layers")
         if llm.dim % llm.n_heads:
             raise ValueError(f"llm.dim={llm.dim} must be divisible by llm.n_heads={llm.n_heads}")
+        if llm.head_dim % 2:
+            raise ValueError(f"llm.dim / llm.n_heads = {llm.head_dim} must be even: RoPE rotates pairs of dimensions;"
+                             " change dim or n_heads")
         if llm.n_heads % llm.n_kv_heads:
             raise ValueError(f"llm.n_heads={llm.n_heads} must be a multiple of llm.n_kv_heads={llm.n_kv_heads}")
         if llm.vocab_size <= FIRST_TEXT_ID:

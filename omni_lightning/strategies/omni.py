@@ -136,7 +136,7 @@ class OmniStrategy(ModelParallelStrategy):
         if pp_schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"pp_schedule={pp_schedule!r} must be one of {sorted(PIPELINE_SCHEDULES)}")
         for name, value in (("pp_virtual_stages", pp_virtual_stages), ("pp_max_tokens", pp_max_tokens),
-                            ("pp_microbatches", pp_microbatches or 1)):
+                            ("pp_microbatches", 1 if pp_microbatches is None else pp_microbatches)):
             if value < 1:
                 raise ValueError(f"{name}={value} must be at least 1")
         if pp_encoders not in ("joint", "first_stage"):
