@@ -1,7 +1,12 @@
-"""The non-finite guard: a NaN/inf loss or gradient on one rank is agreed by every rank, which then all skip the
-optimizer step (weights and AdamW state unchanged, training goes on) or all stop with the same error.
+"""Step decisions that could differ between ranks, taken the same way on all of them.
 
-Each test injects the fault on one rank only, at one step, in a 2-rank fork-started run of the tiny model.
+The non-finite guard: a NaN/inf loss or gradient on one rank is agreed by every rank, which then all skip the
+optimizer step (weights and AdamW state unchanged, training goes on) or all stop with the same error. Each test
+injects the fault on one rank only, at one step, in a 2-rank fork-started run of the tiny model.
+
+An empty encoder batch needs no vote: a rank without media still runs every encoder on a dummy item, so it enters
+the same FSDP collectives as its peers. Tested here without encoder balancing; with it (where the plan is shared),
+``test_encoder_balance.py`` covers a text-only rank ("mixed") and a text-only step on every rank.
 """
 
 from __future__ import annotations
@@ -12,13 +17,23 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import run_distributed
 from lightning_runs import LEARNING_RATE, fit
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from omni_lightning import OmniModule, ReferenceMLLMConfig
+from omni_lightning import OmniModule, ReferenceMLLM, ReferenceMLLMConfig
+from omni_lightning.datamodules.collate import DecodedSample, pack_samples
+from omni_lightning.models.config import FIRST_TEXT_ID
+from omni_lightning.models.mllm import next_token_loss_sum
+from omni_lightning.module import initial_state_dict
+from omni_lightning.parallel.dims import ParallelDims
+from omni_lightning.parallel.mesh import build_meshes
+from omni_lightning.parallel.parallelize import parallelize_mllm
 
 pytestmark = pytest.mark.distributed
 
@@ -142,3 +157,45 @@ def test_every_rank_stops_with_the_same_error(tmp_path: Path, tiny_shards: str, 
     assert message.startswith(f"non-finite loss on rank(s) [0]; non-finite gradients on rank(s) [0, 1] at "
                               f"global_step={BAD_STEP}: stopping on every rank")
     assert not list(tmp_path.glob("guard_rank*.pt"))  # training did not go on anywhere
+
+
+def _samples(rank: int) -> list[DecodedSample]:
+    """Rank 0 has an image and an audio clip; rank 1 only text: its encoder batches are empty."""
+    rng = np.random.default_rng(rank)
+    text = rng.integers(FIRST_TEXT_ID, 256, 10 + rank)
+    if rank == 1:
+        return [DecodedSample("text", text, [], None)]
+    image = rng.integers(0, 256, (4 * 14, 2 * 14, 3), dtype=np.uint8)
+    return [DecodedSample("media", text, [image], rng.standard_normal((16, 80)).astype(np.float32))]
+
+
+def _step_with_an_empty_encoder_batch(rank: int, world: int) -> None:
+    config = ReferenceMLLMConfig.tiny()
+    meshes = build_meshes(ParallelDims(world_size=world, dp_shard=world), "cpu")
+    with torch.device("meta"):
+        model = ReferenceMLLM(config)
+    parallelize_mllm(model, meshes, encoder_balance=False)
+    model.to_empty(device="cpu")
+    set_model_state_dict(model, initial_state_dict(config, seed=5),
+                         options=StateDictOptions(full_state_dict=True, strict=True))
+    batch = pack_samples(_samples(rank))
+    loss_sum, tokens = next_token_loss_sum(model(batch), batch["labels"])
+    total_tokens = tokens.float().clone()
+    dist.all_reduce(total_tokens)
+    (loss_sum * world / total_tokens).backward()  # FSDP averages over the ranks
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+
+    reference = ReferenceMLLM(config)
+    reference.load_state_dict(initial_state_dict(config, seed=5))
+    union = pack_samples([s for r in range(world) for s in _samples(r)])
+    ref_sum, ref_tokens = next_token_loss_sum(reference(union), union["labels"])
+    (ref_sum / ref_tokens).backward()
+    for name, p in reference.named_parameters():
+        error = (grads[name] - p.grad).norm().item()
+        assert error <= 1e-4 * p.grad.norm().item() + 1e-8, f"rank {rank}: gradient of {name} differs by {error:.3g}"
+
+
+def test_a_rank_without_media_joins_the_encoders_collectives() -> None:
+    """FSDP over 2 ranks, no encoder balancing, rank 1 text-only: the step completes (no rank waits in a collective
+    the other skipped) and every gradient, encoders' included, equals one process running both ranks' samples."""
+    run_distributed(_step_with_an_empty_encoder_batch, 2)
