@@ -1,4 +1,5 @@
-"""The ``omni-lightning`` command: LightningCLI subcommands (fit, validate, ...) plus ``make-shards``."""
+"""The ``omni-lightning`` command: LightningCLI subcommands (fit, validate, ...) plus ``make-shards`` and
+``simulate``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from lightning.pytorch.cli import LightningCLI
 import omni_lightning  # noqa: F401  (registers strategy="omni")
 from omni_lightning.datamodules.synthetic import make_synthetic_shards
 from omni_lightning.module import OmniModule
+from omni_lightning.sim.report import simulate_main
 
 __all__ = ["main", "OmniCLI", "make_shards_main"]
 
@@ -66,6 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] == "make-shards":
         make_shards_main(args[1:])
+        return
+    if args and args[0] == "simulate":
+        simulate_main(args[1:])
         return
     OmniCLI(args=argv)
 

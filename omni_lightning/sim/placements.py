@@ -1,0 +1,475 @@
+"""Predicted step time of the three placements of encoders and LLM, from the runtime's own planners.
+
+Every placement trains the same samples (one :class:`~omni_lightning.sim.draws.StepDraw` per step) with the same
+LLM layout; compute is the cost model's FLOPs at the cluster's effective FLOP/s, the pipeline is replayed with
+:func:`~omni_lightning.sim.replay_pipeline`, and the step ends with the gradient synchronisation (exposed, the same
+rule for all). Where the runtime plans, the simulator calls the same function, through its module, so a change
+there moves the figures here:
+
+* **coupled** (Megatron-LM, torchtitan): every data-parallel rank trains what it read, packed in arrival order; the
+  encoders run on the first pipeline stage, TP-sharded like it, inside its forward and backward (1F1B).
+* **disaggregated** (DistTrain): encoders on their own pool, sized once by
+  :func:`omni_lightning.balance.allocation.solve_pools` for the workload's mean mix; the LLM pool's samples are
+  reordered (:func:`~omni_lightning.balance.reorder.plan_balance_group`, LPT and the 1F1B micro-batch order); encoder
+  items go whole to the least-loaded encoder rank (:func:`~omni_lightning.balance.reshard.plan_encoder_work` without
+  SP); the pools stream micro-batches to each other, so the step is the slower pool plus one micro-batch of encoder
+  latency.
+* **omni** (OmniStrategy): grouped reordering in balance groups of data-parallel ranks (``plan_balance_group`` on the
+  LLM cost: the encoder work is placed by the encoder plan, not by the loader), long sequences split by context
+  parallelism where one would exceed a rank's share, encoder items (images, frames, clips) planned over *every*
+  GPU of the balance group with long-short SP (``plan_encoder_work``) and run in the joint pipeline's insertions.
+  Its ablations switch off multiplexing (encoders on stage 0's GPUs, still planned with LSSP), balancing (arrival
+  order) or LSSP (``enc_sp=1``).
+
+Scale: the simulated data-parallel ranks are ``max_groups`` balance groups (all of them when there are fewer); a
+step's time is the slowest simulated rank's. Ranks outside the sample would only add stragglers, so at large scale
+this *under*-states the step time of the unbalanced placements, i.e. the speedups are conservative. Leftover samples
+that a plan could not place are scaled out: each step's time is divided by the share of the drawn work it ran.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from omni_lightning.balance import allocation, reorder, reshard
+from omni_lightning.balance.cost import CostModel
+from omni_lightning.datamodules.workload import WorkloadSpec
+from omni_lightning.sim.cluster import (
+    Cluster,
+    GiB,
+    Layout,
+    ModelSpec,
+    collective_seconds,
+    encoder_params,
+    fsdp_state_bytes,
+    llm_params,
+    llm_state_bytes,
+)
+from omni_lightning.sim.draws import SamplePool, StepDraw, draw_step
+from omni_lightning.sim.pipeline_replay import Action, replay_pipeline
+from omni_lightning.sim.schedules import joint_pipeline, one_f_one_b
+
+__all__ = ["OmniOptions", "PlacementResult", "Scenario", "Simulation"]
+
+_SELECTIVE_BYTES = 34  # bytes per token, layer and hidden unit of a layer's full activations
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What to simulate: model, cluster, layout, workload, and how much of it to sample.
+
+    ``concentration``: Dirichlet concentration of the per-step modality mix (``None``: the spec's fixed mix).
+    """
+
+    model: ModelSpec
+    cluster: Cluster
+    layout: Layout
+    workload: WorkloadSpec
+    steps: int = 2
+    max_groups: int = 4
+    concentration: float | None = 10.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class OmniOptions:
+    """The three mechanisms the ablation switches off one at a time."""
+
+    multiplex: bool = True
+    balance: bool = True
+    lssp: bool = True
+
+
+@dataclass
+class PlacementResult:
+    """Predicted step time (``inf`` when out of memory), peak memory per GPU, and compute imbalance.
+
+    ``imbalance`` is max / mean per-GPU compute per step (1.0 is perfect balance), averaged over steps.
+    """
+
+    name: str
+    step_s: float
+    memory_gib: float
+    imbalance: float
+    detail: str = ""
+    per_step_s: list[float] = field(default_factory=list)
+
+    @property
+    def oom(self) -> bool:
+        return math.isinf(self.step_s)
+
+
+def _split(cost: np.ndarray, tokens: np.ndarray, share: float, cp_max: int) -> tuple[np.ndarray, np.ndarray]:
+    """Context-parallel degree of each sample: the fewest power-of-two ranks (up to ``cp_max``) that bring its cost
+    under ``share``; 1 for all samples that already fit."""
+    degree = np.ones(cost.size, dtype=np.int64)
+    while True:
+        over = (cost / degree > share) & (degree < cp_max) & (tokens >= 2 * degree)
+        if not over.any():
+            return degree, over
+        degree[over] *= 2
+
+
+class Simulation:
+    """One scenario: its priced sample pool and the steps every placement trains (the same for all)."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        config = scenario.model.config
+        self.cost_model = CostModel.from_config(config)
+        layout, cluster = scenario.layout, scenario.cluster
+        self.dp = layout.dp_of(cluster.gpus)
+        group = min(layout.balance_group, self.dp)
+        self.group = group
+        self.ranks = min(self.dp // group, scenario.max_groups) * group
+        self.pool = SamplePool.build(scenario.workload, self.cost_model, seq_len=layout.seq_len, seed=scenario.seed)
+        rng = np.random.default_rng([scenario.seed, 1])
+        self.draws: list[StepDraw] = [
+            draw_step(self.pool, ranks=self.ranks, micro_batches=layout.micro_batches, seq_len=layout.seq_len,
+                      rng=rng, concentration=scenario.concentration)
+            for _ in range(scenario.steps)
+        ]
+        self.flops = cluster.effective_flops
+        self.encoder_params = encoder_params(config, "vision") + encoder_params(config, "audio")
+        self.llm_params = llm_params(config)
+
+    # ------------------------------------------------------------------------------------------------ helpers
+    @property
+    def sampling_note(self) -> str:
+        """How much of the job the figures come from."""
+        return (f"simulated {self.ranks} of {self.dp} data-parallel ranks ({self.ranks // self.group} balance "
+                f"group(s) of {self.group}) x {len(self.draws)} steps; step time = slowest simulated rank")
+
+    def _llm_durations(self, cost: float, tokens: float, layout: Layout, fraction: float) -> tuple[float, float]:
+        """Forward and backward seconds of one micro-batch on a pipeline stage holding ``fraction`` of the LLM's
+        layers (TP traffic included)."""
+        cluster, llm = self.scenario.cluster, self.scenario.model.config.llm
+        compute = cost * fraction / (layout.tp * layout.cp * self.flops)
+        comm = (tokens / layout.cp * llm.n_layers * fraction
+                * allocation.tp_seconds_per_token(llm.dim, layout.tp, cluster.intra_node_gbps * 1e9))
+        backward = 2 / 3 + (layout.recompute_factor - 1)
+        return compute / 3 + comm / 2, compute * backward + comm / 2
+
+    def stage_fractions(self, layout: Layout, *, encoders_on_first: bool) -> np.ndarray:
+        """Share of the LLM's layers on each pipeline stage. With the encoders on the first stage, that stage gets
+        fewer layers (whole ones), so that at the workload's mean mix it carries as much as the others: the static
+        tuning Megatron-LM's uneven first stage allows."""
+        pp, layers = layout.pp, self.scenario.model.config.llm.n_layers
+        if pp == 1 or not encoders_on_first:
+            return np.full(pp, 1 / pp)
+        ratio = self.mean_encoder_share
+        first = min(max(round(layers * (1 - ratio * (pp - 1)) / pp), 0), layers // pp)
+        return np.array([first / layers] + [(layers - first) / layers / (pp - 1)] * (pp - 1))
+
+    @property
+    def mean_encoder_share(self) -> float:
+        """Encoder over LLM work at the spec's mean mix."""
+        pool = self.pool
+        enc = sum(w * pool.encoder[ix].mean() for w, ix in zip(pool.weights, pool.by_modality, strict=True))
+        llm = sum(w * pool.llm[ix].mean() for w, ix in zip(pool.weights, pool.by_modality, strict=True))
+        return float(enc / llm)
+
+    def _split_work(self, flops: float, layout: Layout) -> tuple[float, float]:
+        """Forward and backward seconds of ``flops`` training FLOPs on one GPU."""
+        seconds = flops / self.flops
+        return seconds / 3, seconds * (2 / 3 + layout.recompute_factor - 1)
+
+    def _llm_memory(self, layout: Layout, dp: int, fractions: np.ndarray) -> np.ndarray:
+        """LLM bytes per GPU of every stage: states of its layers and the activations of the micro-batches in flight
+        (stage ``s`` of ``p`` keeps ``p - s`` under 1F1B)."""
+        llm = self.scenario.model.config.llm
+        tokens = layout.seq_len / layout.cp
+        per_micro = tokens * llm.n_layers * fractions * layout.activation_bytes(llm.dim) / layout.tp
+        full_layer = tokens * _SELECTIVE_BYTES * llm.dim / layout.tp if layout.recompute == "full" else 0.0
+        in_flight = np.minimum(layout.pp - np.arange(layout.pp), layout.micro_batches)
+        states = llm_state_bytes(self.llm_params, layout, dp) * fractions * layout.pp
+        return states + in_flight * per_micro + full_layer
+
+    def _encoder_activations(self, tokens: float, largest: float, layout: Layout, shards: int) -> float:
+        """Bytes of encoder activations for ``tokens`` in flight whose largest item has ``largest`` tokens, each
+        split over ``shards`` GPUs (TP or SP)."""
+        vision = self.scenario.model.config.vision
+        kept = tokens * vision.n_layers * layout.activation_bytes(vision.dim)
+        full_layer = largest * _SELECTIVE_BYTES * vision.dim if layout.recompute == "full" else 0.0
+        return (kept + full_layer) / shards
+
+    def _sync(self, params: float, group: int) -> float:
+        """Exposed gradient synchronisation: reduce-scatter of bf16 gradients, all-gather of updated weights."""
+        return collective_seconds(2 * params, group, self.scenario.cluster)
+
+    def _result(self, name: str, steps: list[float], memory: float, imbalance: list[float], detail: str
+                ) -> PlacementResult:
+        over = memory > self.scenario.cluster.usable_bytes
+        return PlacementResult(name, math.inf if over else float(np.mean(steps)), memory / GiB,
+                               float(np.mean(imbalance)), detail, steps)
+
+    # ------------------------------------------------------------------------------------------------ coupled
+    def coupled(self) -> PlacementResult:
+        """Encoders on the first stage, one sample assignment (what each rank read, in arrival order)."""
+        layout, pool, cluster = self.scenario.layout, self.pool, self.scenario.cluster
+        vision = self.scenario.model.config.vision
+        stage_gpus = layout.tp * layout.cp
+        fractions = self.stage_fractions(layout, encoders_on_first=True)
+        llm_memory = self._llm_memory(layout, self.dp, fractions)
+        steps, imbalance, memory = [], [], 0.0
+        for draw in self.draws:
+            makespans, busy = [], []
+            for r, samples in enumerate(draw.samples):
+                enc_f, enc_b, enc_tokens = [], [], []
+                llm_cost, llm_tokens = [], []
+                for batch in draw.micro_batches[r]:
+                    ids = samples[batch]
+                    tokens = float(pool.item_tokens[pool.items_of(ids)[0]].sum())
+                    comm = tokens * vision.n_layers * allocation.tp_seconds_per_token(
+                        vision.dim, layout.tp, cluster.intra_node_gbps * 1e9)
+                    f, b = self._split_work(float(pool.encoder[ids].sum()) / stage_gpus, layout)
+                    enc_f.append(f + comm / 2)
+                    enc_b.append(b + comm / 2)
+                    enc_tokens.append(tokens)
+                    llm_cost.append(float(pool.llm[ids].sum()))
+                    llm_tokens.append(float(pool.tokens[ids].sum()))
+                replay = replay_pipeline(self._actions(llm_cost, llm_tokens, layout, fractions, enc_f, enc_b,
+                                                       joint=False))
+                makespans.append(replay.makespan)
+                busy.extend(np.repeat(replay.busy, stage_gpus).tolist())
+                largest = float(pool.item_tokens[pool.items_of(samples)[0]].max(initial=0.0))
+                window = max(sum(enc_tokens[m : m + layout.pp]) for m in range(len(enc_tokens)))
+                memory = max(memory, llm_memory[0] + self._encoder_state_bytes(layout.tp, self.dp * layout.cp)
+                             + self._encoder_activations(window, largest, layout, stage_gpus), llm_memory.max())
+            sync = self._sync(self.llm_params / (layout.tp * layout.pp), self.dp * layout.cp) + self._sync(
+                self.encoder_params / layout.tp, self.dp * layout.cp)
+            steps.append(max(makespans) + sync)
+            imbalance.append(max(busy) / float(np.mean(busy)))
+        return self._result("coupled", steps, memory, imbalance,
+                            f"encoders on stage 0 ({fractions[0] * 100:.0f}% of the LLM layers there), arrival order")
+
+    def _actions(self, llm_cost: list[float], llm_tokens: list[float], layout: Layout, fractions: np.ndarray,
+                 enc_forward: list[float] | np.ndarray, enc_backward: list[float] | np.ndarray, *, joint: bool
+                 ) -> list[list[Action]]:
+        """One data-parallel replica's pipeline step. ``joint``: ``enc_*[s][m]`` are stage ``s``'s encoder insertions
+        (the joint pipeline); otherwise ``enc_*[m]`` is folded into the first stage's forward and backward."""
+        durations = [[self._llm_durations(c, t, layout, f) for c, t in zip(llm_cost, llm_tokens, strict=True)]
+                     for f in fractions]
+        forward = [[d[0] for d in stage] for stage in durations]
+        backward = [[d[1] for d in stage] for stage in durations]
+        if joint:
+            return joint_pipeline(forward, backward, np.asarray(enc_forward).tolist(),
+                                  np.asarray(enc_backward).tolist())
+        forward[0] = [f + e for f, e in zip(forward[0], enc_forward, strict=True)]
+        backward[0] = [b + e for b, e in zip(backward[0], enc_backward, strict=True)]
+        return one_f_one_b(forward, backward)
+
+    def _encoder_state_bytes(self, tp: int, group: int) -> float:
+        vision = self.scenario.model.config.vision
+        return fsdp_state_bytes(self.encoder_params / tp, vision.n_layers, group)
+
+    # ------------------------------------------------------------------------------------------------ omni
+    def omni(self, options: OmniOptions = OmniOptions()) -> PlacementResult:
+        """OmniStrategy, or one of its ablations (``options``).
+
+        Encoder work is inserted uniformly: each GPU's planned encoder work of the step is spread evenly over its
+        ``micro_batches`` insertions (an encoder pass can pause between layers), and a stage's GPUs, which meet
+        at every TP collective of the LLM, move at the pace of the busiest of them.
+        """
+        layout, pool = self.scenario.layout, self.pool
+        mp, stage_gpus, micro = layout.model_parallel, layout.tp * layout.cp, layout.micro_batches
+        enc_gpus = mp if options.multiplex else stage_gpus  # encoder ranks per data-parallel replica
+        stages = layout.pp if options.multiplex else 1
+        enc_sp = min(layout.enc_sp, enc_gpus) if options.lssp else 1
+        fractions = self.stage_fractions(layout, encoders_on_first=not options.multiplex)
+        llm_memory = self._llm_memory(layout, self.dp, fractions)
+        window = min(2 * layout.pp if options.multiplex else layout.pp, micro) / micro  # share of a step in flight
+        steps, imbalance, memory = [], [], 0.0
+        for step, draw in enumerate(self.draws):
+            makespans, gpu_busy, placed, drawn = [], [], 0.0, 0.0
+            for g in range(self.ranks // self.group):
+                ranks = range(g * self.group, (g + 1) * self.group)
+                ids = np.concatenate([draw.samples[r] for r in ranks])
+                owners = np.concatenate([np.full(draw.samples[r].size, i) for i, r in enumerate(ranks)])
+                drawn += float(pool.llm[ids].sum() + pool.encoder[ids].sum())
+                micro_batches, pieces = self._omni_micro_batches(draw, ranks, ids, owners, options, step, g)
+                llm_cost, llm_tokens = np.zeros((self.group, micro)), np.zeros((self.group, micro))
+                home: dict[int, int] = {}  # a sample's encoder outputs go to the rank of its first piece
+                for i in range(self.group):
+                    for m, batch in enumerate(micro_batches[i]):
+                        for piece in batch:
+                            sample, share = pieces[piece]
+                            llm_cost[i, m] += pool.llm[sample] * share
+                            llm_tokens[i, m] += pool.tokens[sample] * share
+                            home.setdefault(sample, i)
+                samples = np.array(list(home), dtype=np.int64)
+                items, position = pool.items_of(samples)
+                owner_rank = np.array(list(home.values()), dtype=np.int64)[position]
+                plan = reshard.plan_encoder_work(pool.item_cost[items], owner_rank * enc_gpus,
+                                                 n_ranks=self.group * enc_gpus, enc_sp=enc_sp)
+                enc_comm, enc_tokens, largest = self._encoder_traffic(plan, items, owner_rank, enc_gpus)
+                placed += float(llm_cost.sum() + pool.encoder[samples].sum())
+                enc_seconds = plan.rank_cost.reshape(self.group, stages, -1) / self.flops
+                comm = enc_comm.reshape(self.group, stages, -1)
+                for i in range(self.group):
+                    f, b = self._split_work(enc_seconds[i], layout)
+                    # Uniform insertion: a GPU's step of encoder work in equal slices, the stage at its busiest GPU.
+                    enc_f = np.zeros((layout.pp, micro))
+                    enc_b = np.zeros((layout.pp, micro))
+                    enc_f[:stages] = ((f + comm[i] / 2).max(axis=1) / micro)[:, None]
+                    enc_b[:stages] = ((b + comm[i] / 2).max(axis=1) / micro)[:, None]
+                    if options.multiplex:
+                        actions = self._actions(llm_cost[i].tolist(), llm_tokens[i].tolist(), layout, fractions,
+                                                enc_f, enc_b, joint=True)
+                    else:
+                        actions = self._actions(llm_cost[i].tolist(), llm_tokens[i].tolist(), layout, fractions,
+                                                enc_f[0], enc_b[0], joint=False)
+                    makespans.append(replay_pipeline(actions).makespan)
+                    busy = np.repeat(llm_cost[i].sum() * fractions / (stage_gpus * self.flops), stage_gpus)
+                    busy[:enc_gpus] += enc_seconds[i].ravel()  # the first stage's GPUs come first
+                    gpu_busy.extend((busy * layout.recompute_factor).tolist())
+                    in_flight = enc_tokens[i * enc_gpus : (i + 1) * enc_gpus].max() * window
+                    memory = max(memory, llm_memory.max() + self._encoder_state_bytes(1, self.dp * enc_gpus)
+                                 + self._encoder_activations(in_flight, largest, layout, 1))
+            sync = self._sync(self.llm_params / (layout.tp * layout.pp), self.dp * layout.cp) + self._sync(
+                self.encoder_params, self.dp * enc_gpus)
+            steps.append(max(makespans) * drawn / placed + sync)
+            imbalance.append(max(gpu_busy) / float(np.mean(gpu_busy)))
+        off = [label for label, on in (("multiplexing", options.multiplex), ("balancing", options.balance),
+                                       ("LSSP", options.lssp)) if not on]
+        name = "omni" + "".join(f", no {label}" for label in off)
+        return self._result(name, steps, memory, imbalance,
+                            f"{self.group * enc_gpus} encoder ranks per balance group, enc_sp {enc_sp}")
+
+    def _omni_micro_batches(self, draw: StepDraw, ranks: range, ids: np.ndarray, owners: np.ndarray,
+                            options: OmniOptions, step: int, group: int
+                            ) -> tuple[list[list[list[int]]], list[tuple[int, float]]]:
+        """Micro-batches of every rank of a balance group as lists of *pieces* ``(sample, share of its LLM work)``.
+
+        Balanced: ``plan_balance_group`` over the group on the LLM cost, after splitting any sequence whose LLM cost
+        exceeds a micro-batch's fair share into context-parallel pieces (at most the balance group's size).
+        Unbalanced: what each rank read, in arrival order, whole.
+        """
+        layout, pool = self.scenario.layout, self.pool
+        if not options.balance:
+            pieces = [(int(s), 1.0) for s in ids]
+            micro, offset = [], 0
+            for r in ranks:
+                micro.append([[offset + j for j in batch] for batch in draw.micro_batches[r]])
+                offset += draw.samples[r].size
+            return micro, pieces
+        cost, tokens = pool.llm[ids], pool.tokens[ids]
+        share = float(cost.sum()) / (self.group * layout.micro_batches)
+        degree, _ = _split(cost, tokens, share, self.group)
+        piece_sample = np.repeat(ids, degree)
+        piece_share = np.repeat(1.0 / degree, degree)
+        piece_owner = np.repeat(owners, degree)
+        piece_tokens = np.ceil(np.repeat(tokens / degree, degree)).astype(np.int64)
+        plan = reorder.plan_balance_group(
+            pool.llm[piece_sample] * piece_share, piece_tokens, piece_owner, np.zeros(piece_sample.size),
+            n_ranks=self.group,
+            config=reorder.ReorderConfig(steps=1, micro_batches=layout.micro_batches, token_budget=layout.seq_len,
+                                         pp=layout.pp),
+            seed=self.scenario.seed, epoch=step, group_index=group)
+        micro = [plan.micro_batches[i][0] for i in range(self.group)]
+        pieces = list(zip(piece_sample.tolist(), piece_share.tolist(), strict=True))
+        return micro, pieces
+
+    def _encoder_traffic(self, plan: reshard.EncoderPlan, items: np.ndarray, owner_rank: np.ndarray,
+                         enc_gpus: int) -> tuple[np.ndarray, np.ndarray, float]:
+        """Per encoder GPU: communication seconds (Ulysses all-to-alls of split items inside the node; encoder
+        outputs and their gradients between the encoding GPU and the LLM rank) and encoder tokens; and the largest
+        item share any GPU holds (its full activations are alive while its layer runs)."""
+        cluster, config, pool = self.scenario.cluster, self.scenario.model.config, self.pool
+        passes = 3 if self.scenario.layout.recompute == "full" else 2  # forward, backward (+ recomputed forward)
+        intra, inter = cluster.intra_node_gbps * 1e9, cluster.inter_node_gbps * 1e9
+        degree = plan.sp_degree
+        n = pool.item_tokens[items]
+        out_bytes = 2 * pool.item_llm_tokens[items] * config.llm.dim * 2 / degree
+        ulysses = passes * 4 * (n / degree) * config.vision.dim * 2 * (degree - 1) / degree * config.vision.n_layers
+        # Every GPU an item runs on: itself when whole, its SP block when split.
+        gpu = np.where(degree == 1, plan.rank_of, plan.sp_start)
+        item = np.repeat(np.arange(items.size), degree)
+        gpu = np.repeat(gpu, degree) + (np.arange(item.size) - np.repeat(np.cumsum(degree) - degree, degree))
+        home = owner_rank[item] * enc_gpus
+        node = cluster.gpus_per_node
+        bandwidth = np.where(gpu // node == home // node, intra, inter)
+        seconds = ulysses[item] / intra + np.where(gpu == home, 0.0, out_bytes[item] / bandwidth)
+        size = plan.rank_cost.size
+        comm = np.bincount(gpu, weights=seconds, minlength=size)
+        tokens = np.bincount(gpu, weights=(n / degree)[item], minlength=size)
+        return comm, tokens, float((n / degree).max(initial=0.0))
+
+    # ------------------------------------------------------------------------------------------------ disaggregated
+    def pool_problem(self, workload: WorkloadSpec | None = None) -> allocation.PoolProblem:
+        """The pool-sizing problem of this scenario's job (its mean mix unless ``workload`` is given)."""
+        sc, layout, config = self.scenario, self.scenario.layout, self.scenario.model.config
+        return allocation.pool_problem(
+            self.cost_model, workload or sc.workload, world_size=sc.cluster.gpus, memory_bytes=sc.cluster.usable_bytes,
+            device_flops=self.flops, intra_node_bandwidth=sc.cluster.intra_node_gbps * 1e9,
+            sequences=self.dp * layout.micro_batches, seq_len=layout.seq_len,
+            encoder=allocation.ModuleShape(self.encoder_params, config.vision.n_layers, config.vision.dim),
+            llm=allocation.ModuleShape(self.llm_params, config.llm.n_layers, config.llm.dim),
+            recompute=layout.recompute, seed=sc.seed)
+
+    def disaggregated(self, problem: allocation.PoolProblem | None = None) -> PlacementResult:
+        """DistTrain: pools sized once by the solver for ``problem`` (default: this workload's mean mix)."""
+        problem = problem or self.pool_problem()
+        choice = allocation.solve_pools(problem)
+        if choice is None:
+            return PlacementResult("disaggregated", math.inf, math.nan, math.nan, "no pool layout fits in memory")
+        layout, pool, cluster = self.scenario.layout, self.pool, self.scenario.cluster
+        llm_layout = replace(layout, tp=choice.tp, pp=choice.pp, cp=1)
+        fraction = self.ranks / self.dp  # the simulated share of the global batch
+        llm_ranks = max(1, round(choice.dp * fraction))
+        enc_ranks = max(1, round(choice.dp_enc * fraction))
+        sequences = self.dp * layout.micro_batches
+        micro = -(-sequences // choice.dp)
+        vision = self.scenario.model.config.vision
+        steps, imbalance, memory = [], [], 0.0
+        for step, draw in enumerate(self.draws):
+            ids = np.concatenate(draw.samples)
+            plan = reorder.plan_balance_group(
+                pool.llm[ids], pool.tokens[ids], np.arange(ids.size) % llm_ranks, np.zeros(ids.size),
+                n_ranks=llm_ranks,
+                config=reorder.ReorderConfig(steps=1, micro_batches=micro, token_budget=layout.seq_len, pp=choice.pp),
+                seed=self.scenario.seed, epoch=step, group_index=0)
+            makespans, busy, placed = [], [], []
+            for r in range(llm_ranks):
+                batches = plan.micro_batches[r][0]
+                zeros = [0.0] * len(batches)
+                costs = [float(pool.llm[ids[b]].sum()) for b in batches]
+                tokens = [float(pool.tokens[ids[b]].sum()) for b in batches]
+                replay = replay_pipeline(self._actions(costs, tokens, llm_layout, np.full(choice.pp, 1 / choice.pp),
+                                                       zeros, zeros, joint=False))
+                makespans.append(replay.makespan)
+                busy.extend(np.repeat(replay.busy, choice.tp).tolist())
+                placed.extend(int(s) for b in batches for s in ids[b])
+            kept = np.array(placed, dtype=np.int64)
+            items, position = pool.items_of(kept)
+            enc_plan = reshard.plan_encoder_work(pool.item_cost[items], position % enc_ranks, n_ranks=enc_ranks,
+                                                 enc_sp=1)
+            group_tokens = np.bincount(enc_plan.rank_of, weights=pool.item_tokens[items], minlength=enc_ranks)
+            out_bytes = np.bincount(enc_plan.rank_of, weights=pool.item_llm_tokens[items], minlength=enc_ranks) \
+                * 2 * self.scenario.model.config.llm.dim * 2
+            bw = cluster.intra_node_gbps * 1e9
+            t_enc_groups = (enc_plan.rank_cost * layout.recompute_factor / (choice.tp_enc * self.flops)
+                            + group_tokens * vision.n_layers * allocation.tp_seconds_per_token(vision.dim,
+                                                                                                choice.tp_enc, bw)
+                            + out_bytes / choice.tp_enc / (cluster.inter_node_gbps * 1e9))
+            t_enc = float(t_enc_groups.max())
+            busy.extend(np.repeat(enc_plan.rank_cost * layout.recompute_factor / (choice.tp_enc * self.flops),
+                                  choice.tp_enc).tolist())
+            sync = max(self._sync(self.llm_params / (choice.tp * choice.pp), choice.dp),
+                       self._sync(self.encoder_params / choice.tp_enc, choice.dp_enc))
+            drawn = float(pool.llm[ids].sum() + pool.encoder[ids].sum())
+            done = float(pool.llm[kept].sum() + pool.encoder[kept].sum())
+            steps.append((max(max(makespans), t_enc) + t_enc / micro) * drawn / done + sync)
+            imbalance.append(max(busy) / float(np.mean(busy)))
+            # Memory under the step's actual encoder load: a shifted mix can overflow a pool sized for the mean.
+            step_problem = replace(problem, encoder_tokens=float(group_tokens.sum()) * choice.dp_enc / enc_ranks)
+            enc_bytes, llm_bytes = allocation.pool_memory(step_problem, choice)
+            largest = float(pool.item_tokens[items].max(initial=0.0))
+            memory = max(memory, enc_bytes + (largest * _SELECTIVE_BYTES * vision.dim / choice.tp_enc
+                                              if layout.recompute == "full" else 0.0), llm_bytes)
+        detail = (f"encoder pool {choice.encoder_gpus} GPUs (tp {choice.tp_enc} x dp {choice.dp_enc}), LLM pool "
+                  f"{choice.llm_gpus} (tp {choice.tp} x pp {choice.pp} x dp {choice.dp})")
+        return self._result("disaggregated", steps, memory, imbalance, detail)

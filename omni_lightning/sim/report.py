@@ -1,0 +1,130 @@
+"""``omni-lightning simulate``: the placements side by side, the ablation, an optional image:text sweep.
+
+    omni-lightning simulate --workload FILE --gpus N [--preset NAME] [--sweep] [--tp 8 --pp 8 ...]
+
+Prints the scenario, one row per placement (step time, ratio to omni, max/mean per-GPU compute, memory per GPU or
+OOM), the ablation rows (omni with multiplexing, balancing or LSSP off), and with ``--sweep`` the step times at
+image:text 1:9 ... 9:1 with the disaggregated pools sized once for the workload's own mix. The last two lines are
+``omni max/mean: Z`` and ``predicted speedup vs coupled: X, vs disaggregated: Y`` (``oom`` where a baseline does
+not fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+
+from omni_lightning.datamodules.workload import WorkloadSpec, load_workload
+from omni_lightning.sim.cluster import Cluster
+from omni_lightning.sim.placements import OmniOptions, PlacementResult, Scenario, Simulation
+from omni_lightning.sim.presets import PRESETS, preset_for
+
+__all__ = ["format_speedups", "image_text_mix", "simulate_main"]
+
+SWEEP = ((1, 9), (3, 7), (5, 5), (7, 3), (9, 1))
+_LAYOUT_FLAGS = ("tp", "pp", "cp", "micro_batches", "seq_len", "enc_sp", "recompute", "balance_group")
+
+
+def image_text_mix(spec: WorkloadSpec, media: float, text: float) -> WorkloadSpec:
+    """``spec`` with text at ``text / (media + text)`` of the samples and its media modalities sharing the rest in
+    their original proportions. Raises ``ValueError`` if ``spec`` lacks text or media."""
+    modalities = spec.modalities
+    media_names = [name for name in modalities if name != "text"]
+    if "text" not in modalities or not media_names:
+        raise ValueError(f"workload {spec.name!r} needs text and at least one media modality for an image:text sweep")
+    media_weight = sum(modalities[name].weight for name in media_names)
+    weights = {"text": text / (media + text)}
+    weights.update({name: media / (media + text) * modalities[name].weight / media_weight for name in media_names})
+    return replace(spec, name=f"{spec.name} {media:g}:{text:g}",
+                   modalities={name: replace(m, weight=weights[name]) for name, m in modalities.items()})
+
+
+def _ratio(base: PlacementResult, omni: PlacementResult) -> str:
+    if base.oom:
+        return "oom"
+    return "n/a" if omni.oom else f"{base.step_s / omni.step_s:.3f}"
+
+
+def format_speedups(coupled: PlacementResult, disaggregated: PlacementResult, omni: PlacementResult) -> str:
+    """The last line of ``simulate``."""
+    return f"predicted speedup vs coupled: {_ratio(coupled, omni)}, vs disaggregated: {_ratio(disaggregated, omni)}"
+
+
+def _row(result: PlacementResult, omni: PlacementResult) -> str:
+    step = "OOM" if result.oom else f"{result.step_s:8.2f}"
+    ratio = "-" if result.oom or omni.oom else f"{result.step_s / omni.step_s:.3f}"
+    return (f"{result.name:<28}{step:>9}{ratio:>9}{result.imbalance:>10.3f}{result.memory_gib:>9.1f}  "
+            f"{result.detail}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omni-lightning simulate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", required=True, help="workload YAML (or a bundled preset name)")
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="model and layout (default: the largest "
+                        "MegaScale-Omni preset with at most --gpus GPUs)")
+    parser.add_argument("--steps", type=int, default=2, help="simulated steps")
+    parser.add_argument("--groups", type=int, default=4, help="balance groups simulated per step")
+    parser.add_argument("--concentration", type=float, default=10.0,
+                        help="Dirichlet concentration of the per-step modality mix (0: the spec's fixed mix)")
+    parser.add_argument("--sweep", action="store_true", help="also sweep image:text from 1:9 to 9:1")
+    parser.add_argument("--seed", type=int, default=0)
+    for flag in _LAYOUT_FLAGS:
+        kind = str if flag == "recompute" else int
+        parser.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None, help="override the preset layout")
+    cluster = Cluster(gpus=1)
+    parser.add_argument("--tflops", type=float, default=cluster.flops / 1e12, help="peak bf16 TFLOP/s per GPU")
+    parser.add_argument("--mfu", type=float, default=cluster.mfu)
+    parser.add_argument("--memory-gib", type=float, default=cluster.memory_gib)
+    parser.add_argument("--intra-gbps", type=float, default=cluster.intra_node_gbps, help="NVLink GB/s per GPU")
+    parser.add_argument("--inter-gbps", type=float, default=cluster.inter_node_gbps, help="network GB/s per GPU")
+    return parser
+
+
+def simulate_main(argv: list[str]) -> None:
+    """``omni-lightning simulate`` (see the module docstring)."""
+    args = _parser().parse_args(argv)
+    started = time.perf_counter()
+    preset = PRESETS[args.preset] if args.preset else preset_for(args.gpus)
+    overrides = {flag: getattr(args, flag) for flag in _LAYOUT_FLAGS if getattr(args, flag) is not None}
+    layout = replace(preset.layout, **overrides)
+    cluster = Cluster(gpus=args.gpus, flops=args.tflops * 1e12, mfu=args.mfu, memory_gib=args.memory_gib,
+                      intra_node_gbps=args.intra_gbps, inter_node_gbps=args.inter_gbps)
+    spec = load_workload(args.workload)
+    scenario = Scenario(model=preset.model, cluster=cluster, layout=layout, workload=spec, steps=args.steps,
+                        max_groups=args.groups, concentration=args.concentration or None, seed=args.seed)
+    sim = Simulation(scenario)
+    print(f"workload {spec.name}; model {preset.model.name} ({preset.name} layout); {args.gpus} GPUs: tp {layout.tp}, "
+          f"pp {layout.pp}, cp {layout.cp}, dp {sim.dp}, {layout.micro_batches} x {layout.seq_len} tokens per "
+          f"data-parallel rank and step, recompute {layout.recompute}; {args.tflops:g} TFLOP/s x MFU {args.mfu:g}, "
+          f"{args.memory_gib:g} GiB, {args.intra_gbps:g}/{args.inter_gbps:g} GB/s intra/inter-node")
+    print(f"{sim.sampling_note}; modality mix per step ~ Dirichlet({args.concentration:g} x spec weights)"
+          if args.concentration else sim.sampling_note)
+    coupled, disaggregated, omni = sim.coupled(), sim.disaggregated(), sim.omni()
+    print(f"{'placement':<28}{'step s':>9}{'vs omni':>9}{'max/mean':>10}{'GiB/GPU':>9}  detail")
+    for result in (coupled, disaggregated, omni):
+        print(_row(result, omni))
+    print("ablation: omni with one mechanism off")
+    for options in (OmniOptions(multiplex=False), OmniOptions(balance=False), OmniOptions(lssp=False)):
+        print(_row(sim.omni(options), omni))
+    if args.sweep:
+        _sweep(scenario, sim)
+    print(f"({time.perf_counter() - started:.1f} s)")
+    print(f"omni max/mean: {omni.imbalance:.3f}")
+    print(format_speedups(coupled, disaggregated, omni))
+
+
+def _sweep(scenario: Scenario, base: Simulation) -> None:
+    """Step times at each image:text mix, the disaggregated pools sized once for the workload's own mix."""
+    problem = base.pool_problem()
+    print("image:text sweep (disaggregated pools sized once, for the workload's own mix)")
+    print(f"{'mix':<8}{'coupled':>10}{'disagg':>10}{'omni':>10}{'vs coupled':>12}{'vs disagg':>11}"
+          f"{'omni max/mean':>15}")
+    for media, text in SWEEP:
+        sim = Simulation(replace(scenario, workload=image_text_mix(scenario.workload, media, text)))
+        coupled, disaggregated, omni = sim.coupled(), sim.disaggregated(problem), sim.omni()
+        cells = ["OOM" if r.oom else f"{r.step_s:.2f}" for r in (coupled, disaggregated, omni)]
+        print(f"{media}:{text:<6}{cells[0]:>10}{cells[1]:>10}{cells[2]:>10}{_ratio(coupled, omni):>12}"
+              f"{_ratio(disaggregated, omni):>11}{omni.imbalance:>15.3f}")
