@@ -286,16 +286,18 @@ class OmniStrategy(ModelParallelStrategy):
         module = self.lightning_module
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         flags = torch.zeros(self.world_size, dtype=torch.int32, device=self.root_device)
-        flags[self.global_rank] = (_LOSS_NONFINITE * int(_nonfinite(loss))
-                                   + _GRADS_NONFINITE * int(_any_nonfinite_grad(params)))
+        # Computed on the device: the flags are read back once, after the all-reduce (one host sync per step).
+        flags[self.global_rank] = (_LOSS_NONFINITE * _nonfinite(loss, flags.device)
+                                   + _GRADS_NONFINITE * _any_nonfinite_grad(params, flags.device))
         if dist.is_initialized():
             dist.all_reduce(flags)
+        by_rank = flags.tolist()
         step = module.trainer.global_step
-        if not bool(flags.any()):
+        if not any(by_rank):
             module.log("guard/skipped_steps", float(self._skipped_steps), batch_size=1)
             return
-        bad_loss = [r for r, f in enumerate(flags.tolist()) if f & _LOSS_NONFINITE]
-        bad_grads = [r for r, f in enumerate(flags.tolist()) if f & _GRADS_NONFINITE]
+        bad_loss = [r for r, f in enumerate(by_rank) if f & _LOSS_NONFINITE]
+        bad_grads = [r for r, f in enumerate(by_rank) if f & _GRADS_NONFINITE]
         found = "; ".join(f"{what} on rank(s) {ranks}" for what, ranks in
                           (("non-finite loss", bad_loss), ("non-finite gradients", bad_grads)) if ranks)
         if self.on_nonfinite == "stop":
@@ -403,15 +405,20 @@ class _NoWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
 _LOSS_NONFINITE, _GRADS_NONFINITE = 1, 2  # bits of a rank's flag in the non-finite guard's all-reduce
 
 
-def _nonfinite(value: Any) -> bool:
-    return isinstance(value, Tensor) and not bool(torch.isfinite(value.detach()).all())
+def _nonfinite(value: Any, device: torch.device) -> Tensor:
+    """1 if ``value`` is a tensor holding a NaN or an infinity, else 0 (an int32 scalar on ``device``)."""
+    if not isinstance(value, Tensor):
+        return torch.zeros((), dtype=torch.int32, device=device)
+    return (~torch.isfinite(value.detach()).all()).to(device=device, dtype=torch.int32)
 
 
-def _any_nonfinite_grad(params: list[Tensor]) -> bool:
+def _any_nonfinite_grad(params: list[Tensor], device: torch.device) -> Tensor:
+    """1 if this rank's part of any gradient holds a NaN or an infinity, else 0 (an int32 scalar on ``device``)."""
     if not params:
-        return False
+        return torch.zeros((), dtype=torch.int32, device=device)
     local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-    return not bool(torch.stack([torch.isfinite(g).all() for g in local]).all())
+    finite = torch.stack([torch.isfinite(g).all().to(device) for g in local]).all()
+    return (~finite).to(torch.int32)
 
 
 def _smallest_world(degrees: dict[str, int]) -> int:
