@@ -3,7 +3,8 @@
 Compute is priced by :class:`omni_lightning.balance.cost.CostModel` (training FLOPs per sample, built with
 ``CostModel.from_config`` from the model's shapes) and turned into seconds at ``Cluster.effective_flops``.
 Communication is priced with ring collectives: ``2 (n - 1) / n`` of the payload crosses each link, over NVLink
-inside a node and over the per-GPU network share across nodes (a group spanning nodes goes at the slower rate).
+inside a node and over the per-GPU network share across nodes (hierarchically when a group has several GPUs in
+each node).
 
 Memory per GPU, in bytes, is what decides out-of-memory:
 
@@ -172,9 +173,14 @@ def fsdp_state_bytes(params: float, layers: int, group: int) -> float:
     return params * _FSDP_BYTES / group + 2 * params / max(layers, 1)
 
 
-def collective_seconds(payload_bytes: float, group: int, cluster: Cluster) -> float:
-    """A ring all-reduce of ``payload_bytes`` over ``group`` consecutive GPUs (reduce-scatter + all-gather)."""
+def collective_seconds(payload_bytes: float, group: int, cluster: Cluster, *, per_node: int = 1) -> float:
+    """A hierarchical ring all-reduce (reduce-scatter + all-gather) of ``payload_bytes`` over ``group`` GPUs, of
+    which ``per_node`` share each node: over NVLink among those, then of their ``1 / per_node`` shards across nodes."""
     if group <= 1 or payload_bytes <= 0:
         return 0.0
-    bandwidth = cluster.intra_node_gbps if group <= cluster.gpus_per_node else cluster.inter_node_gbps
-    return 2 * (group - 1) / group * payload_bytes / (bandwidth * 1e9)
+    local = max(1, min(per_node, group, cluster.gpus_per_node))
+    nodes = group / local
+    seconds = 2 * (local - 1) / local * payload_bytes / (cluster.intra_node_gbps * 1e9)
+    if nodes > 1:
+        seconds += 2 * (nodes - 1) / nodes * payload_bytes / local / (cluster.inter_node_gbps * 1e9)
+    return seconds

@@ -196,9 +196,11 @@ class Simulation:
         full_layer = largest * _SELECTIVE_BYTES * vision.dim if layout.recompute == "full" else 0.0
         return (kept + full_layer) / shards
 
-    def _sync(self, params: float, group: int) -> float:
-        """Exposed gradient synchronisation: reduce-scatter of bf16 gradients, all-gather of updated weights."""
-        return collective_seconds(2 * params, group, self.scenario.cluster)
+    def _sync(self, params: float, group: int, tp: int) -> float:
+        """Exposed gradient synchronisation of ``params`` (per GPU) over a data-parallel ``group`` whose members sit
+        ``tp`` apart: reduce-scatter of bf16 gradients, all-gather of updated weights."""
+        cluster = self.scenario.cluster
+        return collective_seconds(2 * params, group, cluster, per_node=max(1, cluster.gpus_per_node // tp))
 
     def _result(self, name: str, steps: list[float], memory: float, imbalance: list[float], detail: str
                 ) -> PlacementResult:
@@ -239,8 +241,8 @@ class Simulation:
                 window = max(sum(enc_tokens[m : m + layout.pp]) for m in range(len(enc_tokens)))
                 memory = max(memory, llm_memory[0] + self._encoder_state_bytes(layout.tp, self.dp * layout.cp)
                              + self._encoder_activations(window, largest, layout, stage_gpus), llm_memory.max())
-            sync = self._sync(self.llm_params / (layout.tp * layout.pp), self.dp * layout.cp) + self._sync(
-                self.encoder_params / layout.tp, self.dp * layout.cp)
+            sync = self._sync(self.llm_params / (layout.tp * layout.pp), self.dp * layout.cp, layout.tp) + self._sync(
+                self.encoder_params / layout.tp, self.dp * layout.cp, layout.tp)
             steps.append(max(makespans) + sync)
             imbalance.append(max(busy) / float(np.mean(busy)))
         return self._result("coupled", steps, memory, imbalance,
@@ -307,10 +309,10 @@ class Simulation:
                                                  n_ranks=self.group * enc_gpus, enc_sp=enc_sp)
                 enc_comm, enc_tokens, largest = self._encoder_traffic(plan, items, owner_rank, enc_gpus)
                 placed += float(llm_cost.sum() + pool.encoder[samples].sum())
-                enc_seconds = plan.rank_cost.reshape(self.group, stages, -1) / self.flops
+                enc_flops = plan.rank_cost.reshape(self.group, stages, -1)
                 comm = enc_comm.reshape(self.group, stages, -1)
                 for i in range(self.group):
-                    f, b = self._split_work(enc_seconds[i], layout)
+                    f, b = self._split_work(enc_flops[i], layout)
                     # Uniform insertion: a GPU's step of encoder work in equal slices, the stage at its busiest GPU.
                     enc_f = np.zeros((layout.pp, micro))
                     enc_b = np.zeros((layout.pp, micro))
@@ -324,13 +326,13 @@ class Simulation:
                                                 enc_f[0], enc_b[0], joint=False)
                     makespans.append(replay_pipeline(actions).makespan)
                     busy = np.repeat(llm_cost[i].sum() * fractions / (stage_gpus * self.flops), stage_gpus)
-                    busy[:enc_gpus] += enc_seconds[i].ravel()  # the first stage's GPUs come first
+                    busy[:enc_gpus] += enc_flops[i].ravel() / self.flops  # the first stage's GPUs come first
                     gpu_busy.extend((busy * layout.recompute_factor).tolist())
                     in_flight = enc_tokens[i * enc_gpus : (i + 1) * enc_gpus].max() * window
                     memory = max(memory, llm_memory.max() + self._encoder_state_bytes(1, self.dp * enc_gpus)
                                  + self._encoder_activations(in_flight, largest, layout, 1))
-            sync = self._sync(self.llm_params / (layout.tp * layout.pp), self.dp * layout.cp) + self._sync(
-                self.encoder_params, self.dp * enc_gpus)
+            sync = self._sync(self.llm_params / (layout.tp * layout.pp), self.dp * layout.cp, layout.tp) + self._sync(
+                self.encoder_params, self.dp * enc_gpus, 1)
             steps.append(max(makespans) * drawn / placed + sync)
             imbalance.append(max(gpu_busy) / float(np.mean(gpu_busy)))
         off = [label for label, on in (("multiplexing", options.multiplex), ("balancing", options.balance),
@@ -458,8 +460,8 @@ class Simulation:
             t_enc = float(t_enc_groups.max())
             busy.extend(np.repeat(enc_plan.rank_cost * layout.recompute_factor / (choice.tp_enc * self.flops),
                                   choice.tp_enc).tolist())
-            sync = max(self._sync(self.llm_params / (choice.tp * choice.pp), choice.dp),
-                       self._sync(self.encoder_params / choice.tp_enc, choice.dp_enc))
+            sync = max(self._sync(self.llm_params / (choice.tp * choice.pp), choice.dp, choice.tp),
+                       self._sync(self.encoder_params / choice.tp_enc, choice.dp_enc, choice.tp_enc))
             drawn = float(pool.llm[ids].sum() + pool.encoder[ids].sum())
             done = float(pool.llm[kept].sum() + pool.encoder[kept].sum())
             steps.append((max(max(makespans), t_enc) + t_enc / micro) * drawn / done + sync)

@@ -1,0 +1,122 @@
+"""The cluster-scale simulator: placements, memory, ablations, its dependence on the runtime planners, the CLI."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from omni_lightning.balance import allocation, reorder, reshard
+from omni_lightning.datamodules.workload import load_workload
+from omni_lightning.sim import one_f_one_b_bubble, replay_pipeline
+from omni_lightning.sim.cluster import Cluster, Layout
+from omni_lightning.sim.placements import OmniOptions, Scenario, Simulation
+from omni_lightning.sim.presets import PRESETS, model_spec
+from omni_lightning.sim.report import image_text_mix, simulate_main
+from omni_lightning.sim.schedules import joint_pipeline, one_f_one_b
+
+LONG_TAIL = "vlm_dynres"  # long-tailed native-resolution images: most cost in the ViT
+
+
+def _scenario(**layout: object) -> Scenario:
+    base = Layout(tp=4, pp=2, micro_batches=4, seq_len=4096, recompute="full")
+    return Scenario(model=model_spec("vit-2.4b", "llama-12b"), cluster=Cluster(gpus=64),
+                    layout=replace(base, **layout), workload=load_workload(LONG_TAIL), steps=1, max_groups=1)
+
+
+@pytest.fixture(scope="module")
+def sim() -> Simulation:
+    return Simulation(_scenario())
+
+
+def test_coupled_is_slower_than_omni_on_a_long_tail(sim: Simulation) -> None:
+    coupled, omni = sim.coupled(), sim.omni()
+    assert not coupled.oom and not omni.oom
+    assert coupled.step_s >= omni.step_s
+    assert coupled.imbalance > omni.imbalance
+
+
+def test_each_ablation_is_no_better_balanced(sim: Simulation) -> None:
+    omni = sim.omni()
+    for options in (OmniOptions(multiplex=False), OmniOptions(balance=False), OmniOptions(lssp=False)):
+        ablated = sim.omni(options)
+        assert ablated.imbalance >= omni.imbalance - 1e-9, ablated.name
+    # Encoders confined to the first stage's GPUs, or samples left where they were read, cost time.
+    assert sim.omni(OmniOptions(multiplex=False)).step_s > omni.step_s
+    assert sim.omni(OmniOptions(balance=False)).step_s > omni.step_s
+
+
+def test_a_layout_that_cannot_fit_is_reported_oom() -> None:
+    # GPT-175B without tensor or pipeline parallelism: its states alone exceed any GPU.
+    scenario = replace(_scenario(tp=1, pp=1, micro_batches=1), model=model_spec("vit-1b", "gpt-175b"))
+    sim = Simulation(scenario)
+    for result in (sim.coupled(), sim.omni()):
+        assert result.oom and result.memory_gib > scenario.cluster.memory_gib
+        assert np.isinf(result.step_s)
+
+
+def test_disaggregated_uses_the_pool_solver(sim: Simulation, monkeypatch: pytest.MonkeyPatch) -> None:
+    result = sim.disaggregated()
+    choice = allocation.solve_pools(sim.pool_problem())
+    assert choice is not None and f"encoder pool {choice.encoder_gpus} GPUs" in result.detail
+    monkeypatch.setattr(allocation, "solve_pools", lambda problem: None)
+    assert sim.disaggregated().oom
+
+
+def test_figures_move_with_the_planners(sim: Simulation, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = sim.omni()
+    calls = []
+    real_plan = reorder.plan_balance_group
+
+    def spy(*args: object, **kwargs: object) -> reorder.GroupPlan:
+        calls.append(kwargs["n_ranks"])
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(reorder, "plan_balance_group", spy)
+    real_encoder_plan = reshard.plan_encoder_work
+    # An encoder planner that keeps every item where it was loaded: the simulator must see the imbalance.
+    monkeypatch.setattr(reshard, "plan_encoder_work",
+                        lambda costs, owners, **kw: real_encoder_plan(costs, owners, **{**kw, "reshard": False}))
+    after = sim.omni()
+    assert calls == [sim.group]
+    assert after.imbalance > before.imbalance
+    assert after.step_s > before.step_s
+
+
+def test_joint_pipeline_without_encoders_is_1f1b() -> None:
+    stages, micro = 4, 8
+    forward = [[1.0] * micro for _ in range(stages)]
+    backward = [[2.0] * micro for _ in range(stages)]
+    zeros = [[0.0] * micro for _ in range(stages)]
+    plain = replay_pipeline(one_f_one_b(forward, backward))
+    assert plain.bubble == pytest.approx(one_f_one_b_bubble(stages, micro))
+    assert replay_pipeline(joint_pipeline(forward, backward, zeros, zeros)).makespan == pytest.approx(plain.makespan)
+    # Encoder work spread over every stage costs less than the same work on stage 0 alone.
+    encode = [[0.5] * micro for _ in range(stages)]
+    joint = replay_pipeline(joint_pipeline(forward, backward, encode, encode)).makespan
+    first = [[f + (4 * 1.0 if s == 0 else 0.0) for f in row] for s, row in enumerate(forward)]
+    assert joint < replay_pipeline(one_f_one_b(first, backward)).makespan
+
+
+def test_image_text_mix() -> None:
+    spec = image_text_mix(load_workload("omni_mix"), 9, 1)
+    weights = {name: m.weight for name, m in spec.modalities.items()}
+    assert weights["text"] == pytest.approx(0.1)
+    assert sum(weights.values()) == pytest.approx(1.0)
+    assert weights["image"] / weights["video"] == pytest.approx(0.45 / 0.10)
+    with pytest.raises(ValueError, match="media"):
+        image_text_mix(replace(spec, modalities={"text": spec.modalities["text"]}), 1, 1)
+
+
+def test_cli_prints_the_table_and_ends_with_the_speedups(capsys: pytest.CaptureFixture[str]) -> None:
+    simulate_main(["--workload", LONG_TAIL, "--gpus", "64", "--preset", "omni-a", "--steps", "1", "--groups", "1",
+                   "--seq-len", "4096"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert re.fullmatch(r"predicted speedup vs coupled: (\d+\.\d{3}|oom), vs disaggregated: (\d+\.\d{3}|oom)",
+                        lines[-1])
+    assert re.fullmatch(r"omni max/mean: \d+\.\d{3}", lines[-2])
+    for name in ("coupled", "disaggregated", "omni", "omni, no multiplexing", "omni, no balancing", "omni, no LSSP"):
+        assert any(line.startswith(name + " ") for line in lines), name
+    assert PRESETS["omni-a"].model.name in lines[0]
