@@ -79,7 +79,7 @@ def test_figures_move_with_the_planners(sim: Simulation, monkeypatch: pytest.Mon
     # An encoder planner that keeps every item where it was loaded: the simulator must see the imbalance.
     monkeypatch.setattr(reshard, "plan_encoder_work",
                         lambda costs, owners, **kw: real_encoder_plan(costs, owners, **{**kw, "reshard": False}))
-    after = sim.omni()
+    after = Simulation(sim.scenario).omni()  # a fresh simulation: loader plans are cached per simulation
     assert calls == [sim.group]
     assert after.imbalance > before.imbalance
     assert after.step_s > before.step_s

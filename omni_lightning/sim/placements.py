@@ -16,8 +16,9 @@ there moves the figures here:
   latency.
 * **omni** (OmniStrategy): grouped reordering in balance groups of data-parallel ranks (``plan_balance_group`` on the
   LLM cost: the encoder work is placed by the encoder plan, not by the loader), long sequences split by context
-  parallelism where one would exceed a rank's share, encoder items (images, frames, clips) planned over *every*
-  GPU of the balance group with long-short SP (``plan_encoder_work``) and run in the joint pipeline's insertions.
+  parallelism where one would exceed a micro-batch's fair share, encoder items (images, frames, clips) planned over
+  *every* GPU of the balance group with long-short SP (``plan_encoder_work``) and run in the joint pipeline's
+  insertions.
   Its ablations switch off multiplexing (encoders on stage 0's GPUs, still planned with LSSP), balancing (arrival
   order) or LSSP (``enc_sp=1``).
 
@@ -69,7 +70,7 @@ class Scenario:
     layout: Layout
     workload: WorkloadSpec
     steps: int = 2
-    max_groups: int = 4
+    max_groups: int = 2
     concentration: float | None = 10.0
     seed: int = 0
 
@@ -102,14 +103,14 @@ class PlacementResult:
         return math.isinf(self.step_s)
 
 
-def _split(cost: np.ndarray, tokens: np.ndarray, share: float, cp_max: int) -> tuple[np.ndarray, np.ndarray]:
+def _split(cost: np.ndarray, tokens: np.ndarray, share: float, cp_max: int) -> np.ndarray:
     """Context-parallel degree of each sample: the fewest power-of-two ranks (up to ``cp_max``) that bring its cost
     under ``share``; 1 for all samples that already fit."""
     degree = np.ones(cost.size, dtype=np.int64)
     while True:
         over = (cost / degree > share) & (degree < cp_max) & (tokens >= 2 * degree)
         if not over.any():
-            return degree, over
+            return degree
         degree[over] *= 2
 
 
@@ -135,6 +136,8 @@ class Simulation:
         self.flops = cluster.effective_flops
         self.encoder_params = encoder_params(config, "vision") + encoder_params(config, "audio")
         self.llm_params = llm_params(config)
+        # The loader plan of a (step, balance group) is the same for omni and the ablations that keep balancing.
+        self._loader_plans: dict[tuple[int, int], tuple[list[list[list[int]]], list[tuple[int, float]]]] = {}
 
     # ------------------------------------------------------------------------------------------------ helpers
     @property
@@ -358,9 +361,11 @@ class Simulation:
                 micro.append([[offset + j for j in batch] for batch in draw.micro_batches[r]])
                 offset += draw.samples[r].size
             return micro, pieces
+        if (step, group) in self._loader_plans:
+            return self._loader_plans[step, group]
         cost, tokens = pool.llm[ids], pool.tokens[ids]
         share = float(cost.sum()) / (self.group * layout.micro_batches)
-        degree, _ = _split(cost, tokens, share, self.group)
+        degree = _split(cost, tokens, share, self.group)
         piece_sample = np.repeat(ids, degree)
         piece_share = np.repeat(1.0 / degree, degree)
         piece_owner = np.repeat(owners, degree)
@@ -373,6 +378,7 @@ class Simulation:
             seed=self.scenario.seed, epoch=step, group_index=group)
         micro = [plan.micro_batches[i][0] for i in range(self.group)]
         pieces = list(zip(piece_sample.tolist(), piece_share.tolist(), strict=True))
+        self._loader_plans[step, group] = micro, pieces
         return micro, pieces
 
     def _encoder_traffic(self, plan: reshard.EncoderPlan, items: np.ndarray, owner_rank: np.ndarray,

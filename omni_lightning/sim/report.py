@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=sorted(PRESETS), help="model and layout (default: the largest "
                         "MegaScale-Omni preset with at most --gpus GPUs)")
     parser.add_argument("--steps", type=int, default=2, help="simulated steps")
-    parser.add_argument("--groups", type=int, default=4, help="balance groups simulated per step")
+    parser.add_argument("--groups", type=int, default=2, help="balance groups simulated per step")
     parser.add_argument("--concentration", type=float, default=10.0,
                         help="Dirichlet concentration of the per-step modality mix (0: the spec's fixed mix)")
     parser.add_argument("--sweep", action="store_true", help="also sweep image:text from 1:9 to 9:1")
