@@ -175,6 +175,9 @@ def test_items_are_shared_by_predicted_cost() -> None:
     # The running loads carry over: the next micro-batch's big item goes where there is least work so far.
     assert share_items(np.array([64]), vision, np.array([5.0, 1.0]))[0] == 1
     assert share_items(np.zeros(0), vision, np.zeros(4)).size == 0
+    # The last micro-batches' items stay off stage 0, whose encoder backward of them would end the step late.
+    tail = share_items(np.array([64, 64, 64, 4]), vision, np.zeros(3), off_first_stage=True)
+    assert 0 not in tail and set(tail.tolist()) == {1, 2}
 
 
 def test_outputs_return_to_item_order() -> None:

@@ -11,8 +11,10 @@ would otherwise have it late.
 *When* (uniform on-demand insertion), for 1F1B with ``p`` stages: just before its forward of micro-batch ``m``,
 stage ``s > 0`` encodes its share of micro-batch ``m + s + 1`` (the forward wave reaches stage 0's forward of that
 micro-batch about ``s + 1`` slots later, so the share is there in time) and backpropagates its share of micro-batch
-``m - p``, whose gradients stage 0 sent when it started ``m`` (1F1B has finished ``m - p``'s backward on stage 0 by
-then). Stage 0 encodes its own share of ``m`` in line and sends the gradients of ``m - p``. So each rank's added
+``m - p``, whose gradients stage 0 sent as soon as its backward of ``m - p`` produced them (1F1B has finished it
+by then). Stage 0 encodes its own share of ``m`` in line and backpropagates its share of ``m - p``; it gets no share
+of the last ``p`` micro-batches, whose encoder backward would run after its last LLM backward and lengthen the
+step, while the other stages have finished their LLM work by then and run it in the cool-down. So each rank's added
 work per micro-batch is about ``1 / p`` of that micro-batch's encoder work, the LLM's 1F1B order and micro-batch
 count do not change, and encoder activations of at most ``2 p`` micro-batches are alive whatever the step's load.
 GPipe runs every backward after every forward, so there the encoder backward waits for the end of the step.
@@ -40,18 +42,22 @@ __all__ = ["JointEncoders", "share_items"]
 _MODALITIES = ("vision", "audio")
 
 
-def share_items(token_counts: np.ndarray, cost: ModuleCost, loads: np.ndarray) -> np.ndarray:
+def share_items(token_counts: np.ndarray, cost: ModuleCost, loads: np.ndarray, *,
+                off_first_stage: bool = False) -> np.ndarray:
     """The pipeline rank that encodes each item of a micro-batch (pure).
 
     Longest item first onto the rank with the least encoder work so far this step (``loads``, updated in place),
     so that over a step every rank gets about the same; on ties the later stage, because stage 0 is on the
-    pipeline's critical path (it also embeds and waits for everyone's shares).
+    pipeline's critical path (it also embeds and waits for everyone's shares). With ``off_first_stage`` stage 0
+    gets none of the items (the micro-batches whose encoder backward would otherwise run after its last backward).
     """
     tokens = np.asarray(token_counts, dtype=np.float64)
     costs = cost.linear * tokens + cost.quadratic * tokens**2
     owner = np.zeros(tokens.size, dtype=np.int64)
+    candidates = np.arange(1 if off_first_stage and loads.size > 1 else 0, loads.size)
     for item in np.lexsort((np.arange(tokens.size), -costs)):
-        rank = int(np.lexsort((-np.arange(loads.size), loads))[0])  # least loaded, then highest rank
+        # least loaded, then highest rank
+        rank = int(candidates[np.lexsort((-candidates, loads[candidates]))[0]])
         owner[item] = rank
         loads[rank] += costs[item]
     return owner
@@ -61,7 +67,7 @@ class _Items:
     """One modality's items of a micro-batch: their input rows, output rows, and which rank encodes each."""
 
     def __init__(self, name: str, batch: dict[str, Any], encoder: nn.Module, cost: ModuleCost,
-                 loads: np.ndarray) -> None:
+                 loads: np.ndarray, off_first_stage: bool) -> None:
         self.name, self.encoder = name, encoder
         if name == "vision":
             self.grids = batch["vision_grids"]
@@ -74,7 +80,7 @@ class _Items:
             self.tokens = np.array(self.input_rows, dtype=np.int64) // encoder.config.downsample
             self.sources = (batch["audio_mels"],)
         self.output_rows = (self.tokens // encoder.tokens_per_output).astype(np.int64)
-        self.owner = share_items(self.tokens, cost, loads)
+        self.owner = share_items(self.tokens, cost, loads, off_first_stage=off_first_stage)
 
     def rows_of(self, rank: int) -> int:
         return int(self.output_rows[self.owner == rank].sum())
@@ -135,7 +141,11 @@ class JointEncoders:
         """Before the schedule: plan every micro-batch, post the receives, encode the first shares."""
         self.micro_batches, self.train, self.done, self.peak_in_flight = micro_batches, train, [], 0
         loads = np.zeros(self.pp)  # encoder work given to each rank so far this step, in micro-batch order
-        self._items = {m: [_Items(name, batch, getattr(self.model, name), self.costs[name], loads)
+        n = len(micro_batches)
+        # Stage 0 runs its encoder backward of the last `lag` micro-batches after its last LLM backward, where it
+        # would lengthen the step; the other stages are done with their LLM work by then and absorb it.
+        tail = n - self.lag if self.lag < n else n
+        self._items = {m: [_Items(name, batch, getattr(self.model, name), self.costs[name], loads, m >= tail)
                            for name in _MODALITIES] for m, batch in enumerate(micro_batches)}
         mine = np.array([[items.rows_of(self.rank) > 0 for items in self._items[m]]
                          for m in range(len(micro_batches))], dtype=np.int64).reshape(len(micro_batches), -1)
@@ -153,7 +163,8 @@ class JointEncoders:
         """Called by this rank's stage before its forward of ``micro_batch``."""
         if self.rank == 0:
             if self.train and micro_batch - self.lag >= 0:
-                self._send_gradients(micro_batch - self.lag)
+                if micro_batch - self.lag in self.encoded:  # its backward left some output without a gradient
+                    self._send_gradients(micro_batch - self.lag)
                 self._backward(micro_batch - self.lag)
             self._encode(micro_batch)
             self._collect(micro_batch)
@@ -167,7 +178,7 @@ class JointEncoders:
         """After the schedule: the encoder backward of the micro-batches not yet done, in order."""
         if self.train:
             for m in sorted(self._retained):
-                if self.rank == 0:
+                if self.rank == 0 and m in self.encoded:
                     self._send_gradients(m)
                 self._backward(m)
         for work in self._sends:
@@ -237,9 +248,18 @@ class JointEncoders:
             buffers, works = self._incoming[m][modality]
             for work in works:
                 work.wait()
-            gathered = torch.cat(buffers)[items.item_order(self.pp)]
-            leaves.append(gathered.requires_grad_(self.train))
+            leaf = torch.cat(buffers)[items.item_order(self.pp)].requires_grad_(self.train)
+            if self.train:
+                leaf.register_post_accumulate_grad_hook(lambda _, m=m: self._gradient_ready(m))
+            leaves.append(leaf)
         self.encoded[m] = tuple(leaves)
+
+    def _gradient_ready(self, m: int) -> None:
+        """Autograd hook on stage 0: once the backward of ``m`` has produced every output's gradient, send the
+        shares at once, so the other ranks' encoder backward of ``m`` overlaps the rest of stage 0's pass (in the
+        cool-down, where stage 0 has no next forward to send them from)."""
+        if m in self.encoded and all(leaf.grad is not None or not leaf.numel() for leaf in self.encoded[m]):
+            self._send_gradients(m)
 
     def _send_gradients(self, m: int) -> None:
         """Stage 0: each rank's share of ``m``'s output gradients."""
