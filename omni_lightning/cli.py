@@ -4,29 +4,72 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
+import textwrap
+from typing import Any
 
+import docstring_parser
+from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 
 import omni_lightning  # noqa: F401  (registers strategy="omni")
+from omni_lightning.datamodules.omni import OmniDataModule
 from omni_lightning.datamodules.synthetic import make_synthetic_shards
 from omni_lightning.module import OmniModule
 from omni_lightning.sim.report import simulate_main
+from omni_lightning.strategies.omni import OmniStrategy
 
-__all__ = ["main", "OmniCLI", "make_shards_main"]
+__all__ = ["main", "OmniCLI", "argument_reference", "make_shards_main"]
+
+_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):
+    """jsonargparse's help, with the epilog's line breaks kept."""
+
+
+def argument_reference(cls: type, flag_prefix: str) -> str:
+    """Every ``__init__`` argument of ``cls`` with its docstring description, as help text."""
+    described = {p.arg_name: p.description or "" for p in docstring_parser.parse(cls.__doc__ or "").params}
+    lines = []
+    for name in inspect.signature(cls.__init__).parameters:
+        if name == "self":
+            continue
+        text = " ".join(described.get(name, "(undocumented)").split())
+        lines.append(textwrap.fill(text, width=100, initial_indent=f"  {flag_prefix}{name}: ",
+                                   subsequent_indent="      "))
+    return "\n".join(lines)
+
+
+def _epilog() -> str:
+    return "\n\n".join([
+        "OmniStrategy arguments (with --trainer.strategy omni, or strategy: {class_path: omni_lightning.OmniStrategy,"
+        " init_args: {...}} in YAML):\n" + argument_reference(OmniStrategy, "--trainer.strategy."),
+        "OmniDataModule arguments (with --data omni_lightning.OmniDataModule, or data: {class_path: ..., init_args:"
+        " {...}} in YAML):\n" + argument_reference(OmniDataModule, "--data."),
+    ])
 
 
 class OmniCLI(LightningCLI):
-    """LightningCLI for :class:`OmniModule` and any data module (``--data.class_path`` picks a user's own)."""
+    """LightningCLI for :class:`OmniModule` and any data module (``--data.class_path`` picks a user's own).
 
-    def __init__(self, args: list[str] | None = None, **kwargs: object) -> None:
+    Each subcommand's ``--help`` ends with every OmniStrategy and OmniDataModule argument and its meaning.
+    """
+
+    def __init__(self, args: list[str] | None = None, **kwargs: Any) -> None:
+        help_kwargs = {"formatter_class": _HelpFormatter, "epilog": _epilog()}
+        parser_kwargs = kwargs.pop("parser_kwargs", None) or {}
         super().__init__(
             OmniModule,
             LightningDataModule,
             subclass_mode_data=True,
             args=args,
-            **kwargs,  # type: ignore[arg-type]
+            # The root parser's formatter prints the subcommands' help too, so it needs the raw epilog as well.
+            parser_kwargs={"formatter_class": _HelpFormatter,
+                           **{sub: {**help_kwargs, **parser_kwargs.get(sub, {})} for sub in _SUBCOMMANDS}},
+            **kwargs,
         )
 
 

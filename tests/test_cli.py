@@ -4,8 +4,10 @@ user's own data module."""
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -92,3 +94,14 @@ def test_user_datamodule_trains_through_the_cli(tmp_path: Path) -> None:
     ])
     losses = json.loads((tmp_path / "losses.json").read_text())
     assert sorted(map(int, losses)) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("cls, prefix", [(OmniStrategy, "--trainer.strategy."), (OmniDataModule, "--data.")])
+def test_fit_help_documents_every_argument(cls: type, prefix: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    help_text = capsys.readouterr().out
+    names = [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
+    described = set(re.findall(rf"^  ({re.escape(prefix)}\w+): \S", help_text, flags=re.MULTILINE))
+    assert described == {prefix + name for name in names}
+    assert "(undocumented)" not in help_text

@@ -54,13 +54,22 @@ class OmniDataModule(WebDataModule):
         workload_balance: ``"grouped"`` (reorder) or ``"none"`` (each rank trains on what it read, in order).
         balance_group_size: data-parallel ranks planned together: 1 (local only), k (all of them when there are
             fewer), or ``None`` for all.
-        token_budget: most LLM tokens in one micro-batch; ``max_seq_len``: longest sample, handled by
-            ``max_seq_len_policy`` (``"truncate"``, ``"drop"`` or ``"error"``).
+        token_budget: most LLM tokens in one micro-batch (``None``: no limit).
+        max_seq_len: longest sample in LLM tokens (``None``: no limit); longer ones follow ``max_seq_len_policy``.
+        max_seq_len_policy: ``"truncate"`` (cut the text), ``"drop"`` (skip the sample) or ``"error"``; truncated
+            and dropped samples are counted in the ``balance/`` metrics.
         on_bad_sample: ``"skip"`` (log with shard and key, count, keep steps aligned) or ``"error"``.
         cost_model: prices samples; by default derived from the LightningModule's ``config`` if it is a
             ``ReferenceMLLMConfig``, else from ``ReferenceMLLMConfig.tiny()``.
         tokenizer: turns ``txt`` members into ids (UTF-8 bytes by default).
-        Other arguments as in :class:`WebDataModule`.
+        num_workers: loader worker processes per rank (each needs at least one shard).
+        seed: seeds the per-epoch shard order and the plan's tie-breaking.
+        synthetic: generate synthetic shards into the directory of ``shards`` if none exist yet.
+        val_shards: optional validation shards (same format).
+        val_batches: micro-batches per validation pass on every rank (equal counts keep collectives aligned).
+        patch_size: pixels per side of a vision patch; must match the model's vision encoder.
+        vision_merge: vision tokens merged into one LLM token (4 = 2x2); must match the model.
+        audio_downsample: mel frames per audio token; must match the model.
     """
 
     def __init__(

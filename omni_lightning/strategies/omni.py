@@ -51,9 +51,15 @@ class OmniStrategy(ModelParallelStrategy):
     """Multimodal-LLM training over ``pp x dp_replicate x dp_shard x cp x tp`` ranks, with encoder SP groups.
 
     Args:
-        pp, dp_replicate, dp_shard, cp, tp, ep, enc_sp: parallel degrees (see :class:`ParallelDims`);
-            ``dp_shard=-1`` takes what the other degrees leave of the world. ``enc_sp`` is the largest number of
-            data-parallel ranks one encoder item may be split over (a power of two dividing the encoder heads).
+        pp: pipeline-parallel stages of the LLM (outermost mesh dimension; see :class:`ParallelDims`).
+        dp_replicate: data-parallel replicas (HSDP's replicate dimension; parameters are not sharded across it).
+        dp_shard: data-parallel ranks the parameters are sharded over (FSDP2); ``-1`` takes what the other degrees
+            leave of the world.
+        cp: context-parallel ranks: each sequence's tokens are split head-tail over them for the LLM.
+        tp: tensor-parallel ranks of the LLM (innermost mesh dimension, so they are on adjacent ranks).
+        ep: expert-parallel ranks for MoE layers, carved out of the ``dp_shard x cp`` ranks.
+        enc_sp: largest number of data-parallel ranks one encoder item may be split over with sequence
+            parallelism (a power of two dividing the encoder heads).
         encoder_balance: reshard encoder items across the data-parallel ranks every step so each rank's encoder
             work is about equal, splitting long items with sequence parallelism (see
             :mod:`omni_lightning.parallel.encoder_balance`); default ``True`` when there are several data-parallel
