@@ -120,3 +120,13 @@ def test_cli_prints_the_table_and_ends_with_the_speedups(capsys: pytest.CaptureF
     for name in ("coupled", "disaggregated", "omni", "omni, no multiplexing", "omni, no balancing", "omni, no LSSP"):
         assert any(line.startswith(name + " ") for line in lines), name
     assert PRESETS["omni-a"].model.name in lines[0]
+    assert any(line.startswith("whole-sample bound") for line in lines)
+
+
+def test_whole_sample_bound_is_the_largest_sample_when_ranks_get_few() -> None:
+    sim = Simulation(_scenario(micro_batches=1, seq_len=16384))
+    draw = sim.draws[0]
+    costs = [sim.pool.llm[s] + sim.pool.encoder[s] for s in draw.samples]
+    mean = sum(c.sum() for c in costs) / len(costs)
+    expected = max(1.0, max(c.max() for c in costs) / mean)
+    assert sim.whole_sample_bound == pytest.approx(expected)

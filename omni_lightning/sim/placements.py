@@ -141,6 +141,17 @@ class Simulation:
 
     # ------------------------------------------------------------------------------------------------ helpers
     @property
+    def whole_sample_bound(self) -> float:
+        """How close to the mean any placement of whole samples over the data-parallel ranks can get: the largest
+        of ``reorder.lower_bound`` (largest sample, or the mean) over the mean rank's cost, worst step."""
+        worst = 1.0
+        for draw in self.draws:
+            ids = np.concatenate(draw.samples)
+            costs = self.pool.llm[ids] + self.pool.encoder[ids]
+            worst = max(worst, reorder.lower_bound(costs, self.ranks) / (costs.sum() / self.ranks))
+        return worst
+
+    @property
     def sampling_note(self) -> str:
         """How much of the job the figures come from."""
         return (f"simulated {self.ranks} of {self.dp} data-parallel ranks ({self.ranks // self.group} balance "

@@ -111,6 +111,8 @@ def simulate_main(argv: list[str]) -> None:
         print(_row(sim.omni(options), omni))
     if args.sweep:
         _sweep(scenario, sim)
+    print(f"whole-sample bound on max/mean over data-parallel ranks (largest sample or the mean, over the mean): "
+          f"{sim.whole_sample_bound:.3f}")
     print(f"({time.perf_counter() - started:.1f} s)")
     print(f"omni max/mean: {omni.imbalance:.3f}")
     print(format_speedups(coupled, disaggregated, omni))
