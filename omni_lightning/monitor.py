@@ -1,4 +1,5 @@
-"""BalanceMonitor: the measured per-rank cost of every step, beside the loader's prediction."""
+"""Training metrics a Lightning user expects from a run: the measured per-rank balance of every step
+(:class:`BalanceMonitor`) and its throughput in samples, tokens and FLOPs (:class:`ThroughputMonitor`)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,15 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-__all__ = ["BalanceMonitor"]
+from omni_lightning.balance.cost import CostModel
+from omni_lightning.models.config import ReferenceMLLMConfig
+
+__all__ = ["BalanceMonitor", "ThroughputMonitor", "batch_training_flops"]
 
 
 class BalanceMonitor(pl.Callback):
@@ -19,7 +24,8 @@ class BalanceMonitor(pl.Callback):
 
     Compute is the training thread's CPU time (``time.thread_time``): a rank blocked in a collective uses none,
     so the figure is what each rank would take on dedicated hardware even when ranks share cores. Costs one small
-    all-gather per step. ``history`` keeps every step's per-rank seconds for benchmarks.
+    all-gather per step. ``history`` keeps every step's per-rank seconds for benchmarks. The progress bar shows
+    the imbalance as ``imbalance``.
     """
 
     def __init__(self) -> None:
@@ -55,3 +61,77 @@ class BalanceMonitor(pl.Callback):
             },
             batch_size=max(int(samples), 1),
         )
+        # The progress bar shows the imbalance under a short name; loggers get the full one above.
+        pl_module.log("imbalance", float(per_rank.max() / per_rank.mean().clamp(min=1e-12)), prog_bar=True,
+                      logger=False, batch_size=max(int(samples), 1))
+
+
+def _micro_batches(batch: dict[str, Any]) -> list[dict[str, Any]]:
+    return batch.get("micro_batches", [batch])
+
+
+def batch_training_flops(batch: dict[str, Any], cost_model: CostModel) -> float:
+    """Training FLOPs (forward and backward) of a packed batch, or of a pipeline step's micro-batches, as
+    :meth:`CostModel.from_config` counts them: per module, tokens and attention pairs of every item."""
+    features = np.zeros(6)
+    for micro in _micro_batches(batch):
+        grids = micro["vision_grids"].double()
+        vision = grids[:, 0] * grids[:, 1]
+        audio = micro["audio_lengths"].double() / 4  # mel frames per audio token (two stride-2 convolutions)
+        lengths = micro["cu_seqlens"].double().diff()
+        features += [float(vision.sum()), float((vision**2).sum()), float(audio.sum()), float((audio**2).sum()),
+                     float(lengths.sum()), float((lengths * (lengths + 1) / 2).sum())]
+    return float(features @ cost_model.coefficients)
+
+
+class ThroughputMonitor(pl.Callback):
+    """Logs samples/s, LLM tokens/s and model FLOP/s of the whole job every step, and the model FLOPs
+    utilisation (MFU) when the peak FLOP/s of one device is given. Tokens/s also goes to the progress bar.
+
+    Args:
+        peak_flops: peak FLOP/s of one device in the precision trained (e.g. ``989e12`` for an H100's dense
+            bf16); ``None`` logs no MFU.
+
+    Rates are over the wall time between the ends of consecutive batches, and count every data-parallel rank's
+    batch once (tensor, context and pipeline peers hold the same one). FLOPs come from the batch's shapes and the
+    model's :class:`~omni_lightning.balance.cost.CostModel` (matmul and attention FLOPs of forward and backward,
+    as MFU is usually counted), so only models with a ``ReferenceMLLMConfig`` ``config`` report them.
+    """
+
+    def __init__(self, peak_flops: float | None = None) -> None:
+        if peak_flops is not None and peak_flops <= 0:
+            raise ValueError(f"peak_flops={peak_flops} must be a positive FLOP/s figure or None")
+        self.peak_flops = peak_flops
+        self._cost_model: CostModel | None = None
+        self._last: float | None = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        config = getattr(pl_module, "config", None)
+        self._cost_model = CostModel.from_config(config) if isinstance(config, ReferenceMLLMConfig) else None
+        self._last = None
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        now, last, self._last = time.perf_counter(), self._last, time.perf_counter()
+        if last is None or not isinstance(batch, dict):
+            return  # the first batch has no start to measure from
+        micro = _micro_batches(batch)
+        local = torch.tensor([
+            float(batch.get("num_samples", sum(m.get("num_samples", 0) for m in micro))),
+            float(sum(m["input_ids"].numel() for m in micro)),
+            batch_training_flops(batch, self._cost_model) if self._cost_model is not None else 0.0,
+        ], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(local)
+        dims = getattr(trainer.strategy, "parallel_dims", None)
+        copies = trainer.world_size // dims.dp if dims is not None else 1  # peers that hold the same batch
+        samples, tokens, flops = (local / copies / (now - last)).tolist()
+        metrics = {"throughput/samples_per_s": samples, "throughput/tokens_per_s": tokens}
+        if self._cost_model is not None:
+            metrics["throughput/flops_per_s"] = flops
+            if self.peak_flops is not None:
+                metrics["throughput/mfu"] = flops / (trainer.world_size * self.peak_flops)
+        pl_module.log_dict(metrics, batch_size=1)
+        pl_module.log("tok/s", tokens, prog_bar=True, logger=False, batch_size=1)

@@ -105,3 +105,13 @@ def test_fit_help_documents_every_argument(cls: type, prefix: str, capsys: pytes
     described = set(re.findall(rf"^  ({re.escape(prefix)}\w+): \S", help_text, flags=re.MULTILINE))
     assert described == {prefix + name for name in names}
     assert "(undocumented)" not in help_text
+
+
+def test_print_config_shows_the_resolved_job(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(MAIN_CONFIG), "--trainer.strategy.tp", "1", "--print_config"])
+    config = yaml.safe_load(capsys.readouterr().out)
+    strategy = config["trainer"]["strategy"]
+    assert strategy["class_path"] == "omni_lightning.OmniStrategy"
+    assert strategy["init_args"]["tp"] == 1 and strategy["init_args"]["dp_shard"] == 2
+    assert config["data"]["init_args"]["samples_per_step"] == 4
