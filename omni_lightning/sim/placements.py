@@ -88,7 +88,8 @@ class OmniOptions:
 class PlacementResult:
     """Predicted step time (``inf`` when out of memory), peak memory per GPU, and compute imbalance.
 
-    ``imbalance`` is max / mean per-GPU compute per step (1.0 is perfect balance), averaged over steps.
+    ``imbalance`` is max / mean per-GPU compute (training FLOPs over FLOP/s; no communication, no waiting) per step
+    (1.0 is perfect balance), averaged over steps.
     """
 
     name: str
@@ -250,7 +251,9 @@ class Simulation:
                 replay = replay_pipeline(self._actions(llm_cost, llm_tokens, layout, fractions, enc_f, enc_b,
                                                        joint=False))
                 makespans.append(replay.makespan)
-                busy.extend(np.repeat(replay.busy, stage_gpus).tolist())
+                compute = sum(llm_cost) * fractions
+                compute[0] += float(pool.encoder[samples].sum())
+                busy.extend(np.repeat(compute * layout.recompute_factor / (stage_gpus * self.flops), stage_gpus))
                 largest = float(pool.item_tokens[pool.items_of(samples)[0]].max(initial=0.0))
                 window = max(sum(enc_tokens[m : m + layout.pp]) for m in range(len(enc_tokens)))
                 memory = max(memory, llm_memory[0] + self._encoder_state_bytes(layout.tp, self.dp * layout.cp)
@@ -460,7 +463,8 @@ class Simulation:
                 replay = replay_pipeline(self._actions(costs, tokens, llm_layout, np.full(choice.pp, 1 / choice.pp),
                                                        zeros, zeros, joint=False))
                 makespans.append(replay.makespan)
-                busy.extend(np.repeat(replay.busy, choice.tp).tolist())
+                busy.extend([sum(costs) * layout.recompute_factor / (choice.tp * choice.pp * self.flops)]
+                            * (choice.tp * choice.pp))
                 placed.extend(int(s) for b in batches for s in ids[b])
             kept = np.array(placed, dtype=np.int64)
             items, position = pool.items_of(kept)
