@@ -11,13 +11,16 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 import yaml
 from distributed import free_port
 
 from omni_lightning import OmniDataModule, OmniStrategy
 from omni_lightning.cli import OmniCLI, main
+from omni_lightning.datamodules.resumable import commit_consumed
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN_CONFIG = REPO / "examples" / "tiny_omni.yaml"
@@ -115,3 +118,40 @@ def test_print_config_shows_the_resolved_job(capsys: pytest.CaptureFixture[str])
     assert strategy["class_path"] == "omni_lightning.OmniStrategy"
     assert strategy["init_args"]["tp"] == 1 and strategy["init_args"]["dp_shard"] == 2
     assert config["data"]["init_args"]["samples_per_step"] == 4
+
+
+@pytest.mark.distributed
+def test_user_sample_source_is_balanced_across_ranks(tmp_path: Path, seed_checkpoint: Path) -> None:
+    """A subclass that only overrides ``train_samples`` gets grouped reordering across the data-parallel ranks:
+    rank 0's source yields even sample numbers and rank 1's odd ones, and the plan moves some between them."""
+    from lightning_runs import RecordBatches, fit
+    from user_data import InMemoryOmniData
+
+    fit(tmp_path, "unused", seed_checkpoint, layout={"dp_shard": 2}, devices=2, max_steps=4,
+        datamodule=InMemoryOmniData(samples_per_step=4), callbacks=[RecordBatches(tmp_path)])
+    for rank in (0, 1):
+        numbers = [int(key.split("-")[1]) for batch in torch.load(tmp_path / f"batches_rank{rank}.pt",
+                                                                  weights_only=False) for key in batch["keys"]]
+        assert numbers and any(n % 2 != rank for n in numbers), f"rank {rank} trained only on its own samples"
+
+
+def test_user_sample_source_resumes_exactly() -> None:
+    """The loader position of a user's source is checkpointed like the shards': resuming after 3 batches
+    continues with the batches the uninterrupted loader yields."""
+    from user_data import InMemoryOmniData
+
+    def loader(state: dict | None = None) -> Any:
+        data = InMemoryOmniData(samples_per_step=4)
+        data.setup("fit")
+        batches = data.train_dataloader()
+        if state is not None:
+            batches.load_state_dict(state)
+        return batches
+
+    uninterrupted = loader()
+    keys = [batch["keys"] for batch, _ in zip(uninterrupted, range(7), strict=False)]
+    first = loader()
+    for batch, _ in zip(first, range(3), strict=False):
+        commit_consumed(batch)
+    resumed = [batch["keys"] for batch, _ in zip(loader(first.state_dict()), range(4), strict=False)]
+    assert resumed == keys[3:]

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset
 
+from omni_lightning import OmniDataModule
 from omni_lightning.datamodules.collate import DecodedSample, pack_samples
 
 
@@ -46,3 +47,38 @@ class RandomMultimodalDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_RandomMultimodal(self.dp_rank, self.samples_per_batch), batch_size=None)
+
+
+class _InMemorySamples(IterableDataset):
+    """A user's own sample source: decoded samples made in memory, dealt out by data-parallel rank, with a
+    position for exact resume."""
+
+    def __init__(self, dp_rank: int, dp_size: int, count: int) -> None:
+        self.dp_rank, self.dp_size, self.count = dp_rank, dp_size, count
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+    def __iter__(self) -> Iterator[DecodedSample]:
+        while True:
+            index = self.dp_rank + self.dp_size * (self.position % self.count)
+            self.position += 1
+            rng = np.random.default_rng(index)
+            side = 2 * int(rng.integers(1, 5 if index % 4 else 9))  # every fourth sample has a large image
+            yield DecodedSample(f"mem-{index}", rng.integers(4, 256, int(rng.integers(4, 24))).astype(np.int32),
+                                [rng.integers(0, 256, (side * 14, side * 14, 3), dtype=np.uint8)])
+
+
+class InMemoryOmniData(OmniDataModule):
+    """OmniDataModule over a source that is not shards: only :meth:`train_samples` is the user's."""
+
+    def __init__(self, samples_per_step: int = 4, count: int = 64) -> None:
+        super().__init__(shards=None, samples_per_step=samples_per_step, group_steps=2)
+        self.count = count
+
+    def train_samples(self) -> IterableDataset:
+        return _InMemorySamples(self.dp_rank, self.dp_size, self.count)

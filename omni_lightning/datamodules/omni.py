@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from typing_extensions import override
 
@@ -41,12 +42,16 @@ def _unbatched(item: Any) -> Any:
 class OmniDataModule(WebDataModule):
     """Multimodal webdataset shards, balanced across data-parallel ranks without a coordinator.
 
-    Each data-parallel rank streams its own shards (TP/CP peers read the same ones) and, every ``group_steps``
-    steps, plans with the other ranks of its balance group which (rank, step, micro-batch) trains on which sample,
-    so that every rank's step costs about the same. See :mod:`omni_lightning.balance.reorder`.
+    Each data-parallel rank streams its own shards (TP/CP peers read the same ones; with encoders on pipeline
+    stage 0 only, later stages receive each step's shapes from it instead) and, every ``group_steps`` steps,
+    plans with the other ranks of its balance group which (rank, step, micro-batch) trains on which sample, so
+    that every rank's step costs about the same. See :mod:`omni_lightning.balance.reorder`. Data in another form:
+    convert it to shards (``omni-lightning make-shards --from-jsonl``) or subclass and override
+    :meth:`train_samples`.
 
     Args:
-        shards: brace pattern, glob, directory, list or fsspec URLs of ``.tar`` shards.
+        shards: brace pattern, glob, directory, list or fsspec URLs of ``.tar`` shards; ``None`` in a subclass that
+            supplies its samples by overriding :meth:`train_samples`.
         samples_per_step: samples each rank reads per step (on average; a rank may train on more or fewer).
         group_steps: steps planned together (each rank buffers ``group_steps * samples_per_step`` samples).
         micro_batches: micro-batches per step; use with ``accumulate_grad_batches=micro_batches``. Under pipeline
@@ -74,7 +79,7 @@ class OmniDataModule(WebDataModule):
 
     def __init__(
         self,
-        shards: str | list[str] = "data/tiny_omni/train-{000000..000005}.tar",
+        shards: str | list[str] | None = "data/tiny_omni/train-{000000..000005}.tar",
         *,
         samples_per_step: int = 4,
         group_steps: int = 8,
@@ -149,7 +154,8 @@ class OmniDataModule(WebDataModule):
                     f"{accumulate}) or accumulate_grad_batches={self.settings.micro_batches}"
                 )
         if self.cost_model is None:
-            config = getattr(self.trainer.lightning_module, "config", None)
+            module = self.trainer.lightning_module if self.trainer is not None else None
+            config = getattr(module, "config", None)
             config = config if isinstance(config, ReferenceMLLMConfig) else ReferenceMLLMConfig.tiny()
             self.cost_model = CostModel.from_config(config)
         if stage == "fit" and self.dp_size > 1:
@@ -196,14 +202,27 @@ class OmniDataModule(WebDataModule):
         # The exchange moves CPU tensors (metadata, serialised samples): gloo, whatever the training backend.
         self.balance_group, _ = dist.new_subgroups_by_enumeration(everyone, backend="gloo")
 
+    def train_samples(self) -> IterableDataset:
+        """This data-parallel rank's training samples, one :class:`DecodedSample` at a time (the extension point).
+
+        The default streams the webdataset ``shards``. Override it to balance any other source: return an
+        ``IterableDataset`` that yields this rank's share (``self.dp_rank`` of ``self.dp_size``; with
+        ``num_workers > 0``, split further by ``torch.utils.data.get_worker_info()``) as ``DecodedSample`` objects,
+        or ``BadSample`` for input to skip under ``on_bad_sample="skip"``, without end (start the next epoch
+        yourself). For exact resume it also has ``state_dict()`` and ``load_state_dict(state)`` giving its position;
+        ``StatefulDataLoader`` calls them. Planning, payload exchange, packing, pipeline steps and checkpointed
+        positions then work as with shards; pass ``shards=None`` when there are none.
+        """
+        return SampleStream(
+            existing_shards(self.shards), dp_rank=self.dp_rank, dp_size=self.dp_size, batch_size=1,
+            num_workers=self.num_workers, seed=self.seed, pack_kwargs=self.pack_kwargs,
+            on_bad_sample=self.on_bad_sample, tokenizer=self.tokenizer,
+        )
+
     @override
     def train_dataloader(self) -> ResumableLoader:
-        paths = existing_shards(self.shards)
-        samples = SampleStream(
-            paths, dp_rank=self.dp_rank, dp_size=self.dp_size, batch_size=1, num_workers=self.num_workers,
-            seed=self.seed, pack_kwargs=self.pack_kwargs, on_bad_sample=self.on_bad_sample, tokenizer=self.tokenizer,
-        )
-        loader = StatefulDataLoader(samples, batch_size=None, num_workers=self.num_workers, collate_fn=_unbatched)
+        loader = StatefulDataLoader(self.train_samples(), batch_size=None, num_workers=self.num_workers,
+                                    collate_fn=_unbatched)
         assert self.cost_model is not None, "setup() has not run"
         stream = BalancedStream(
             loader,

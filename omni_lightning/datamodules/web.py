@@ -60,8 +60,10 @@ def _synthetic_target(shards: str | list[str], paths: list[str]) -> tuple[Path, 
     return (pattern.parent if any(ch in str(pattern) for ch in "*?[") else pattern), "train"
 
 
-def existing_shards(shards: str | list[str]) -> list[str]:
+def existing_shards(shards: str | list[str] | None) -> list[str]:
     """The expanded shard list; ``ValueError`` if it is empty or names missing local files (URLs are not checked)."""
+    if shards is None:
+        raise ValueError("no shards given: pass shards=... (a brace pattern, glob, directory or list of .tar files)")
     paths = expand_shards(shards)
     missing = [p for p in paths if "://" not in p and not os.path.exists(p)]
     if not paths or missing:
@@ -89,7 +91,7 @@ class WebDataModule(LightningDataModule):
 
     def __init__(
         self,
-        shards: str | list[str] = "data/tiny_omni/train-{000000..000005}.tar",
+        shards: str | list[str] | None = "data/tiny_omni/train-{000000..000005}.tar",
         *,
         batch_size: int = 4,
         num_workers: int = 0,
@@ -116,6 +118,8 @@ class WebDataModule(LightningDataModule):
 
     @override
     def prepare_data(self) -> None:
+        if self.shards is None:  # a subclass supplies its own samples
+            return
         paths = expand_shards(self.shards)
         if self.synthetic is None or (paths and all(os.path.exists(p) for p in paths)):
             return
@@ -142,7 +146,7 @@ class WebDataModule(LightningDataModule):
         if trainer is not None:
             self._check_matches_model(getattr(trainer.lightning_module, "config", None))
         # Settings that starve a rank's loader fail here, on every rank alike, rather than once the loop has started.
-        if stage == "fit":
+        if stage == "fit" and self.shards is not None:
             assign_shards(existing_shards(self.shards), dp_rank=self.dp_rank, dp_size=self.dp_size,
                           num_workers=self.num_workers)
         if self.val_shards is not None and stage in ("fit", "validate"):
