@@ -15,6 +15,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 
 import omni_lightning  # noqa: F401  (registers strategy="omni")
+from omni_lightning.datamodules.jsonl import jsonl_to_shards
 from omni_lightning.datamodules.omni import OmniDataModule
 from omni_lightning.datamodules.synthetic import make_synthetic_shards
 from omni_lightning.module import OmniModule
@@ -74,11 +75,19 @@ class OmniCLI(LightningCLI):
 
 
 def make_shards_main(argv: list[str]) -> None:
-    """``omni-lightning make-shards``: write synthetic multimodal webdataset shards from a workload spec."""
+    """``omni-lightning make-shards``: write synthetic multimodal webdataset shards from a workload spec, or
+    convert a JSONL manifest with its image and mel files (``--from-jsonl``)."""
     parser = argparse.ArgumentParser(
-        prog="omni-lightning make-shards", description="Write synthetic multimodal webdataset shards."
+        prog="omni-lightning make-shards",
+        description="Write synthetic multimodal webdataset shards, or convert a JSONL manifest (--from-jsonl).",
     )
     parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--from-jsonl", default=None, metavar="FILE",
+                        help="convert this manifest instead (one {id, text, images, audio} object per line; see "
+                             "omni_lightning.datamodules.jsonl); --samples-per-shard, --patch-size, --n-mels and "
+                             "--prefix apply, the workload arguments do not")
+    parser.add_argument("--root", default=None, help="folder the manifest's paths are relative to (default: its own)")
+    parser.add_argument("--max-side", type=int, default=448, help="longest image side after resizing, in pixels")
     parser.add_argument("--workload", default="omni_mix", help="preset name or path to a workload YAML")
     parser.add_argument("--num-shards", type=int, default=8)
     parser.add_argument("--samples-per-shard", type=int, default=64)
@@ -90,6 +99,12 @@ def make_shards_main(argv: list[str]) -> None:
     parser.add_argument("--vocab-size", type=int, default=256)
     parser.add_argument("--prefix", default="train")
     args = parser.parse_args(argv)
+    if args.from_jsonl is not None:
+        paths = jsonl_to_shards(args.from_jsonl, args.out, root=args.root, samples_per_shard=args.samples_per_shard,
+                                patch_size=args.patch_size, max_side=args.max_side, n_mels=args.n_mels,
+                                prefix=args.prefix)
+        print(f"wrote {len(paths)} shards to {args.out}")
+        return
     paths = make_synthetic_shards(
         args.out,
         workload=args.workload,

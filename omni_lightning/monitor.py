@@ -1,5 +1,5 @@
-"""Training metrics a Lightning user expects from a run: the measured per-rank balance of every step
-(:class:`BalanceMonitor`) and its throughput in samples, tokens and FLOPs (:class:`ThroughputMonitor`)."""
+"""Training metrics beyond what OmniModule logs itself: the measured per-rank balance of every step
+(:class:`BalanceMonitor`) and the model FLOP/s and MFU (:class:`ThroughputMonitor`)."""
 
 from __future__ import annotations
 
@@ -85,17 +85,19 @@ def batch_training_flops(batch: dict[str, Any], cost_model: CostModel) -> float:
 
 
 class ThroughputMonitor(pl.Callback):
-    """Logs samples/s, LLM tokens/s and model FLOP/s of the whole job every step, and the model FLOPs
-    utilisation (MFU) when the peak FLOP/s of one device is given. Tokens/s also goes to the progress bar.
+    """Logs the job's model FLOP/s every step (``throughput/flops_per_s``) and, given the peak FLOP/s of one
+    device, the model FLOPs utilisation (``throughput/mfu``). Samples/s and tokens/s come from
+    :class:`~omni_lightning.OmniModule` itself (``train/samples_per_s``, ``train/tokens_per_s``, the latter on the
+    progress bar).
 
     Args:
         peak_flops: peak FLOP/s of one device in the precision trained (e.g. ``989e12`` for an H100's dense
             bf16); ``None`` logs no MFU.
 
-    Rates are over the wall time between the ends of consecutive batches, and count every data-parallel rank's
+    The rate is over the wall time between the ends of consecutive batches and counts every data-parallel rank's
     batch once (tensor, context and pipeline peers hold the same one). FLOPs come from the batch's shapes and the
     model's :class:`~omni_lightning.balance.cost.CostModel` (matmul and attention FLOPs of forward and backward,
-    as MFU is usually counted), so only models with a ``ReferenceMLLMConfig`` ``config`` report them.
+    as MFU is usually counted), so it needs a model whose ``config`` is a ``ReferenceMLLMConfig``.
     """
 
     def __init__(self, peak_flops: float | None = None) -> None:
@@ -108,30 +110,25 @@ class ThroughputMonitor(pl.Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         config = getattr(pl_module, "config", None)
-        self._cost_model = CostModel.from_config(config) if isinstance(config, ReferenceMLLMConfig) else None
+        if not isinstance(config, ReferenceMLLMConfig):
+            raise ValueError(f"ThroughputMonitor counts FLOPs from a ReferenceMLLMConfig; {type(pl_module).__name__}"
+                             f".config is {type(config).__name__}: remove the callback for this model")
+        self._cost_model = CostModel.from_config(config)
         self._last = None
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         now, last, self._last = time.perf_counter(), self._last, time.perf_counter()
-        if last is None or not isinstance(batch, dict):
+        if last is None or self._cost_model is None:
             return  # the first batch has no start to measure from
-        micro = _micro_batches(batch)
-        local = torch.tensor([
-            float(batch.get("num_samples", sum(m.get("num_samples", 0) for m in micro))),
-            float(sum(m["input_ids"].numel() for m in micro)),
-            batch_training_flops(batch, self._cost_model) if self._cost_model is not None else 0.0,
-        ], dtype=torch.float64)
+        flops = torch.tensor([batch_training_flops(batch, self._cost_model)], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(local)
+            dist.all_reduce(flops)
         dims = getattr(trainer.strategy, "parallel_dims", None)
         copies = trainer.world_size // dims.dp if dims is not None else 1  # peers that hold the same batch
-        samples, tokens, flops = (local / copies / (now - last)).tolist()
-        metrics = {"throughput/samples_per_s": samples, "throughput/tokens_per_s": tokens}
-        if self._cost_model is not None:
-            metrics["throughput/flops_per_s"] = flops
-            if self.peak_flops is not None:
-                metrics["throughput/mfu"] = flops / (trainer.world_size * self.peak_flops)
+        rate = float(flops) / copies / (now - last)
+        metrics = {"throughput/flops_per_s": rate}
+        if self.peak_flops is not None:
+            metrics["throughput/mfu"] = rate / (trainer.world_size * self.peak_flops)
         pl_module.log_dict(metrics, batch_size=1)
-        pl_module.log("tok/s", tokens, prog_bar=True, logger=False, batch_size=1)

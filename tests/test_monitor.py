@@ -60,7 +60,7 @@ class _ProgressBarMetrics(pl.Callback):
 @pytest.mark.distributed
 def test_loggers_progress_bar_and_validate_across_ranks(tmp_path: Path, tiny_shards: str,
                                                         seed_checkpoint: Path) -> None:
-    """Two data-parallel ranks: CSV and TensorBoard get the throughput, MFU and balance metrics and the
+    """Two data-parallel ranks: CSV and TensorBoard get the throughput, FLOP/s, MFU and balance metrics and the
     validation loss, written once (rank 0); the progress bar shows tokens/s and the imbalance; and
     ``trainer.validate`` runs the validation split on its own."""
     shards = tiny_shards.replace("{000000..000007}", "{000000..000005}")
@@ -80,13 +80,13 @@ def test_loggers_progress_bar_and_validate_across_ranks(tmp_path: Path, tiny_sha
     rows = list(csv.DictReader((tmp_path / "csv" / "version_0" / "metrics.csv").open()))
     def logged(name: str) -> list[float]:
         return [float(row[name]) for row in rows if row.get(name)]
-    assert len(logged("throughput/tokens_per_s")) == 3  # every step after the first
-    assert all(v > 0 for v in logged("throughput/samples_per_s") + logged("throughput/flops_per_s"))
-    assert all(0 < v < 1 for v in logged("throughput/mfu"))
+    assert len(logged("throughput/flops_per_s")) == 3  # every step after the first
+    assert all(v > 0 for v in logged("train/samples_per_s") + logged("train/tokens_per_s"))
+    assert all(0 < v < 1 for v in logged("throughput/mfu")) and len(logged("throughput/mfu")) == 3
     assert all(v >= 1 for v in logged("balance/measured_imbalance"))
     assert len(logged("val/loss")) == 2  # after steps 2 and 4
     assert len(list((tmp_path / "tb").rglob("events.out.tfevents.*"))) == 1  # rank 0 writes, once
-    assert {"tok/s", "imbalance"} <= set((tmp_path / "progress_bar.txt").read_text().split())
+    assert {"train/tokens_per_s", "imbalance"} <= set((tmp_path / "progress_bar.txt").read_text().split())
 
     os.environ["MASTER_PORT"] = str(free_port())
     (result,) = trainer.validate(module, datamodule=data)

@@ -57,13 +57,15 @@ _CLASS_COLOURS = np.array(
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
-def _npy_bytes(array: np.ndarray) -> bytes:
+def npy_bytes(array: np.ndarray) -> bytes:
+    """``array`` as the bytes of a ``.npy`` member."""
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=False)
     return buffer.getvalue()
 
 
-def _png_bytes(image: np.ndarray) -> bytes:
+def png_bytes(image: np.ndarray) -> bytes:
+    """A uint8 ``[H, W, 3]`` image as the bytes of a ``.png`` member."""
     buffer = io.BytesIO()
     # Noisy pixels barely compress, so the fastest level costs little space and keeps big shards quick to write.
     Image.fromarray(image).save(buffer, format="PNG", compress_level=1)
@@ -114,10 +116,10 @@ def _synthetic_sample(
     sample: dict[str, Any] = {
         "__key__": key,
         "json": json.dumps({**meta.to_json(), "class_id": class_id}).encode(),
-        "tokens.npy": _npy_bytes(_class_tokens(class_id, meta.text_tokens, vocab_size, rng)),
+        "tokens.npy": npy_bytes(_class_tokens(class_id, meta.text_tokens, vocab_size, rng)),
     }
     for i, (h, w) in enumerate(meta.images):
-        sample[f"img{i}.png"] = _png_bytes(_class_image(class_id, h * patch_size, w * patch_size, 0.0, rng))
+        sample[f"img{i}.png"] = png_bytes(_class_image(class_id, h * patch_size, w * patch_size, 0.0, rng))
     if meta.video_frames > 0:
         h, w = meta.video_grid
         video = np.stack(
@@ -126,9 +128,9 @@ def _synthetic_sample(
                 for f in range(meta.video_frames)
             ]
         )
-        sample["video.npy"] = _npy_bytes(video)
+        sample["video.npy"] = npy_bytes(video)
     if meta.audio_frames > 0:
-        sample["mel.npy"] = _npy_bytes(_class_mel(class_id, meta.audio_frames, n_mels, rng))
+        sample["mel.npy"] = npy_bytes(_class_mel(class_id, meta.audio_frames, n_mels, rng))
     return sample
 
 
