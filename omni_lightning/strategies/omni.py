@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
@@ -13,9 +14,16 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+from lightning.fabric.strategies.launchers.multiprocessing import _check_bad_cuda_fork, _check_missing_main_guard
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.strategies.launchers.multiprocessing import (
+    _GlobalStateSnapshot,
+    _MultiProcessingLauncher,
+    _WorkerOutput,
+)
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
@@ -31,7 +39,13 @@ from omni_lightning.parallel.fsdp import set_gradient_sync
 from omni_lightning.parallel.mesh import OmniMeshes, build_meshes
 from omni_lightning.parallel.parallelize import check_model_fits_layout
 from omni_lightning.parallel.pipeline import PIPELINE_SCHEDULES, PipelineSettings, assign_layers, layer_costs
-from omni_lightning.strategies.checkpointing import load_sharded_checkpoint, optimizer_state_by_name
+from omni_lightning.strategies.checkpointing import (
+    load_sharded_checkpoint,
+    optimizer_state_by_name,
+    partial_path,
+    publish_checkpoint,
+    remove_path,
+)
 
 __all__ = ["OmniStrategy", "loader_state_for_rank"]
 
@@ -336,7 +350,18 @@ class OmniStrategy(ModelParallelStrategy):
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, {"dp_rank": self.meshes.local_rank("dp"), "loader": loader_state})
         checkpoint["omni"] = {"parallel_dims": _dims_record(self.parallel_dims), "ranks": gathered}
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        # Written under a hidden name and renamed once every rank is done (see strategies/checkpointing.py): a kill
+        # while saving leaves the previous checkpoint the latest one. Rank 0 owns the names, as in Lightning.
+        path = Path(self.broadcast(filepath))
+        partial = partial_path(path)
+        if self.global_rank == 0:
+            remove_path(partial)  # left by a save that was killed
+        self.barrier("omni_checkpoint_start")
+        super().save_checkpoint(checkpoint, partial, storage_options)
+        self.barrier("omni_checkpoint_written")  # every rank's shards and rank 0's meta.pt are complete
+        if self.global_rank == 0:
+            publish_checkpoint(partial, path)
+        self.barrier("omni_checkpoint_published")
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -369,9 +394,15 @@ def loader_state_for_rank(saved: dict[str, Any], dp_rank: int, dp_size: int) -> 
     """The loader state a resuming data-parallel rank continues from, or ``None`` to restart its stream.
 
     Ranks are matched by data-parallel rank (TP/CP/PP peers share a stream), so any layout with the same
-    data-parallel size resumes exactly. With another data-parallel size the shards are dealt out differently and no
-    saved position applies: every rank restarts its stream (with a warning) while model, optimizer and step count
-    are still restored.
+    data-parallel size resumes exactly: the same samples in the same order as an uninterrupted run.
+
+    With another data-parallel size (another world size, or the same one with other degrees) each rank reads other
+    shards (``shards[dp_rank::dp_size]``) and no saved position applies: every rank restarts its stream from the
+    beginning of the data (epoch 0), as a fresh run under the new layout would, with a warning; model, optimizer and
+    step count are still restored. What that guarantees: no sample is lost (the first epoch after the resume trains
+    every sample once), and the samples the interrupted epoch had trained before the checkpoint are trained once
+    more (none when the checkpoint fell on an epoch boundary of every rank). Mapping positions exactly would need a
+    new rank to finish the streams of the old ranks it inherits, whose epochs, shuffles and balance groups differ.
     """
     saved_dp = saved["parallel_dims"]["dp"]
     if saved_dp != dp_size:
@@ -387,6 +418,10 @@ def loader_state_for_rank(saved: dict[str, Any], dp_rank: int, dp_size: int) -> 
     return state["loader"]
 
 
+# Seconds a worker gets to exit by itself once another has died, then again after SIGTERM, before SIGKILL.
+_SURVIVOR_GRACE_S = 2.0
+
+
 class _NoWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
     """Fork/spawn launcher that does not ship rank 0's weights back to the parent.
 
@@ -396,8 +431,34 @@ class _NoWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        """Lightning's launch, except that when a worker dies the others are killed after
+        ``_SURVIVOR_GRACE_S`` seconds, not torch's 30: a survivor blocked in a collective with the dead rank cannot
+        run Python's SIGTERM handler, and Lightning's handler would itself enter a collective. The error still names
+        the worker that died first and how (``process 2 terminated with signal SIGKILL``)."""
         self._strategy.check_model_fits(self._strategy.lightning_module)  # before any worker starts
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        if self._start_method in ("fork", "forkserver"):
+            _check_bad_cuda_fork()
+        if self._start_method == "spawn":
+            _check_missing_main_guard()
+        if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            raise NotImplementedError("fit() twice on one Trainer with the fork/spawn launcher: create a new Trainer "
+                                      "and pass fit(ckpt_path=...)")
+        os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)
+        return_queue = mp.get_context(self._start_method).SimpleQueue()
+        process_args = [trainer, function, args, kwargs, return_queue]
+        if self._start_method == "spawn":
+            process_args.append(_GlobalStateSnapshot.capture())
+        context = mp.start_processes(self._wrapping_function, args=process_args, nprocs=self._strategy.num_processes,
+                                     start_method=self._start_method, join=False)
+        self.procs = context.processes
+        while not context.join(grace_period=_SURVIVOR_GRACE_S):
+            pass
+        worker_output = return_queue.get()
+        if trainer is None:
+            return worker_output
+        self._already_fit |= trainer.state.fn == TrainerFn.FITTING
+        self._recover_results_in_main_process(worker_output, trainer)
+        return worker_output.trainer_results
 
     @override
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> _WorkerOutput | None:
