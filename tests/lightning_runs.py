@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -230,3 +232,39 @@ def reference_run(
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
     return losses, first_grads
+
+
+class RecordKeys(pl.Callback):
+    """Every rank writes the sample keys it trains on, by step number (1 = first step), to ``keys_rank{r}.json``."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.keys: dict[int, list[str]] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self.keys[trainer.global_step + 1] = list(batch["keys"])
+        path = self.out_dir / f"keys_rank{trainer.global_rank}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.keys))
+        os.replace(tmp, path)  # a rank killed mid-write leaves the previous version
+
+
+def recorded_keys(run: Path, ranks: int) -> list[dict[int, list[str]]]:
+    """What :class:`RecordKeys` wrote: per rank, the keys of every step."""
+    return [{int(s): k for s, k in json.loads((run / f"keys_rank{r}.json").read_text()).items()} for r in range(ranks)]
+
+
+class SigkillRankAtStep(pl.Callback):
+    """Rank ``rank`` alone is SIGKILLed when ``step`` steps are done (a process or node lost without any clean-up);
+    it first writes the wall-clock time of the kill to ``out_dir/killed_at``."""
+
+    def __init__(self, step: int, rank: int, out_dir: Path) -> None:
+        self.step = step
+        self.rank = rank
+        self.out_dir = out_dir
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            (self.out_dir / "killed_at").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)

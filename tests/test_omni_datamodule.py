@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from distributed import free_port, run_distributed
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_runs import KillAtStep, RecordRun
+from lightning_runs import KillAtStep, RecordKeys, RecordRun, recorded_keys
 from PIL import Image
 from torchdata.stateful_dataloader import StatefulDataLoader
 from webdataset import TarWriter
@@ -759,22 +759,6 @@ def test_bad_sample_on_one_rank_keeps_steps_aligned(tmp_path: Path) -> None:
 LAYOUT = {"dp_shard": 2, "tp": 2}
 
 
-class RecordKeys(pl.Callback):
-    """Every rank writes the sample keys it trains on, by step number (1 = first step)."""
-
-    def __init__(self, out_dir: Path) -> None:
-        self.out_dir = out_dir
-        self.keys: dict[int, list[str]] = {}
-
-    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
-        self.keys[trainer.global_step + 1] = list(batch["keys"])
-        path = self.out_dir / f"keys_rank{trainer.global_rank}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.keys))
-        os.replace(tmp, path)  # a rank killed mid-write leaves the previous version
-
-
 def fit_omni(out_dir: Path, shards: str, seed_checkpoint: Path, *, max_steps: int, callbacks: list[pl.Callback],
              ckpt_path: str | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -790,7 +774,7 @@ def fit_omni(out_dir: Path, shards: str, seed_checkpoint: Path, *, max_steps: in
 
 
 def _keys(run: Path) -> list[dict[int, list[str]]]:
-    return [{int(s): k for s, k in json.loads((run / f"keys_rank{r}.json").read_text()).items()} for r in range(4)]
+    return recorded_keys(run, 4)
 
 
 def _losses(run: Path) -> dict[int, float]:

@@ -1,0 +1,194 @@
+"""Fault injection on a 4-rank run: one rank SIGKILLed at a random step; the resumed run, which must train on exactly
+the samples and losses of an uninterrupted run, has a rank killed while it writes a checkpoint; the checkpoint before
+that one, taken on 4 data-parallel ranks, resumes on 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import tarfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_runs import BATCH_SIZE, RecordKeys, RecordRun, SigkillRankAtStep, Snapshot, fit, recorded_keys
+from torch.distributed.checkpoint import FileSystemWriter
+
+from omni_lightning.datamodules.streaming import ShardStream
+from omni_lightning.datamodules.synthetic import make_synthetic_shards
+from omni_lightning.strategies.checkpointing import partial_path
+
+pytestmark = pytest.mark.distributed
+
+RANKS = 4
+LAYOUT = {"dp_shard": RANKS}
+SAMPLES_PER_SHARD = 6  # one shard per rank: an epoch is 3 steps of BATCH_SIZE samples on every rank
+EPOCH_STEPS = SAMPLES_PER_SHARD // BATCH_SIZE
+STEPS = 8
+EVERY = 2  # checkpoint interval
+SAVE_KILL_STEP = 8  # the second run is killed while writing this step's checkpoint
+RNG = random.Random(2026)
+KILL_STEP, KILL_RANK, SAVE_KILL_RANK = RNG.randint(3, 5), RNG.randrange(RANKS), RNG.randrange(RANKS)
+
+
+@contextmanager
+def sigkill_while_writing(name: str, rank: int) -> Iterator[None]:
+    """Rank ``rank`` is SIGKILLed inside torch.distributed.checkpoint's write of the checkpoint ``name`` (the other
+    ranks write their shards and wait for it). Patched before the workers fork, so they inherit it."""
+    write_data = FileSystemWriter.write_data
+
+    def write_then_die(self: FileSystemWriter, *args: Any, **kwargs: Any) -> Any:
+        if dist.get_rank() == rank and name in str(self.path):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write_data(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(FileSystemWriter, "write_data", write_then_die)
+        yield
+
+
+def checkpoints(folder: Path) -> dict[int, Path]:
+    """The checkpoints ModelCheckpoint sees in ``folder``, by step."""
+    return {int(re.search(r"step=(\d+)", p.name)[1]): p for p in folder.glob("*.ckpt")}
+
+
+def shard_keys(pattern_dir: Path) -> list[str]:
+    keys = []
+    for path in sorted(pattern_dir.glob("train-*.tar")):
+        with tarfile.open(path) as tar:
+            keys.extend(dict.fromkeys(m.name.split(".", 1)[0] for m in tar.getmembers()))
+    return keys
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[str]]:
+    """Four small shards (one per rank) and the keys of all their samples."""
+    out = tmp_path_factory.mktemp("fault_shards")
+    make_synthetic_shards(out, workload="omni_mix", num_shards=RANKS, samples_per_shard=SAMPLES_PER_SHARD, seed=5,
+                          length_scale=0.03, max_llm_tokens=160)
+    return str(out / f"train-{{000000..{RANKS - 1:06d}}}.tar"), shard_keys(out)
+
+
+def _killed_fit(expected_rank: int, **kwargs: Any) -> str:
+    with pytest.raises(Exception, match=rf"process {expected_rank} terminated with signal SIGKILL") as error:
+        fit(**kwargs)
+    return str(error.value)
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory, shards: tuple[str, list[str]],
+          seed_checkpoint: Path) -> dict[str, Any]:
+    """An uninterrupted run; run A, one rank SIGKILLed at a random step; run B, resumed from A's last checkpoint and
+    killed while writing the step-8 checkpoint (after training step 8)."""
+    pattern, _ = shards
+    root = tmp_path_factory.mktemp("chain")
+    runs = {name: root / name for name in ("uninterrupted", "a", "b")}
+    ckpt = root / "ckpt"
+
+    def common(run: Path) -> dict[str, Any]:
+        return {"out_dir": run, "shards": pattern, "seed_checkpoint": seed_checkpoint, "layout": LAYOUT,
+                "max_steps": STEPS}
+
+    def saving() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=ckpt, every_n_train_steps=EVERY, save_top_k=-1)
+
+    u = runs["uninterrupted"]
+    fit(**common(u), callbacks=[RecordRun(u), RecordKeys(u)])
+
+    a = runs["a"]
+    error_a = _killed_fit(KILL_RANK, **common(a), callbacks=[
+        saving(), RecordRun(a), RecordKeys(a), SigkillRankAtStep(KILL_STEP, KILL_RANK, a)])
+    stopped_after_s = time.time() - float((a / "killed_at").read_text())
+    resume_a = max(checkpoints(ckpt))
+
+    b = runs["b"]
+    with sigkill_while_writing(f"step={SAVE_KILL_STEP}.", SAVE_KILL_RANK):
+        _killed_fit(SAVE_KILL_RANK, **common(b), callbacks=[saving(), RecordRun(b), RecordKeys(b),
+                                                           Snapshot(b, step=6)],
+                    ckpt_path=str(checkpoints(ckpt)[resume_a]))
+    leftovers = sorted(p.name for p in ckpt.iterdir())
+    return {**runs, "ckpt": ckpt, "error_a": error_a, "stopped_after_s": stopped_after_s, "resume_a": resume_a,
+            "leftovers": leftovers}
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {int(step): loss for step, loss in json.loads((run / "losses.json").read_text()).items()}
+
+
+def _stitched(chain: dict[str, Any], record: Any) -> dict[int, Any]:
+    """Steps 1..resume_a from run A, then what run B trained after resuming there (through step 8)."""
+    a, b = record(chain["a"]), record(chain["b"])
+    return {**{s: x for s, x in a.items() if s <= chain["resume_a"]}, **b}
+
+
+def test_survivors_are_stopped_soon_after_a_rank_is_killed(chain: dict[str, Any]) -> None:
+    """With the fork launcher the parent sees the SIGKILLed worker exit, terminates the survivors and raises
+    naming the rank and the signal: far sooner than the 120 s process-group timeout a blocked collective waits."""
+    assert f"process {KILL_RANK} terminated with signal SIGKILL" in chain["error_a"]
+    assert chain["stopped_after_s"] < 15, chain["stopped_after_s"]  # launcher grace 2 s + 2 s, plus slack
+    assert chain["resume_a"] == KILL_STEP // EVERY * EVERY  # the last checkpoint before the kill
+
+
+def test_kill_while_saving_leaves_no_partial_checkpoint_under_its_name(chain: dict[str, Any]) -> None:
+    """The write was cut short under the hidden name; the checkpoint before it is the latest one (and loads:
+    test_resume_on_fewer_data_parallel_ranks resumes from it)."""
+    ckpt = chain["ckpt"]
+    assert max(checkpoints(ckpt)) == SAVE_KILL_STEP - EVERY, chain["leftovers"]
+    (partial,) = [p for p in ckpt.iterdir() if p.name.startswith(".")]
+    assert partial == partial_path(ckpt / partial.name[1:].removesuffix(".partial"))
+    assert f"step={SAVE_KILL_STEP}." in partial.name and not (partial / ".metadata").exists()
+
+
+def test_resumed_runs_train_on_the_samples_and_losses_of_an_uninterrupted_run(chain: dict[str, Any]) -> None:
+    assert sorted(_losses(chain["b"])) == list(range(chain["resume_a"] + 1, STEPS + 1))
+    assert _stitched(chain, _losses) == _losses(chain["uninterrupted"])  # same layout and reduction order: exact
+    reference = recorded_keys(chain["uninterrupted"], RANKS)
+    for rank in range(RANKS):
+        assert _stitched(chain, lambda run, r=rank: recorded_keys(run, RANKS)[r]) == reference[rank], f"rank {rank}"
+
+
+def test_every_sample_once_per_epoch_across_the_resumed_runs(chain: dict[str, Any],
+                                                              shards: tuple[str, list[str]]) -> None:
+    _, all_keys = shards
+    by_step: dict[int, list[str]] = {}
+    for rank in range(RANKS):
+        for step, keys in _stitched(chain, lambda run, r=rank: recorded_keys(run, RANKS)[r]).items():
+            by_step.setdefault(step, []).extend(keys)
+    assert sorted(by_step) == list(range(1, STEPS + 1))
+    for epoch in range(STEPS // EPOCH_STEPS):
+        seen = Counter(k for s in range(epoch * EPOCH_STEPS + 1, (epoch + 1) * EPOCH_STEPS + 1) for k in by_step[s])
+        assert seen == Counter(all_keys), f"epoch {epoch}"
+
+
+def test_resume_on_fewer_data_parallel_ranks(chain: dict[str, Any], shards: tuple[str, list[str]],
+                                             seed_checkpoint: Path, tmp_path: Path) -> None:
+    """Saved on 4 ranks (dp_shard=4) at step 6, resumed on 2 (dp_shard=2): weights, optimizer moments and the step
+    are restored exactly; each rank's data stream restarts from the beginning of the data, dealt for 2 ranks."""
+    pattern, _ = shards
+    checkpoint = checkpoints(chain["ckpt"])[6]
+    steps = 3
+    fit(tmp_path, pattern, seed_checkpoint, layout={"dp_shard": 2}, devices=2, max_steps=6 + steps,
+        callbacks=[Snapshot(tmp_path), RecordKeys(tmp_path)], ckpt_path=str(checkpoint))
+    saved = torch.load(chain["b"] / "snapshot_step6.pt", weights_only=True)
+    restored = torch.load(tmp_path / "snapshot_start.pt", weights_only=True)
+    assert restored["step"] == 6
+    for kind in ("weights", "exp_avg"):
+        assert restored[kind].keys() == saved[kind].keys()
+        for name, tensor in saved[kind].items():
+            torch.testing.assert_close(restored[kind][name], tensor, rtol=0, atol=0, msg=f"{kind} {name}")
+    keys = recorded_keys(tmp_path, 2)
+    paths = sorted(str(p) for p in Path(pattern).parent.glob("train-*.tar"))
+    for rank in range(2):
+        fresh = ShardStream(paths, dp_rank=rank, dp_size=2, batch_size=BATCH_SIZE).iter_samples()
+        expected = [next(fresh).key for _ in range(steps * BATCH_SIZE)]
+        assert [k for s in range(7, 7 + steps) for k in keys[rank][s]] == expected, f"rank {rank}"
