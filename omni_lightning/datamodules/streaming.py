@@ -83,6 +83,8 @@ def decode_sample(
     key = raw.get("__key__", "?")
     try:
         meta = json.loads(raw["json"])
+        if not isinstance(meta, dict):
+            raise ValueError(f"sample {key}: metadata 'json' is a JSON {type(meta).__name__}, not an object")
         if "tokens.npy" in raw:
             tokens = _load_npy(raw, "tokens.npy", key)
         elif "txt" in raw:
