@@ -5,8 +5,10 @@
 * :func:`joint_pipeline`: the same 1F1B order with the encoder insertions of
   :class:`omni_lightning.parallel.joint_pipeline.JointEncoders` (uniform on-demand insertion): stage ``s > 0``
   encodes its share of micro-batch ``m + s + 1`` just before its forward of ``m`` (the first ``s + 1`` shares before
-  the step starts) and backpropagates its share of ``m - p``; stage 0 encodes its share of ``m`` in line and sends the
-  gradients of ``m - p`` (``G``) before backpropagating its own share; what is left runs after the schedule.
+  the step starts) and backpropagates its share of ``m - p``; stage 0 encodes its share of ``m`` in line, sends the
+  gradients of ``m`` (``G``) as soon as its backward of ``m`` produced them, and backpropagates its own share of
+  ``m - p`` before its forward of ``m``; what is left runs after the schedule. (The runtime also keeps stage 0's
+  share of the last ``p`` micro-batches at zero; callers choose the shares.)
 """
 
 from __future__ import annotations
@@ -49,10 +51,10 @@ def joint_pipeline(forward: Sequence[Sequence[float]], backward: Sequence[Sequen
         for kind, m in one_f_one_b_order(s, stages, micro):
             if kind == "B":
                 rank.append(Action("B", m, backward[s][m]))
+                if s == 0:
+                    rank.append(Action("G", m, 0.0))
                 continue
             if m - lag >= 0:
-                if s == 0:
-                    rank.append(Action("G", m - lag, 0.0))
                 rank.append(Action("EB", m - lag, encode_backward[s][m - lag]))
                 done.add(m - lag)
             if s == 0:
@@ -62,8 +64,6 @@ def joint_pipeline(forward: Sequence[Sequence[float]], backward: Sequence[Sequen
             rank.append(Action("F", m, forward[s][m]))
         for m in range(micro):
             if m not in done:
-                if s == 0:
-                    rank.append(Action("G", m, 0.0))
                 rank.append(Action("EB", m, encode_backward[s][m]))
         actions.append(rank)
     return actions
