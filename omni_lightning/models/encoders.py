@@ -15,6 +15,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from omni_lightning.balance.cost import (
+    _TRAIN,
+    _TRAIN_FIRST_LAYER,
+    AUDIO_DOWNSAMPLE,
+    ModuleCost,
+    _attention_pair_flops,
+    _encoder_block_flops,
+)
 from omni_lightning.balance.reshard import SplitChunk
 from omni_lightning.models.attention import AttentionBackend
 from omni_lightning.models.config import AudioEncoderConfig, VisionEncoderConfig
@@ -46,10 +54,30 @@ class VisionEncoder(nn.Module):
         self.norm = nn.LayerNorm(config.dim)
         self.projector = GeluMLP(config.dim * config.merge, llm_dim, llm_dim)
 
+    supports_sequence_parallel = True
+
     @property
     def tokens_per_output(self) -> int:
         """Stem tokens (patches) per output embedding: a split never cuts through a merge window."""
         return self.config.merge
+
+    @property
+    def n_heads(self) -> int:
+        return self.config.n_heads
+
+    def item_tokens(self, patches: torch.Tensor, positions: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+        """Patches per item."""
+        return grids[:, 0] * grids[:, 1]
+
+    def cost(self) -> ModuleCost:
+        """Training FLOPs per patch and per attention pair, as ``CostModel.from_config`` counts them."""
+        config, llm_dim = self.config, self.projector.fc2.out_features
+        projector = 2.0 * (config.dim * config.merge * llm_dim + llm_dim * llm_dim) / config.merge
+        return ModuleCost(
+            linear=_TRAIN_FIRST_LAYER * 2.0 * config.patch_dim * config.dim
+            + _TRAIN * (config.n_layers * _encoder_block_flops(config.dim, config.mlp_ratio) + projector),
+            quadratic=_attention_pair_flops(config.n_heads, config.dim // config.n_heads, config.n_layers),
+        )
 
     def forward(self, patches: torch.Tensor, positions: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
         tokens, lengths = self.embed(patches, positions, grids)
@@ -63,7 +91,7 @@ class VisionEncoder(nn.Module):
         x = self.patch_embed(patches)
         # 2-D position: half the channels encode the row, half the column, so any resolution works.
         pos = torch.cat([sincos_features(positions[:, 0], half), sincos_features(positions[:, 1], half)], dim=-1)
-        return x + pos.to(x.dtype), grids[:, 0] * grids[:, 1]
+        return x + pos.to(x.dtype), self.item_tokens(patches, positions, grids)
 
     def encode(
         self, x: torch.Tensor, cu_seqlens: torch.Tensor, chunks: Sequence[SplitChunk] = (),
@@ -100,6 +128,27 @@ class AudioEncoder(nn.Module):
         self.projector = GeluMLP(config.dim, llm_dim, llm_dim)
 
     tokens_per_output = 1
+    supports_sequence_parallel = True
+
+    @property
+    def n_heads(self) -> int:
+        return self.config.n_heads
+
+    def item_tokens(self, mels: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Downsampled frames per clip."""
+        return lengths // self.config.downsample
+
+    def cost(self) -> ModuleCost:
+        """Training FLOPs per downsampled frame and per attention pair, as ``CostModel.from_config`` counts them."""
+        config, llm_dim = self.config, self.projector.fc2.out_features
+        conv1 = AUDIO_DOWNSAMPLE // 2 * 2.0 * 3 * config.n_mels * config.dim  # two stride-2 outputs per token
+        conv2 = 2.0 * 3 * config.dim * config.dim
+        projector = 2.0 * (config.dim * llm_dim + llm_dim * llm_dim)
+        return ModuleCost(
+            linear=_TRAIN_FIRST_LAYER * conv1
+            + _TRAIN * (conv2 + config.n_layers * _encoder_block_flops(config.dim, config.mlp_ratio) + projector),
+            quadratic=_attention_pair_flops(config.n_heads, config.dim // config.n_heads, config.n_layers),
+        )
 
     def forward(self, mels: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         tokens, token_lengths = self.embed(mels, lengths)
@@ -119,7 +168,7 @@ class AudioEncoder(nn.Module):
         ]
         positions = torch.cat([torch.arange(clip.shape[0], device=mels.device) for clip in clips])
         x = torch.cat(clips)
-        return x + sincos_features(positions, self.config.dim).to(x.dtype), lengths // self.config.downsample
+        return x + sincos_features(positions, self.config.dim).to(x.dtype), self.item_tokens(mels, lengths)
 
     def encode(
         self, x: torch.Tensor, cu_seqlens: torch.Tensor, chunks: Sequence[SplitChunk] = (),

@@ -1,8 +1,8 @@
 """Llama-style decoder over packed sequences: RMSNorm, RoPE (positions reset per sample), GQA, SwiGLU or MoE.
 
 Projections are plain ``nn.Linear`` layers whose names (``attention.wq`` ... ``feed_forward.w2``) the tensor
-parallel plan refers to. Attention reshapes by ``head_dim``, not by head count, so the same code runs with the
-local heads of a tensor-parallel shard.
+parallel plan (:meth:`Decoder.layer_tp_plan`) refers to. Attention reshapes by ``head_dim``, not by head count, so the
+same code runs with the local heads of a tensor-parallel shard.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from omni_lightning.models.attention import AttentionBackend, varlen_attention
 from omni_lightning.models.config import LLMConfig
@@ -119,6 +121,38 @@ class Decoder(nn.Module):
         for layer in self.layers.values():
             x = layer(x, rope, cu_seqlens, cp_shard)
         return self.output(self.norm(x))
+
+    def check_tp(self, tp: int) -> None:
+        """Raise ``ValueError`` naming the first model size that ``tp`` does not divide."""
+        for name in ("n_heads", "n_kv_heads", "ffn_hidden", "vocab_size"):
+            value = getattr(self.config, name)
+            if value % tp:
+                raise ValueError(f"llm.{name}={value} is not divisible by tp={tp}; choose a tp that divides it")
+
+    def tp_plan(self) -> dict[str, ParallelStyle]:
+        """Megatron-style TP of the embedding and the LM head (see :mod:`omni_lightning.parallel.tensor_parallel`)."""
+        return {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            # Logits stay sharded over the vocabulary; the loss runs under ``loss_parallel`` so they are never
+            # gathered (a [tokens, vocab] all-gather per step is the largest activation of the model).
+            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        }
+
+    def layer_tp_plan(self, layer: nn.Module) -> dict[str, ParallelStyle]:
+        """Heads and SwiGLU hidden units split over TP; MoE feed-forwards stay replicated (EP shards them)."""
+        plan: dict[str, ParallelStyle] = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(),
+        }
+        if isinstance(layer.feed_forward, FeedForward):
+            plan |= {
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(),
+            }
+        return plan
 
     def moe_aux_loss(self) -> torch.Tensor:
         """This rank's share of the load-balance loss of the last forward, summed over MoE layers (0 if none)."""

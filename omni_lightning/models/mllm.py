@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from omni_lightning.models.adapters.protocol import EncoderAdapter, LLMAdapter
 from omni_lightning.models.config import AUDIO_ID, IMAGE_ID, ReferenceMLLMConfig
 from omni_lightning.models.encoders import AudioEncoder, VisionEncoder
 from omni_lightning.models.llm import Decoder
@@ -37,15 +38,21 @@ class ReferenceMLLM(nn.Module):
     Every encoder runs on every call, on a dummy item when the micro-batch has none of its modality, so that
     all data-parallel ranks issue the same FSDP collectives whatever their data. With an ``encoder_balancer``
     (see :mod:`omni_lightning.parallel.encoder_balance`) the data-parallel ranks share the step's encoder work.
+
+    ``vision``, ``audio`` and ``llm`` replace the reference components with any module implementing
+    :class:`~omni_lightning.models.adapters.EncoderAdapter` / :class:`~omni_lightning.models.adapters.LLMAdapter`
+    (e.g. the Hugging Face adapters of :mod:`omni_lightning.models.adapters`); their outputs must have the LLM's
+    width. ``config`` then describes only the components kept, and the loss settings (``llm.moe_aux_loss_coef``).
     """
 
-    def __init__(self, config: ReferenceMLLMConfig) -> None:
+    def __init__(self, config: ReferenceMLLMConfig, *, vision: EncoderAdapter | None = None,
+                 audio: EncoderAdapter | None = None, llm: LLMAdapter | None = None) -> None:
         super().__init__()
         self.config = config
         backend = config.attention_backend  # type: ignore[assignment]
-        self.vision = VisionEncoder(config.vision, config.llm.dim, backend)
-        self.audio = AudioEncoder(config.audio, config.llm.dim, backend)
-        self.llm = Decoder(config.llm, backend)
+        self.vision = vision if vision is not None else VisionEncoder(config.vision, config.llm.dim, backend)
+        self.audio = audio if audio is not None else AudioEncoder(config.audio, config.llm.dim, backend)
+        self.llm = llm if llm is not None else Decoder(config.llm, backend)
         # Set by parallelize_mllm when encoder work is resharded across the data-parallel ranks.
         self.encoder_balancer: EncoderBalancer | None = None
         # Set by parallelize_mllm under context parallelism: the decoder then runs on this rank's token share.
@@ -97,9 +104,8 @@ class ReferenceMLLM(nn.Module):
         if balancer is None:
             return (_encode_locally(self.vision, vision_inputs, batch["vision_grids"].shape[0]),
                     _encode_locally(self.audio, audio_inputs, batch["audio_lengths"].shape[0]))
-        grids = batch["vision_grids"]
         steps = balancer.plan(
-            {"vision": grids[:, 0] * grids[:, 1], "audio": batch["audio_lengths"] // self.config.audio.downsample},
+            {"vision": self.vision.item_tokens(*vision_inputs), "audio": self.audio.item_tokens(*audio_inputs)},
             {"vision": self.vision.tokens_per_output, "audio": self.audio.tokens_per_output},
         )
         vision = balancer.encode(self.vision, vision_inputs, steps["vision"])

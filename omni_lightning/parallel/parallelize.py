@@ -1,11 +1,12 @@
-"""Apply the LLM and encoder parallelisms to the reference MLLM, in torchtitan's order: TP, then FSDP."""
+"""Apply the LLM and encoder parallelisms to an MLLM (reference or adapted), in torchtitan's order: TP, then FSDP."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from omni_lightning.balance.cost import CostModel
+from omni_lightning.models.encoders import AudioEncoder, VisionEncoder
+from omni_lightning.models.llm import Decoder
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.models.moe import MoEFeedForward
 from omni_lightning.parallel.encoder_balance import EncoderBalancer
@@ -13,27 +14,41 @@ from omni_lightning.parallel.expert_parallel import apply_ep
 from omni_lightning.parallel.fsdp import apply_fsdp
 from omni_lightning.parallel.mesh import OmniMeshes
 from omni_lightning.parallel.pipeline import PipelineRunner, PipelineSettings
-from omni_lightning.parallel.tensor_parallel import apply_tp, check_tp_compatible
+from omni_lightning.parallel.tensor_parallel import apply_tp
 
 __all__ = ["parallelize_mllm", "check_model_fits_layout"]
+
 
 def check_model_fits_layout(model: ReferenceMLLM, meshes: OmniMeshes, *, encoder_balance: bool = False) -> None:
     """Raise ``ValueError`` naming the model size or degree that the layout cannot serve."""
     dims = meshes.parallel_dims
-    check_tp_compatible(model.config.llm, dims.tp)
-    llm = model.config.llm
-    if dims.ep > 1 and not llm.moe_every:
-        raise ValueError(f"ep={dims.ep} shards MoE experts but the LLM has no MoE layers (set llm.moe_every)")
-    if llm.moe_every and llm.n_experts % dims.ep:
-        raise ValueError(f"llm.n_experts={llm.n_experts} is not divisible by ep={dims.ep}; pick ep dividing it")
+    model.llm.check_tp(dims.tp)
+    reference_llm = isinstance(model.llm, Decoder)
+    reference_encoders = isinstance(model.vision, VisionEncoder) and isinstance(model.audio, AudioEncoder)
+    # CP, EP and the pipeline drive the reference modules' own signatures (CP shards, experts, RoPE tables, stems).
+    for name, supported, what in (("cp", reference_llm, "decoder"), ("ep", reference_llm, "decoder"),
+                                  ("pp", reference_llm and reference_encoders, "decoder and encoders")):
+        if getattr(dims, name) > 1 and not supported:
+            parts = ", ".join(type(part).__name__ for part in (model.vision, model.audio, model.llm))
+            raise ValueError(f"{name}={getattr(dims, name)} needs the reference {what}, not {parts}; adapted models "
+                             "train with tp, dp_replicate and dp_shard")
+    if reference_llm:
+        llm = model.llm.config
+        if dims.ep > 1 and not llm.moe_every:
+            raise ValueError(f"ep={dims.ep} shards MoE experts but the LLM has no MoE layers (set llm.moe_every)")
+        if llm.moe_every and llm.n_experts % dims.ep:
+            raise ValueError(f"llm.n_experts={llm.n_experts} is not divisible by ep={dims.ep}; pick ep dividing it")
     if dims.enc_sp > 1 and not encoder_balance:
         raise ValueError(f"enc_sp={dims.enc_sp} splits items planned by the encoder balancer: set encoder_balance=True")
     for name in ("vision", "audio"):
-        heads = getattr(model.config, name).n_heads
-        if heads % dims.enc_sp:
+        encoder = getattr(model, name)
+        if dims.enc_sp > 1 and not encoder.supports_sequence_parallel:
+            raise ValueError(f"enc_sp={dims.enc_sp} splits long items, which {type(encoder).__name__} cannot encode "
+                             "in pieces: use enc_sp=1 (whole-item encoder balancing still works)")
+        if encoder.n_heads % dims.enc_sp:
             raise ValueError(
-                f"{name}.n_heads={heads} is not divisible by enc_sp={dims.enc_sp}: Ulysses attention gives each "
-                "member of an SP group a share of the heads; pick enc_sp dividing the encoder heads"
+                f"{name}.n_heads={encoder.n_heads} is not divisible by enc_sp={dims.enc_sp}: Ulysses attention gives "
+                "each member of an SP group a share of the heads; pick enc_sp dividing the encoder heads"
             )
 
 
@@ -68,11 +83,9 @@ def parallelize_mllm(
         model.cp_group = cp_mesh.get_group()
     first_stage_encoders = runner is None or (runner.joint is None and runner.has_first_stage)
     if encoder_balance and meshes.encoder_group is not None and first_stage_encoders:
-        costs = CostModel.from_config(model.config)
-        model.encoder_balancer = EncoderBalancer(
-            meshes.encoder_group, meshes.encoder_sp_blocks, {"vision": costs.vision, "audio": costs.audio},
-            enc_sp=meshes.parallel_dims.enc_sp,
-        )
+        costs = {"vision": model.vision.cost(), "audio": model.audio.cost()}
+        model.encoder_balancer = EncoderBalancer(meshes.encoder_group, meshes.encoder_sp_blocks, costs,
+                                                 enc_sp=meshes.parallel_dims.enc_sp)
     if (tp_mesh := meshes.get("tp")) is not None:
         apply_tp(model.llm, tp_mesh)
     experts: list[torch.nn.Parameter] = []
@@ -80,9 +93,9 @@ def parallelize_mllm(
         experts = apply_ep(model.llm, meshes.ep_mesh, meshes.expert_replica_group,
                            gradient_divide=meshes.size("dp_cp"))
     if (loss_mesh := meshes.get("dp_cp")) is not None:
-        for layer in model.llm.layers.values():  # global routing statistics for the load-balance loss
-            if isinstance(layer.feed_forward, MoEFeedForward):
-                layer.feed_forward.stats_group = loss_mesh.get_group()
+        for module in model.llm.modules():  # global routing statistics for the load-balance loss
+            if isinstance(module, MoEFeedForward):
+                module.stats_group = loss_mesh.get_group()
     fsdp_mesh = meshes.fsdp_mesh
     if runner is None:
         if fsdp_mesh is not None:

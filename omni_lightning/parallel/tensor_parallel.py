@@ -1,57 +1,30 @@
-"""Tensor parallelism (Megatron-style column/row splits) for the reference decoder.
+"""Tensor parallelism (Megatron-style column/row splits) for a decoder LLM, following the plans it declares.
 
-Attention heads and SwiGLU hidden units are split over the TP mesh; activations between blocks stay replicated,
+Attention heads and MLP hidden units are split over the TP mesh; activations between blocks stay replicated,
 so the encoders' outputs can be written into the embeddings without any resharding. The LM head's logits stay
 sharded over the vocabulary (a DTensor) and the loss is computed under ``loss_parallel``. Encoders are not split:
 they are small, and their balance comes from data and sequence parallelism instead (see DESIGN.md).
-MoE feed-forward layers stay replicated over TP (expert parallelism is a separate dimension).
+The plans themselves belong to the model (:class:`~omni_lightning.models.adapters.LLMAdapter`): the reference
+decoder keeps MoE feed-forward layers replicated over TP (expert parallelism is a separate dimension); Hugging Face
+decoders follow their ``base_model_tp_plan``.
 """
 
 from __future__ import annotations
 
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 
-from omni_lightning.models.config import LLMConfig
-from omni_lightning.models.llm import Decoder, FeedForward
+from omni_lightning.models.adapters.protocol import LLMAdapter
 
-__all__ = ["apply_tp", "check_tp_compatible"]
+__all__ = ["apply_tp"]
 
 
-def check_tp_compatible(config: LLMConfig, tp: int) -> None:
-    """Raise ``ValueError`` naming the first model size that ``tp`` does not divide."""
-    for name in ("n_heads", "n_kv_heads", "ffn_hidden", "vocab_size"):
-        value = getattr(config, name)
-        if value % tp:
-            raise ValueError(f"llm.{name}={value} is not divisible by tp={tp}; choose a tp that divides it")
-
-
-def apply_tp(decoder: Decoder, tp_mesh: DeviceMesh) -> None:
-    """Split the decoder's projections, embedding and head over ``tp_mesh`` (in place)."""
-    check_tp_compatible(decoder.config, tp_mesh.size())
+def apply_tp(llm: LLMAdapter, tp_mesh: DeviceMesh) -> None:
+    """Split the LLM's embedding, head and block projections over ``tp_mesh`` (in place), by its TP plans."""
+    llm.check_tp(tp_mesh.size())
     # A pipeline stage may hold neither the embedding (not first) nor the head (not last).
-    plan = {}
-    if hasattr(decoder, "tok_embeddings"):
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if hasattr(decoder, "output"):
-        # Logits stay sharded over the vocabulary; the loss runs under ``loss_parallel`` so they are never
-        # gathered (a [tokens, vocab] all-gather per step is the largest activation of the model).
-        plan["output"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    plan = {name: style for name, style in llm.tp_plan().items() if hasattr(llm, name)}
     if plan:
-        parallelize_module(decoder, tp_mesh, plan)
-    for block in decoder.layers.values():
-        plan: dict[str, nn.Module] = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(),
-        }
-        if isinstance(block.feed_forward, FeedForward):
-            plan |= {
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(),
-            }
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(llm, tp_mesh, plan)
+    for block in llm.layers.values():
+        parallelize_module(block, tp_mesh, llm.layer_tp_plan(block))

@@ -1,0 +1,39 @@
+"""Model adapters: the protocols the strategy needs from encoders and LLMs, and Hugging Face implementations.
+
+``EncoderAdapter`` and ``LLMAdapter`` (see :mod:`.protocol`) describe what parallelisation and encoder balancing
+use. The reference modules implement them; so do the adapters for ``transformers`` models, which are imported on
+first use (``pip install 'omni-lightning[hf]'``), so that importing this package never imports ``transformers``::
+
+    from transformers import LlamaForCausalLM, SiglipVisionModel
+    from omni_lightning import OmniModule, ReferenceMLLM, ReferenceMLLMConfig
+    from omni_lightning.models.adapters import HFCausalLMAdapter, SiglipVisionAdapter
+
+    llm = HFCausalLMAdapter(LlamaForCausalLM.from_pretrained(...))
+    vision = SiglipVisionAdapter(SiglipVisionModel.from_pretrained(...), llm_dim=llm.config.hidden_size)
+    model = ReferenceMLLM(ReferenceMLLMConfig.tiny(), vision=vision, llm=llm)   # the reference audio encoder stays
+    module = OmniModule(model)
+"""
+
+from typing import Any
+
+from omni_lightning.models.adapters.masks import packed_attention_mask
+from omni_lightning.models.adapters.protocol import EncoderAdapter, LLMAdapter
+
+__all__ = [
+    "EncoderAdapter",
+    "HFCausalLMAdapter",
+    "LLMAdapter",
+    "SiglipVisionAdapter",
+    "WhisperEncoderAdapter",
+    "packed_attention_mask",
+]
+
+_HF_ADAPTERS = {"HFCausalLMAdapter": "hf_llm", "SiglipVisionAdapter": "hf_vision", "WhisperEncoderAdapter": "hf_audio"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HF_ADAPTERS:
+        import importlib
+
+        return getattr(importlib.import_module(f"omni_lightning.models.adapters.{_HF_ADAPTERS[name]}"), name)
+    raise AttributeError(f"module 'omni_lightning.models.adapters' has no attribute {name!r}")

@@ -1,0 +1,108 @@
+"""What the strategy needs from an encoder and from a decoder LLM, written down as two protocols.
+
+The reference modules (:class:`~omni_lightning.models.encoders.VisionEncoder`,
+:class:`~omni_lightning.models.encoders.AudioEncoder`, :class:`~omni_lightning.models.llm.Decoder`) implement them,
+and so do the Hugging Face adapters of this package. :class:`~omni_lightning.models.mllm.ReferenceMLLM` takes any of
+them in place of its own components, and :func:`~omni_lightning.parallel.parallelize.parallelize_mllm` parallelises
+through these members only, except for pipeline, context and expert parallelism, which need the reference decoder.
+
+Data format: encoders take the packed tensors of :func:`~omni_lightning.datamodules.collate.pack_samples`
+(vision: ``patches [n_patches, 3 * 14 * 14]`` with each 2x2 merge window adjacent, ``positions [n_patches, 2]``,
+``grids [n_items, 2]``; audio: ``mels [n_frames, n_mels]``, ``lengths [n_clips]``) and return one LLM-width
+embedding per placeholder token of their modality, in item order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from omni_lightning.balance.cost import ModuleCost
+from omni_lightning.balance.reshard import SplitChunk
+
+__all__ = ["EncoderAdapter", "LLMAdapter"]
+
+
+@runtime_checkable
+class EncoderAdapter(Protocol):
+    """A modality encoder: packed items in, LLM-width embeddings out, split into a per-token stem and the rest.
+
+    The split lets encoder resharding move stem tokens between ranks: ``forward(*inputs)`` must equal
+    ``encode(tokens, cu_seqlens)`` of ``tokens, lengths = embed(*inputs)`` with ``cu_seqlens`` from ``lengths``.
+    """
+
+    #: Transformer blocks: each is its own FSDP unit.
+    blocks: Sequence[nn.Module]
+    #: Stem tokens per output embedding; a split item is never cut inside such a group.
+    tokens_per_output: int
+    #: Attention heads: Ulysses sequence parallelism gives each member of an SP group a share of them.
+    n_heads: int
+    #: Whether ``encode`` runs split-item chunks (``enc_sp > 1``); adapters without it take whole items only.
+    supports_sequence_parallel: bool
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """Packed items -> ``[n_outputs, llm_dim]``."""
+        ...
+
+    def item_tokens(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """Stem tokens of each item, from the inputs' metadata alone (the encoder plan is made before the stem)."""
+        ...
+
+    def embed(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token stem: ``(tokens [n_tokens, dim], tokens per item)``."""
+        ...
+
+    def encode(self, x: torch.Tensor, cu_seqlens: torch.Tensor, chunks: Sequence[SplitChunk] = (),
+               sp_groups: Mapping[int, dist.ProcessGroup] | None = None) -> torch.Tensor:
+        """Transformer and projector over stem tokens of whole items (``cu_seqlens``), then split-item chunks."""
+        ...
+
+    def dummy_inputs(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Inputs of one small item, run by a rank with none so that its collectives match the other ranks'."""
+        ...
+
+    def cost(self) -> ModuleCost:
+        """Training FLOPs per stem-level cost-model token and per attention pair (see :class:`CostModel`)."""
+        ...
+
+
+@runtime_checkable
+class LLMAdapter(Protocol):
+    """A decoder LLM over one packed sequence: embeddings in, logits out.
+
+    ``layers`` holds the transformer blocks keyed ``"0" .. "n-1"`` (pipeline stages keep these names, so their
+    checkpoints load into the unsplit model); each block is an FSDP unit. ``tok_embeddings``, ``norm`` and
+    ``output`` (the LM head) are the remaining pieces a pipeline places on its first and last stages.
+    """
+
+    tok_embeddings: nn.Module
+    layers: nn.ModuleDict
+    norm: nn.Module
+    output: nn.Module
+
+    def forward(self, embeddings: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """``embeddings [tokens, dim]``, positions reset per packed sample -> logits ``[tokens, vocab]``; attention
+        never crosses the samples that ``cu_seqlens`` delimits."""
+        ...
+
+    def check_tp(self, tp: int) -> None:
+        """Raise ``ValueError`` naming the first size that ``tp`` does not divide."""
+        ...
+
+    def tp_plan(self) -> dict[str, ParallelStyle]:
+        """Tensor-parallel styles of the embedding and head, by attribute name. The head's logits stay sharded
+        over the vocabulary (the loss runs under ``loss_parallel``)."""
+        ...
+
+    def layer_tp_plan(self, layer: nn.Module) -> dict[str, ParallelStyle]:
+        """Tensor-parallel styles of one block's submodules, by name relative to the block."""
+        ...
+
+    def moe_aux_loss(self) -> torch.Tensor:
+        """This rank's share of the MoE load-balance loss of the last forward (a zero scalar for dense models)."""
+        ...
