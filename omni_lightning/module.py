@@ -43,8 +43,8 @@ class OmniModule(LightningModule):
 
     Args:
         model: configuration of the reference MLLM (``ReferenceMLLMConfig.tiny()`` when omitted), or a built
-            :class:`ReferenceMLLM` (e.g. with your own encoders in place of ``vision``/``audio``), whose rank-0 weights
-            every rank starts from.
+            :class:`ReferenceMLLM`, whose rank-0 weights every rank starts from: e.g. with Hugging Face encoders or
+            decoder in place of ``vision``/``audio``/``llm`` through :mod:`omni_lightning.models.adapters`.
         learning_rate, weight_decay, betas, warmup_steps: AdamW with linear warm-up.
         init_checkpoint: a seed checkpoint (a full ``state_dict`` saved with ``torch.save``) to start from;
             otherwise weights come from ``init_seed``. Either way every rank and every layout starts identically.
@@ -92,7 +92,8 @@ class OmniModule(LightningModule):
         """
         if self.model is not None:
             return
-        if self._built_model:
+        built_model = bool(self._built_model)
+        if built_model:
             (model,) = self._built_model
             state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
         else:
@@ -118,7 +119,12 @@ class OmniModule(LightningModule):
             kept = model.state_dict().keys()
             state, broadcast = {k: v for k, v in state.items() if k in kept}, False
         device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
+        # to_empty also wipes buffers outside the state dict (e.g. the rotary frequencies of Hugging Face decoders):
+        # a built model already holds their values, so put them back.
+        buffers = {name: b.detach().clone() for name, b in model.named_buffers()} if built_model else {}
         model.to_empty(device=device)
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
         # Rank 0's copy wins, so a model built with unseeded randomness on each rank still starts identically.
         options = StateDictOptions(full_state_dict=True, strict=True, broadcast_from_rank0=broadcast)
         set_model_state_dict(model, state, options=options)

@@ -1,0 +1,97 @@
+"""Hugging Face Llama-family causal LMs (``LlamaForCausalLM``, ``Qwen2ForCausalLM``) as an :class:`LLMAdapter`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from transformers import PreTrainedModel
+
+from omni_lightning.models.adapters.masks import packed_attention_mask
+
+__all__ = ["HFCausalLMAdapter"]
+
+# HF's per-layer TP plan vocabulary (``config.base_model_tp_plan``) -> DTensor styles. Only the two plain styles:
+# others (packed, local, gather) change activation layouts in ways this adapter's forward does not expect.
+_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+_ATTENTION = ("sdpa", "eager")  # implementations that take a dense 4-D mask (flash-attn wants position ids)
+
+
+class HFCausalLMAdapter(nn.Module):
+    """A Llama-family ``*ForCausalLM`` over one packed sequence.
+
+    Takes the HF model's pieces (embedding, decoder layers, final norm, rotary table, LM head), so the parameter
+    names become ``tok_embeddings.*``, ``layers.{i}.*``, ``norm.*``, ``output.*``; load pretrained weights into the
+    HF model before wrapping it. Packed samples attend only within themselves through a block-diagonal causal mask,
+    and RoPE positions restart per sample (``positions``), so a packed micro-batch gives every sample the logits it
+    would get alone. Tensor parallelism follows the model's own ``base_model_tp_plan``.
+
+    Raises ``ValueError`` for an attention implementation other than SDPA or eager, and (at parallelisation) for
+    tied embeddings under tensor parallelism: the embedding and the head would need different shardings of one tensor.
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__()
+        config = model.config
+        if config._attn_implementation not in _ATTENTION:
+            raise ValueError(f"attention implementation {config._attn_implementation!r} is not supported: build the "
+                             f"model with attn_implementation in {_ATTENTION}")
+        self.config = config
+        base = model.model
+        self.tok_embeddings = base.embed_tokens
+        # Keyed by index like the reference decoder, so pipeline-style slicing keeps checkpoint names.
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(base.layers)})
+        self.norm = base.norm
+        self.rotary_emb = base.rotary_emb
+        self.output = model.get_output_embeddings()
+        self.tied = self.output.weight is self.tok_embeddings.weight
+
+    def forward(self, embeddings: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """``embeddings [tokens, dim]`` -> logits ``[tokens, vocab]`` (vocabulary-sharded under TP)."""
+        x, position_ids = embeddings[None], positions[None].long()
+        rope = self.rotary_emb(x, position_ids)
+        mask = packed_attention_mask(cu_seqlens, causal=True, dtype=x.dtype)
+        for layer in self.layers.values():
+            x = layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=rope)
+        # Drop the batch dimension before the head: the vocabulary-sharded logits are a DTensor under TP.
+        return self.output(self.norm(x[0]))
+
+    def check_tp(self, tp: int) -> None:
+        config = self.config
+        sizes = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+                 "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
+        for name, value in sizes.items():
+            if value % tp:
+                raise ValueError(f"{name}={value} of the HF model is not divisible by tp={tp}")
+        if tp > 1 and self.tied:
+            raise ValueError("tensor parallelism shards the embedding by rows and the LM head by columns, which a "
+                             "tied weight cannot be: build the model with tie_word_embeddings=False")
+        if tp > 1:
+            self._layer_plan()  # unsupported plan entries fail here, before any module is parallelised
+
+    def tp_plan(self) -> dict[str, ParallelStyle]:
+        return {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            # Vocabulary-sharded logits, never gathered (see next_token_loss_sum).
+            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        }
+
+    def layer_tp_plan(self, layer: nn.Module) -> dict[str, ParallelStyle]:
+        return self._layer_plan()
+
+    def _layer_plan(self) -> dict[str, ParallelStyle]:
+        plan = {}
+        for pattern, style in (self.config.base_model_tp_plan or {}).items():
+            prefix = "layers.*."
+            if not pattern.startswith(prefix) or style not in _STYLES:
+                raise ValueError(f"tensor-parallel plan entry {pattern!r}: {style!r} is not supported (only "
+                                 f"'{prefix}<module>' entries with styles {sorted(_STYLES)})")
+            plan[pattern[len(prefix):]] = _STYLES[style]()
+        if not plan:
+            raise ValueError(f"{type(self.config).__name__} has no base_model_tp_plan to split its layers by")
+        return plan
+
+    def moe_aux_loss(self) -> torch.Tensor:
+        return torch.zeros((), device=self.norm.weight.device)
+

@@ -1,0 +1,223 @@
+"""Model adapters: the reference modules implement the protocols, and Hugging Face models adapted to them compute
+what the HF models compute sample by sample, then train under TP x FSDP as one process does.
+
+Tolerances. Packed against per-sample runs: 2e-5 absolute on outputs of magnitude ~1: the same fp32 operations,
+with the block-diagonal mask's ``finfo.min`` scores exponentiating to exactly 0, so only summation order differs
+(SDPA's kernels see other shapes). Training parity: as tests/test_parity.py (1e-4 relative on losses and
+gradients; layouts differ only in the order of fp32 reductions, ~1e-7 relative per step).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lightning_runs import BATCH_SIZE, LEARNING_RATE, RecordRun, fit  # noqa: E402
+from transformers.models.whisper.modeling_whisper import WhisperEncoder  # noqa: E402
+
+from omni_lightning import OmniModule, ReferenceMLLM, ReferenceMLLMConfig, WebDataModule  # noqa: E402
+from omni_lightning.balance.cost import CostModel  # noqa: E402
+from omni_lightning.datamodules.collate import pack_samples, patchify  # noqa: E402
+from omni_lightning.models.adapters import (  # noqa: E402
+    EncoderAdapter,
+    HFCausalLMAdapter,
+    LLMAdapter,
+    SiglipVisionAdapter,
+    WhisperEncoderAdapter,
+)
+from omni_lightning.models.mllm import next_token_loss_sum  # noqa: E402
+from omni_lightning.parallel.dims import ParallelDims  # noqa: E402
+from omni_lightning.parallel.mesh import OmniMeshes  # noqa: E402
+from omni_lightning.parallel.parallelize import check_model_fits_layout  # noqa: E402
+
+LLM_DIM = 64
+
+
+def _decoder_config(family: str, **overrides: object) -> transformers.PretrainedConfig:
+    sizes = {"vocab_size": 256, "hidden_size": LLM_DIM, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 8, "num_key_value_heads": 4, "tie_word_embeddings": False} | overrides
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
+    return config_class(**sizes)
+
+
+def _decoder(family: str, **overrides: object) -> transformers.PreTrainedModel:
+    model_class = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[family]
+    return model_class(_decoder_config(family, **overrides)).eval()
+
+
+def _siglip() -> transformers.SiglipVisionModel:
+    # A 4x4-patch native grid at the data's 14-pixel patches; other grids interpolate its position table.
+    config = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, image_size=56, patch_size=14)
+    return transformers.SiglipVisionModel(config).eval()
+
+
+def _whisper() -> WhisperEncoder:
+    config = transformers.WhisperConfig(num_mel_bins=80, d_model=32, encoder_layers=2, encoder_attention_heads=4,
+                                        encoder_ffn_dim=64, max_source_positions=8)
+    return WhisperEncoder(config).eval()
+
+
+def adapted_mllm() -> ReferenceMLLM:
+    """A Llama decoder and a SigLIP tower through the adapters; the reference audio encoder stays."""
+    llm = HFCausalLMAdapter(_decoder("llama"))
+    return ReferenceMLLM(ReferenceMLLMConfig.tiny(), vision=SiglipVisionAdapter(_siglip(), LLM_DIM), llm=llm)
+
+
+def test_importing_the_package_leaves_transformers_to_the_hf_adapter_modules() -> None:
+    """Only ``models/adapters/hf_*.py`` import ``transformers``; the package reaches them on first attribute use."""
+    root = Path(__file__).resolve().parents[1] / "omni_lightning"
+    importers = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(name.split(".")[0] == "transformers" for name in names):
+                importers.add(path.relative_to(root).as_posix())
+    assert importers == {"models/adapters/hf_llm.py", "models/adapters/hf_vision.py", "models/adapters/hf_audio.py"}
+
+
+def test_reference_modules_implement_the_protocols_with_the_cost_model_coefficients() -> None:
+    for config in (ReferenceMLLMConfig.tiny(), ReferenceMLLMConfig()):
+        model = ReferenceMLLM(config)
+        assert isinstance(model.vision, EncoderAdapter) and isinstance(model.audio, EncoderAdapter)
+        assert isinstance(model.llm, LLMAdapter)
+        costs = CostModel.from_config(config)
+        assert (model.vision.cost(), model.audio.cost()) == (costs.vision, costs.audio)
+
+
+def _pack(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """cu_seqlens and positions restarting per sample."""
+    cu = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32)
+    return cu, torch.cat([torch.arange(n) for n in lengths])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_decoder_on_packed_samples_matches_each_sample_alone(family: str) -> None:
+    torch.manual_seed(0)
+    hf = _decoder(family)
+    adapter = HFCausalLMAdapter(hf)
+    assert isinstance(adapter, LLMAdapter)
+    lengths = [7, 12, 5]
+    ids = torch.randint(4, 256, (sum(lengths),))
+    cu, positions = _pack(lengths)
+    with torch.no_grad():
+        packed = adapter(adapter.tok_embeddings(ids), positions, cu)
+        alone = torch.cat([hf(input_ids=sample[None]).logits[0] for sample in ids.split(lengths)])
+    torch.testing.assert_close(packed, alone, atol=2e-5, rtol=0)
+
+
+def test_decoder_refuses_what_tensor_parallelism_cannot_split() -> None:
+    with pytest.raises(ValueError, match="tie_word_embeddings=False"):
+        HFCausalLMAdapter(_decoder("llama", tie_word_embeddings=True)).check_tp(2)
+    with pytest.raises(ValueError, match="num_key_value_heads=4 of the HF model is not divisible by tp=8"):
+        HFCausalLMAdapter(_decoder("llama")).check_tp(8)
+    HFCausalLMAdapter(_decoder("llama", tie_word_embeddings=True)).check_tp(1)  # tied weights train without TP
+    with pytest.raises(ValueError, match="attention implementation"):
+        HFCausalLMAdapter(transformers.LlamaForCausalLM._from_config(
+            _decoder_config("llama"), attn_implementation="flex_attention"))
+
+
+def test_vision_tower_on_packed_images_of_any_size_matches_hf_with_interpolated_positions() -> None:
+    torch.manual_seed(0)
+    hf = _siglip()
+    adapter = SiglipVisionAdapter(hf, LLM_DIM)
+    assert isinstance(adapter, EncoderAdapter)
+    rng = np.random.default_rng(0)
+    # Native 4x4 grid, a wide 2x6 one and a tall 6x4 one (patches of 14 pixels).
+    grid_sizes = [(4, 4), (2, 6), (6, 4)]
+    images = [rng.integers(0, 256, (14 * rows, 14 * cols, 3), dtype=np.uint8) for rows, cols in grid_sizes]
+    items = [patchify(image, 14, 4) for image in images]
+    patches, positions = torch.cat([p for p, _, _ in items]), torch.cat([q for _, q, _ in items])
+    grids = torch.tensor([grid for _, _, grid in items])
+    with torch.no_grad():
+        packed = adapter(patches, positions, grids)
+        expected = []
+        for image, (_, item_positions, (_, cols)) in zip(images, items, strict=True):
+            pixels = torch.from_numpy(image).float().div(127.5).sub(1.0).permute(2, 0, 1)[None]
+            tokens = hf(pixel_values=pixels, interpolate_pos_encoding=True).last_hidden_state[0]
+            windowed = tokens[item_positions[:, 0] * cols + item_positions[:, 1]]  # the data's 2x2-window order
+            expected.append(adapter.projector(windowed.reshape(-1, 4 * 32)))
+    assert packed.shape == (sum(int(r * c) for r, c in grids.tolist()) // 4, LLM_DIM)
+    torch.testing.assert_close(packed, torch.cat(expected), atol=2e-5, rtol=0)
+
+
+def test_audio_encoder_matches_whisper_on_full_clips_and_packs_short_ones_independently() -> None:
+    torch.manual_seed(0)
+    hf = _whisper()
+    adapter = WhisperEncoderAdapter(hf, LLM_DIM)
+    assert isinstance(adapter, EncoderAdapter)
+    full = adapter.max_frames  # Whisper's fixed input length: the one length HF runs unpadded
+    clips = [torch.randn(full, 80), torch.randn(8, 80), torch.randn(full, 80)]
+    lengths = torch.tensor([c.shape[0] for c in clips])
+    with torch.no_grad():
+        packed = adapter(torch.cat(clips), lengths)
+        pieces = packed.split((lengths // 4).tolist())
+        for clip, piece in zip(clips, pieces, strict=True):
+            torch.testing.assert_close(piece, adapter(clip, clip.new_tensor([clip.shape[0]], dtype=torch.long)),
+                                       atol=2e-5, rtol=0)
+        for clip, piece in ((clips[0], pieces[0]), (clips[2], pieces[2])):
+            hidden = hf(input_features=clip.t()[None]).last_hidden_state[0]
+            expected = adapter.projector(hidden.unflatten(0, (-1, 2)).mean(1))
+            torch.testing.assert_close(piece, expected, atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="at most 16 frames"):
+        adapter(torch.randn(20, 80), torch.tensor([20]))
+
+
+def test_adapted_model_refuses_layouts_that_need_the_reference_modules() -> None:
+    model = adapted_mllm()
+    for layout, message in (({"pp": 2}, "pp=2 needs the reference decoder and encoders"),
+                            ({"cp": 2}, "cp=2 needs the reference decoder"),
+                            ({"enc_sp": 2}, "SiglipVisionAdapter cannot encode in pieces")):
+        dims = ParallelDims(world_size=4, dp_shard=-1, **layout)
+        with pytest.raises(ValueError, match=message):
+            check_model_fits_layout(model, OmniMeshes(dims, None, {}, None, {}), encoder_balance=True)
+    check_model_fits_layout(model, OmniMeshes(ParallelDims(world_size=4, dp_shard=2, tp=2), None, {}, None, {}))
+
+
+def _single_process_run(shards: str, seed_file: Path, *, dp_size: int, steps: int) -> tuple[list[float], dict]:
+    """One process trains on the union of what the ``dp_size`` ranks read each step (as lightning_runs does)."""
+    data = WebDataModule(shards, batch_size=BATCH_SIZE)
+    streams = [data.stream(shards, dp_rank=r, dp_size=dp_size, num_workers=0).iter_samples() for r in range(dp_size)]
+    model = adapted_mllm()
+    model.load_state_dict(torch.load(seed_file, weights_only=True))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0)
+    losses, grads = [], {}
+    for step in range(steps):
+        optimizer.zero_grad()
+        batch = pack_samples([next(stream) for stream in streams for _ in range(BATCH_SIZE)])
+        loss_sum, count = next_token_loss_sum(model(batch), batch["labels"])
+        (loss_sum / count).backward()
+        losses.append((loss_sum / count).item())
+        if step == 0:
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        optimizer.step()
+    return losses, grads
+
+
+@pytest.mark.distributed
+def test_adapted_model_trains_under_tp2_fsdp2_as_one_process(tmp_path: Path, tiny_shards: str) -> None:
+    steps = 6
+    torch.manual_seed(3)
+    built = adapted_mllm()
+    seed_file = tmp_path / "adapted.pt"
+    torch.save(built.state_dict(), seed_file)
+    module = OmniModule(built, learning_rate=LEARNING_RATE)
+    fit(tmp_path, tiny_shards, seed_file, layout={"dp_shard": 2, "tp": 2}, max_steps=steps, module=module,
+        callbacks=[RecordRun(tmp_path, grads=True)])
+    ref_losses, ref_grads = _single_process_run(tiny_shards, seed_file, dp_size=2, steps=steps)
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+    grads = torch.load(tmp_path / "grads.pt", weights_only=True)
+    assert grads.keys() == ref_grads.keys()
+    assert any(name.startswith("llm.layers.1.self_attn") for name in grads)  # the HF modules trained, not stand-ins
+    for name, ref in ref_grads.items():
+        error = (grads[name] - ref).norm().item()
+        assert error <= 1e-4 * ref.norm().item() + 1e-8, f"gradient of {name} differs by {error:.3g}"
