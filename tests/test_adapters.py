@@ -13,6 +13,7 @@ import ast
 import json
 from pathlib import Path
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -59,16 +60,17 @@ def _siglip() -> transformers.SiglipVisionModel:
     return transformers.SiglipVisionModel(config).eval()
 
 
-def _whisper() -> WhisperEncoder:
+def _whisper(max_source_positions: int) -> WhisperEncoder:
+    """Clips of up to ``2 * max_source_positions`` mel frames."""
     config = transformers.WhisperConfig(num_mel_bins=80, d_model=32, encoder_layers=2, encoder_attention_heads=4,
-                                        encoder_ffn_dim=64, max_source_positions=8)
+                                        encoder_ffn_dim=64, max_source_positions=max_source_positions)
     return WhisperEncoder(config).eval()
 
 
 def adapted_mllm() -> ReferenceMLLM:
-    """A Llama decoder and a SigLIP tower through the adapters; the reference audio encoder stays."""
-    llm = HFCausalLMAdapter(_decoder("llama"))
-    return ReferenceMLLM(ReferenceMLLMConfig.tiny(), vision=SiglipVisionAdapter(_siglip(), LLM_DIM), llm=llm)
+    """Llama decoder, SigLIP tower and Whisper encoder, all through the adapters (tiny_shards' clips: <= 88 frames)."""
+    return ReferenceMLLM(ReferenceMLLMConfig.tiny(), vision=SiglipVisionAdapter(_siglip(), LLM_DIM),
+                         audio=WhisperEncoderAdapter(_whisper(64), LLM_DIM), llm=HFCausalLMAdapter(_decoder("llama")))
 
 
 def test_importing_the_package_leaves_transformers_to_the_hf_adapter_modules() -> None:
@@ -151,7 +153,7 @@ def test_vision_tower_on_packed_images_of_any_size_matches_hf_with_interpolated_
 
 def test_audio_encoder_matches_whisper_on_full_clips_and_packs_short_ones_independently() -> None:
     torch.manual_seed(0)
-    hf = _whisper()
+    hf = _whisper(8)
     adapter = WhisperEncoderAdapter(hf, LLM_DIM)
     assert isinstance(adapter, EncoderAdapter)
     full = adapter.max_frames  # Whisper's fixed input length: the one length HF runs unpadded
@@ -202,8 +204,22 @@ def _single_process_run(shards: str, seed_file: Path, *, dp_size: int, steps: in
     return losses, grads
 
 
+class _EncoderTraffic(pl.Callback):
+    """Rank 0 sums the bytes the encoder balancer moved between ranks over the run."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir, self.moved = out_dir, 0.0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: object) -> None:
+        self.moved += module.model.encoder_balancer.stats.get("bytes_moved", 0.0)
+        if trainer.global_rank == 0:
+            (self.out_dir / "encoder_bytes_moved.json").write_text(json.dumps(self.moved))
+
+
 @pytest.mark.distributed
 def test_adapted_model_trains_under_tp2_fsdp2_as_one_process(tmp_path: Path, tiny_shards: str) -> None:
+    """With two data-parallel ranks OmniStrategy balances encoder work by default, so the HF encoders also run
+    through the encoder balancer (their stems on the owning rank, the rest wherever the plan sends the tokens)."""
     steps = 6
     torch.manual_seed(3)
     built = adapted_mllm()
@@ -211,13 +227,16 @@ def test_adapted_model_trains_under_tp2_fsdp2_as_one_process(tmp_path: Path, tin
     torch.save(built.state_dict(), seed_file)
     module = OmniModule(built, learning_rate=LEARNING_RATE)
     fit(tmp_path, tiny_shards, seed_file, layout={"dp_shard": 2, "tp": 2}, max_steps=steps, module=module,
-        callbacks=[RecordRun(tmp_path, grads=True)])
+        callbacks=[RecordRun(tmp_path, grads=True), _EncoderTraffic(tmp_path)])
+    assert json.loads((tmp_path / "encoder_bytes_moved.json").read_text()) > 0  # items did change ranks
     ref_losses, ref_grads = _single_process_run(tiny_shards, seed_file, dp_size=2, steps=steps)
     losses = json.loads((tmp_path / "losses.json").read_text())
     torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor(ref_losses), rtol=1e-4, atol=0)
     grads = torch.load(tmp_path / "grads.pt", weights_only=True)
     assert grads.keys() == ref_grads.keys()
-    assert any(name.startswith("llm.layers.1.self_attn") for name in grads)  # the HF modules trained, not stand-ins
+    # The HF modules trained, not reference stand-ins.
+    assert {"llm.layers.1.self_attn.q_proj.weight", "vision.blocks.1.self_attn.k_proj.bias",
+            "audio.blocks.1.fc1.weight"} <= grads.keys()
     for name, ref in ref_grads.items():
         error = (grads[name] - ref).norm().item()
         assert error <= 1e-4 * ref.norm().item() + 1e-8, f"gradient of {name} differs by {error:.3g}"

@@ -32,7 +32,7 @@ class WhisperEncoderAdapter(nn.Module):
     Whisper pads every clip to 30 s and attends over the padding. Here each clip attends only to its own frames
     (block-diagonal mask), so clips of any length up to ``2 * max_source_positions`` frames cost what they
     contain; a clip of exactly that length encodes as ``WhisperEncoder`` encodes it. Clips are convolved one by
-    one, so no kernel reads across a clip boundary. ``embed_positions`` stays frozen, as in Whisper. Split items
+    one, so no kernel reads across a clip boundary. The position table stays frozen, as in Whisper. Split items
     (``enc_sp > 1``) are not supported; whole-item encoder balancing is.
     """
 
@@ -47,7 +47,8 @@ class WhisperEncoderAdapter(nn.Module):
                              "model with attn_implementation 'sdpa' or 'eager'")
         self.config = config
         self.conv1, self.conv2 = encoder.conv1, encoder.conv2
-        self.embed_positions = encoder.embed_positions
+        # Whisper freezes its sinusoidal table: a (persistent) buffer says so to the optimizer and to FSDP.
+        self.register_buffer("embed_positions", encoder.embed_positions.weight.detach().clone())
         self.blocks = encoder.layers
         self.layer_norm = encoder.layer_norm
         self.projector = GeluMLP(config.d_model, llm_dim, llm_dim)
@@ -67,8 +68,7 @@ class WhisperEncoderAdapter(nn.Module):
                              f"{AUDIO_DOWNSAMPLE} of at most {self.max_frames} frames (Whisper's position table)")
         clips = [F.gelu(self.conv2(F.gelu(self.conv1(clip.t()[None].to(self.conv1.weight.dtype)))))[0].t()
                  for clip in mels.split(lengths.tolist())]
-        positions = self.embed_positions.weight
-        x = torch.cat([clip + positions[: clip.shape[0]].to(clip.dtype) for clip in clips])
+        x = torch.cat([clip + self.embed_positions[: clip.shape[0]].to(clip.dtype) for clip in clips])
         return x, self.item_tokens(mels, lengths)
 
     def encode(self, x: torch.Tensor, cu_seqlens: torch.Tensor, chunks: Sequence[SplitChunk] = (),
