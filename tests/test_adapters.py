@@ -7,7 +7,7 @@ with the block-diagonal mask's ``finfo.min`` scores exponentiating to exactly 0,
 1e-5 + 1e-4 relative (row-parallel partial sums are added in another order). Training parity: as
 tests/test_parity.py (1e-4 relative on losses and gradients, 1e-8 absolute for gradients that are zero in exact
 arithmetic, like attention key biases; layouts differ only in the order of fp32 reductions, ~1e-7 relative per
-step, measured 9e-8 on losses over 10 steps).
+step; measured: losses 1.7e-7 relative over the 6 steps, gradients 6e-6 relative, key-bias gradients ~1e-9).
 """
 
 from __future__ import annotations
