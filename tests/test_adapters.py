@@ -33,6 +33,7 @@ from transformers.models.whisper.modeling_whisper import WhisperEncoder  # noqa:
 from omni_lightning import OmniModule, ReferenceMLLM, ReferenceMLLMConfig, WebDataModule  # noqa: E402
 from omni_lightning.balance.cost import CostModel  # noqa: E402
 from omni_lightning.datamodules.collate import pack_samples, patchify  # noqa: E402
+from omni_lightning.models import AudioEncoderConfig, LLMConfig, VisionEncoderConfig  # noqa: E402
 from omni_lightning.models.adapters import (  # noqa: E402
     EncoderAdapter,
     HFCausalLMAdapter,
@@ -95,12 +96,25 @@ def test_importing_the_package_leaves_transformers_to_the_hf_adapter_modules() -
 
 
 def test_reference_modules_implement_the_protocols_with_the_cost_model_coefficients() -> None:
-    for config in (ReferenceMLLMConfig.tiny(), ReferenceMLLMConfig()):
+    for config in (ReferenceMLLMConfig.tiny(), ReferenceMLLMConfig(), ReferenceMLLMConfig.tiny(moe=True)):
         model = ReferenceMLLM(config)
         assert isinstance(model.vision, EncoderAdapter) and isinstance(model.audio, EncoderAdapter)
         assert isinstance(model.llm, LLMAdapter)
-        costs = CostModel.from_config(config)
-        assert (model.vision.cost(), model.audio.cost()) == (costs.vision, costs.audio)
+        assert model.cost_model() == CostModel.from_config(config)
+
+
+def test_hf_costs_count_what_the_reference_counts_for_the_same_shapes() -> None:
+    """A Llama decoder and a SigLIP tower are the reference decoder and ViT in FLOPs (GQA + SwiGLU + untied head;
+    q/k/v/out + GELU MLP + 2x2 merge projector); Whisper's encoder runs twice the positions of the reference
+    audio encoder per placeholder token, so four times the attention pairs."""
+    same = ReferenceMLLMConfig(vision=VisionEncoderConfig(dim=32, n_layers=2, n_heads=4, mlp_ratio=2.0),
+                               llm=LLMConfig(dim=LLM_DIM, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=128))
+    reference = CostModel.from_config(same)
+    assert HFCausalLMAdapter(_decoder("llama")).cost() == reference.llm
+    assert SiglipVisionAdapter(_siglip(), LLM_DIM).cost() == reference.vision
+    whisper = WhisperEncoderAdapter(_whisper(8), LLM_DIM).cost()
+    audio = CostModel.from_config(ReferenceMLLMConfig(audio=AudioEncoderConfig(dim=32, n_layers=2, n_heads=4))).audio
+    assert whisper.quadratic == 4 * audio.quadratic and whisper.linear > audio.linear
 
 
 def _pack(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,8 +13,9 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from omni_lightning.balance.cost import CostModel, ModuleCost
 from omni_lightning.models.attention import AttentionBackend, varlen_attention
-from omni_lightning.models.config import LLMConfig
+from omni_lightning.models.config import LLMConfig, ReferenceMLLMConfig
 from omni_lightning.models.layers import RMSNorm
 from omni_lightning.models.moe import MoEFeedForward
 from omni_lightning.parallel.context_parallel import ContextShard, cp_attention
@@ -153,6 +154,10 @@ class Decoder(nn.Module):
                 "feed_forward.w2": RowwiseParallel(),
             }
         return plan
+
+    def cost(self) -> ModuleCost:
+        """Training FLOPs per token and per causal attention pair, as ``CostModel.from_config`` counts them."""
+        return CostModel.from_config(ReferenceMLLMConfig(llm=self.config)).llm
 
     def moe_aux_loss(self) -> torch.Tensor:
         """This rank's share of the load-balance loss of the last forward, summed over MoE layers (0 if none)."""

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from omni_lightning.balance.cost import CostModel
 from omni_lightning.models.adapters.protocol import EncoderAdapter, LLMAdapter
 from omni_lightning.models.config import AUDIO_ID, IMAGE_ID, ReferenceMLLMConfig
 from omni_lightning.models.encoders import AudioEncoder, VisionEncoder
@@ -59,6 +60,11 @@ class ReferenceMLLM(nn.Module):
         self.cp_group: dist.ProcessGroup | None = None
         self.forward_cpu_seconds: dict[str, float] = {}
         self._encoder_seconds = 0.0
+
+    def cost_model(self) -> CostModel:
+        """The per-sample cost model of these components (adapters included), e.g. for
+        ``OmniDataModule(cost_model=...)``, which otherwise prices samples by the reference model's config."""
+        return CostModel(vision=self.vision.cost(), audio=self.audio.cost(), llm=self.llm.cost())
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         started = time.thread_time()

@@ -8,6 +8,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from transformers import PreTrainedModel
 
+from omni_lightning.balance.cost import ModuleCost
+from omni_lightning.models.adapters.flops import TRAIN, attention_pair_flops, matmul_flops
 from omni_lightning.models.adapters.masks import packed_attention_mask
 
 __all__ = ["HFCausalLMAdapter"]
@@ -95,3 +97,13 @@ class HFCausalLMAdapter(nn.Module):
     def moe_aux_loss(self) -> torch.Tensor:
         return torch.zeros((), device=self.norm.weight.device)
 
+    def cost(self) -> ModuleCost:
+        """Per token: q/k/v/o (grouped-query), the gated MLP's three projections in every layer, and the LM head."""
+        config, dim = self.config, self.config.hidden_size
+        head_dim = getattr(config, "head_dim", None) or dim // config.num_attention_heads
+        q_width, kv_width = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+        attention = matmul_flops(dim, q_width + 2 * kv_width) + matmul_flops(q_width, dim)
+        gated_mlp = 3 * matmul_flops(dim, config.intermediate_size)
+        head = matmul_flops(dim, config.vocab_size)
+        return ModuleCost(linear=TRAIN * (config.num_hidden_layers * (attention + gated_mlp) + head),
+                          quadratic=attention_pair_flops(q_width, config.num_hidden_layers))

@@ -106,3 +106,7 @@ class LLMAdapter(Protocol):
     def moe_aux_loss(self) -> torch.Tensor:
         """This rank's share of the MoE load-balance loss of the last forward (a zero scalar for dense models)."""
         ...
+
+    def cost(self) -> ModuleCost:
+        """Training FLOPs per token (every layer and the head) and per causal attention pair."""
+        ...
