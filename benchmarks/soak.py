@@ -13,9 +13,11 @@ Reported:
   killed up to its last checkpoint, then the resumed run) against the shards' good keys: ``lost`` counts good keys
   missing from a complete epoch, ``duplicated`` the extra occurrences of a key within an epoch (the last, partial
   epoch included) plus any bad key trained;
-* RSS of every rank over time (``/proc/self/statm``, sampled after every step): per run segment, warm-up is the
-  first quarter of its steps; ``rss_growth`` = (max RSS over the last 10% of the steps - max RSS over the 10% after
-  warm-up) / the latter, the largest over ranks and segments;
+* RSS of every rank over time (``/proc/self/statm``, sampled after every step): per run segment (the killed run,
+  the resumed one), warm-up lasts through the segment's first checkpoint save and at least its first quarter (the
+  first save allocates the checkpoint's staging buffers once per process, and RSS is a high-water mark);
+  ``rss_growth`` = (max RSS over the last 10% of the segment's steps - max RSS over the 10% of its steps right
+  after warm-up) / the latter, the largest over ranks and segments;
 * checkpoint overhead: mean seconds of a checkpoint save (every rank writes its shards) against the mean step, and
   the share of wall time the saves took at the interval used.
 
@@ -187,15 +189,16 @@ def sample_accounting(keys_by_step: dict[int, list[str]], good: list[str], bad: 
             "epochs_complete": steps // epoch_steps}
 
 
-def rss_growth(rss_by_step: dict[int, float]) -> float:
-    """(max over the last 10% of steps - max over the 10% after warm-up) / the latter; warm-up: first quarter."""
+def rss_growth(rss_by_step: dict[int, float], every: int) -> float:
+    """(max over the last 10% of steps - max over the 10% right after warm-up) / the latter; warm-up lasts through
+    the first checkpoint save (every ``every`` steps) and at least the first quarter of the steps."""
     steps = sorted(rss_by_step)
     n = len(steps)
     window = max(n // 10, 1)
-    after_warmup = steps[n // 4 : n // 4 + window]
-    last = steps[-window:]
-    base = max(rss_by_step[s] for s in after_warmup)
-    return (max(rss_by_step[s] for s in last) - base) / base
+    first_save = next((i for i, s in enumerate(steps) if s % every == 0), 0)
+    warmup = min(max(first_save + 1, n // 4), n - 2 * window)
+    base = max(rss_by_step[s] for s in steps[warmup : warmup + window])
+    return (max(rss_by_step[s] for s in steps[-window:]) - base) / base
 
 
 def main() -> None:
@@ -258,7 +261,7 @@ def main() -> None:
         for step, keys in kept.items():
             keys_by_step.setdefault(step, []).extend(keys)
     accounting = sample_accounting(keys_by_step, good, bad, epoch_steps)
-    growth = {f"rank{r} {name}": rss_growth(run[r]["rss_mib"]) for r in range(RANKS)
+    growth = {f"rank{r} {name}": rss_growth(run[r]["rss_mib"], every) for r in range(RANKS)
               for name, run in (("killed", killed), ("resumed", resumed))}
     peak = {f"rank{r}": max(max(run[r]["rss_mib"].values()) for run in (killed, resumed)) for r in range(RANKS)}
     step_s = [t for run in (killed, resumed) for t in run[0]["step_s"].values()]
