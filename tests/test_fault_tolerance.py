@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from omni_lightning.datamodules.streaming import ShardStream
 from omni_lightning.datamodules.synthetic import make_synthetic_shards
-from omni_lightning.strategies.checkpointing import partial_path
+from omni_lightning.strategies.checkpointing import partial_path, publish_checkpoint
 
 pytestmark = pytest.mark.distributed
 
@@ -192,3 +192,19 @@ def test_resume_on_fewer_data_parallel_ranks(chain: dict[str, Any], shards: tupl
         fresh = ShardStream(paths, dp_rank=rank, dp_size=2, batch_size=BATCH_SIZE).iter_samples()
         expected = [next(fresh).key for _ in range(steps * BATCH_SIZE)]
         assert [k for s in range(7, 7 + steps) for k in keys[rank][s]] == expected, f"rank {rank}"
+
+
+@pytest.mark.parametrize("kind", ["directory", "file"])
+def test_publish_replaces_a_checkpoint_of_the_same_name(tmp_path: Path, kind: str) -> None:
+    """ModelCheckpoint may save under a name that exists (``last.ckpt``, or after a resume): the new one replaces
+    it whole, and nothing is left beside it."""
+    final = tmp_path / "last.ckpt"
+    for version, target in enumerate([final, partial_path(final)]):
+        if kind == "directory":
+            target.mkdir()
+            (target / "meta.pt").write_text(str(version))
+        else:
+            target.write_text(str(version))
+    publish_checkpoint(partial_path(final), final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert (final / "meta.pt" if kind == "directory" else final).read_text() == "1"
