@@ -32,7 +32,7 @@ from transformers.models.whisper.modeling_whisper import WhisperEncoder  # noqa:
 
 from omni_lightning import OmniModule, ReferenceMLLM, ReferenceMLLMConfig, WebDataModule  # noqa: E402
 from omni_lightning.balance.cost import CostModel  # noqa: E402
-from omni_lightning.datamodules.collate import pack_samples, patchify  # noqa: E402
+from omni_lightning.datamodules.collate import DecodedSample, pack_samples, patchify  # noqa: E402
 from omni_lightning.models import AudioEncoderConfig, LLMConfig, VisionEncoderConfig  # noqa: E402
 from omni_lightning.models.adapters import (  # noqa: E402
     EncoderAdapter,
@@ -219,6 +219,14 @@ def test_audio_encoder_matches_whisper_on_full_clips_and_packs_short_ones_indepe
             torch.testing.assert_close(piece, expected, atol=2e-5, rtol=0)
     with pytest.raises(ValueError, match="at most 16 frames"):
         adapter(torch.randn(20, 80), torch.tensor([20]))
+
+
+def test_an_encoder_of_another_width_is_named() -> None:
+    model = ReferenceMLLM(ReferenceMLLMConfig.tiny(), vision=SiglipVisionAdapter(_siglip(), 48))
+    image = np.zeros((28, 28, 3), dtype=np.uint8)
+    batch = pack_samples([DecodedSample("s", np.arange(4, 12), images=[image])])
+    with pytest.raises(ValueError, match="vision encoder outputs width 48 but the LLM's embeddings have width 64"):
+        model(batch)
 
 
 def test_adapted_model_refuses_layouts_that_need_the_reference_modules() -> None:

@@ -126,6 +126,9 @@ def _encode_locally(encoder: nn.Module, inputs: tuple[torch.Tensor, ...], n_item
 
 
 def _scatter(embeddings: torch.Tensor, where: torch.Tensor, values: torch.Tensor, what: str) -> torch.Tensor:
+    if values.shape[-1] != embeddings.shape[-1]:  # masked_scatter would fill rows from the wrong elements
+        raise ValueError(f"the {what} encoder outputs width {values.shape[-1]} but the LLM's embeddings have width "
+                         f"{embeddings.shape[-1]}: build the encoder's projector for the LLM's width")
     placeholders = int(where.sum())
     if placeholders != values.shape[0]:
         raise ValueError(

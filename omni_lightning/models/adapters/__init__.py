@@ -4,14 +4,20 @@
 use. The reference modules implement them; so do the adapters for ``transformers`` models, which are imported on
 first use (``pip install 'omni-lightning[hf]'``), so that importing this package never imports ``transformers``::
 
-    from transformers import LlamaForCausalLM, SiglipVisionModel
-    from omni_lightning import OmniModule, ReferenceMLLM, ReferenceMLLMConfig
-    from omni_lightning.models.adapters import HFCausalLMAdapter, SiglipVisionAdapter
+    from transformers import LlamaForCausalLM, SiglipVisionModel, WhisperModel
+    from omni_lightning import OmniDataModule, OmniModule, ReferenceMLLM, ReferenceMLLMConfig
+    from omni_lightning.models.adapters import HFCausalLMAdapter, SiglipVisionAdapter, WhisperEncoderAdapter
 
     llm = HFCausalLMAdapter(LlamaForCausalLM.from_pretrained(...))
-    vision = SiglipVisionAdapter(SiglipVisionModel.from_pretrained(...), llm_dim=llm.config.hidden_size)
-    model = ReferenceMLLM(ReferenceMLLMConfig.tiny(), vision=vision, llm=llm)   # the reference audio encoder stays
+    width = llm.config.hidden_size  # every encoder projects to the decoder's width
+    vision = SiglipVisionAdapter(SiglipVisionModel.from_pretrained(...), width)
+    audio = WhisperEncoderAdapter(WhisperModel.from_pretrained(...).encoder, width)
+    model = ReferenceMLLM(ReferenceMLLMConfig(), vision=vision, audio=audio, llm=llm)
     module = OmniModule(model)
+    data = OmniDataModule(..., cost_model=model.cost_model())  # balance samples by these models' costs
+
+Supported layouts for adapted models: tp, dp_replicate, dp_shard and whole-item encoder balancing (pp, cp, ep
+and enc_sp > 1 need the reference modules and are refused with a ``ValueError``).
 """
 
 from typing import Any
