@@ -138,12 +138,14 @@ def test_decoder_on_packed_samples_matches_each_sample_alone(family: str) -> Non
     torch.testing.assert_close(packed, alone, atol=2e-5, rtol=0)
 
 
-def test_decoder_refuses_what_tensor_parallelism_cannot_split() -> None:
+def test_decoder_refuses_what_it_cannot_run_or_split() -> None:
     with pytest.raises(ValueError, match="tie_word_embeddings=False"):
         HFCausalLMAdapter(_decoder("llama", tie_word_embeddings=True)).check_tp(2)
     with pytest.raises(ValueError, match="num_key_value_heads=4 of the HF model is not divisible by tp=8"):
         HFCausalLMAdapter(_decoder("llama")).check_tp(8)
     HFCausalLMAdapter(_decoder("llama", tie_word_embeddings=True)).check_tp(1)  # tied weights train without TP
+    with pytest.raises(ValueError, match=r"layers of type \['sliding_attention'\] are not supported"):
+        HFCausalLMAdapter(_decoder("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1))
     with pytest.raises(ValueError, match="attention implementation"):
         HFCausalLMAdapter(transformers.LlamaForCausalLM._from_config(
             _decoder_config("llama"), attn_implementation="flex_attention"))

@@ -29,8 +29,8 @@ class HFCausalLMAdapter(nn.Module):
     and RoPE positions restart per sample (``positions``), so a packed micro-batch gives every sample the logits it
     would get alone. Tensor parallelism follows the model's own ``base_model_tp_plan``.
 
-    Raises ``ValueError`` for an attention implementation other than SDPA or eager, and (at parallelisation) for
-    tied embeddings under tensor parallelism: the embedding and the head would need different shardings of one tensor.
+    Raises ``ValueError`` for an attention implementation other than SDPA or eager, for sliding-window layers (the
+    packed mask is full causal), and (at parallelisation) for tied embeddings under tensor parallelism.
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
@@ -39,6 +39,10 @@ class HFCausalLMAdapter(nn.Module):
         if config._attn_implementation not in _ATTENTION:
             raise ValueError(f"attention implementation {config._attn_implementation!r} is not supported: build the "
                              f"model with attn_implementation in {_ATTENTION}")
+        windowed = [kind for kind in getattr(config, "layer_types", None) or () if kind != "full_attention"]
+        if windowed:
+            raise ValueError(f"layers of type {sorted(set(windowed))} are not supported: the packed mask is full "
+                             "causal attention within each sample (e.g. build Qwen2 with use_sliding_window=False)")
         self.config = config
         base = model.model
         self.tok_embeddings = base.embed_tokens
@@ -67,8 +71,8 @@ class HFCausalLMAdapter(nn.Module):
             if value % tp:
                 raise ValueError(f"{name}={value} of the HF model is not divisible by tp={tp}")
         if tp > 1 and self.tied:
-            raise ValueError("tensor parallelism shards the embedding by rows and the LM head by columns, which a "
-                             "tied weight cannot be: build the model with tie_word_embeddings=False")
+            raise ValueError("tensor parallelism distributes the embedding and the LM head as separate parameters, "
+                             "which would untie a tied weight: build the model with tie_word_embeddings=False")
         if tp > 1:
             self._layer_plan()  # unsupported plan entries fail here, before any module is parallelised
 
