@@ -204,7 +204,7 @@ def rss_growth(rss_by_step: dict[int, float], every: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=500)
-    parser.add_argument("--quick", action="store_true", help="96 steps (about 3-4 minutes on 2 cores)")
+    parser.add_argument("--quick", action="store_true", help="96 steps (2-3 minutes on 2 busy cores)")
     parser.add_argument("--samples-per-shard", type=int, default=16)
     parser.add_argument("--bad-every", type=int, default=7)
     parser.add_argument("--checkpoint-every", type=int, default=None, help="steps (default: about steps/5)")
