@@ -38,6 +38,8 @@ from common import default_workloads, free_port
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
+from omni_lightning.balance.cost import CostModel, feature_matrix
+from omni_lightning.balance.reorder import ReorderConfig, plan_balance_group
 from omni_lightning.datamodules.collate import DecodedSample, pack_samples
 from omni_lightning.datamodules.workload import SampleMeta, load_workload, sample_metadata
 from omni_lightning.models.config import (
@@ -66,19 +68,19 @@ CONFIG = ReferenceMLLMConfig(
 
 
 def _micro_batches(workload: str, count: int, step: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The same micro-batches on every rank (seeded by workload and step), evened out by LLM tokens the way the
-    balancing loader does (LPT), so the LLM stages see uniform micro-batches and encoder load is what varies."""
+    """The same micro-batches on every rank (seeded by workload and step), formed and ordered as OmniDataModule
+    does under pipeline parallelism: its planner for one rank and step (LPT of predicted cost over the
+    micro-batches, then DistTrain's 1F1B order: the lightest first and last)."""
     spec = load_workload(workload)
     rng = np.random.default_rng([args.seed, step])
     metas = [sample_metadata(spec, rng, length_scale=args.length_scale, max_llm_tokens=args.max_llm_tokens)
              for _ in range(count * args.samples_per_micro_batch)]
-    bins: list[list[SampleMeta]] = [[] for _ in range(count)]
-    tokens = [0] * count
-    for meta in sorted(metas, key=lambda m: -m.llm_tokens):
-        target = min(range(count), key=lambda b: (tokens[b], len(bins[b])))
-        bins[target].append(meta)
-        tokens[target] += meta.llm_tokens
-    return [pack_samples([_sample(meta, rng) for meta in group]) for group in bins]
+    costs = feature_matrix(metas) @ CostModel.from_config(CONFIG).coefficients
+    zeros = np.zeros(len(metas), dtype=np.int64)
+    plan = plan_balance_group(costs, np.array([m.llm_tokens for m in metas]), zeros, zeros, n_ranks=1,
+                              config=ReorderConfig(steps=1, micro_batches=count, pp=args.stages), seed=args.seed,
+                              epoch=step, group_index=0)
+    return [pack_samples([_sample(metas[i], rng) for i in ids]) for ids in plan.micro_batches[0][0]]
 
 
 def _sample(meta: SampleMeta, rng: np.random.Generator) -> DecodedSample:
