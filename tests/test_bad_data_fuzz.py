@@ -7,6 +7,7 @@ the key. Nothing else may escape, and every read ends (the streams are read a bo
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import re
@@ -14,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,7 +27,7 @@ from omni_lightning.datamodules.synthetic import make_synthetic_shards
 
 # Shards are small (a few ms each to write and read), so these bounds keep the file to a few seconds; no deadline
 # because a loaded CI machine makes per-example timing meaningless, and every read is bounded anyway.
-FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 NPY_MAGIC = b"\x93NUMPY"
 
 
@@ -172,3 +174,23 @@ def _samples_before(samples: list[Raw], offset: int) -> list[str]:
             break
         keys.append(raw["__key__"])
     return keys
+
+
+def _npy_with_broken_header() -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, np.arange(3, dtype=np.int32) + 300)
+    # Null bytes in an unclosed header: numpy's fallback parser raises tokenize.TokenError, not ValueError.
+    return buffer.getvalue().replace(b"'shape': (3,), }", b"'shape': (3,\x00\x00\x00\x00\x00")
+
+
+@pytest.mark.parametrize(("member", "data", "reason"), [
+    pytest.param("json", b"7", "metadata 'json' is a JSON int, not an object", id="metadata-not-an-object"),
+    pytest.param("tokens.npy", _npy_with_broken_header(), "tokens.npy cannot be decoded", id="npy-header-tokenize"),
+])
+def test_what_fuzzing_found_is_a_bad_sample(pool: list[Raw], tmp_path: Path, member: str, data: bytes,
+                                            reason: str) -> None:
+    """Inputs the fuzz tests found crashing the loader with other exceptions, kept as fixed regressions."""
+    text = next(raw for raw in pool if json.loads(raw["json"])["modality"] == "text")
+    path = write_shard(tmp_path / "found.tar", [{**text, "__key__": "bad_found", member: data}])
+    (record,) = itertools.islice(sample_stream([path]).iter_samples(), 1)
+    assert isinstance(record, BadSample) and reason in record.reason, record

@@ -108,14 +108,14 @@ def decode_sample(
 def _load_npy(raw: dict[str, Any], member: str, key: str) -> np.ndarray:
     try:
         return np.load(io.BytesIO(raw[member]), allow_pickle=False)
-    except (OSError, ValueError, EOFError) as error:
+    except Exception as error:  # corrupt headers also raise SyntaxError or tokenize.TokenError (found by fuzzing)
         raise ValueError(f"sample {key}: {member} cannot be decoded ({error})") from None
 
 
 def _decode_image(data: bytes, key: str, index: int) -> np.ndarray:
     try:
         return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-    except (OSError, ValueError) as error:
+    except Exception as error:  # Pillow's decoders raise more than OSError (SyntaxError, struct.error, bombs, ...)
         raise ValueError(f"sample {key}: img{index}.png cannot be decoded ({error})") from None
 
 
