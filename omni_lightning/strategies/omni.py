@@ -93,7 +93,9 @@ class OmniStrategy(ModelParallelStrategy):
         timeout: process-group timeout in seconds; collectives that wait longer fail instead of hanging.
         process_group_backend: defaults to gloo on CPU and nccl on CUDA.
         save_distributed_checkpoint: write sharded torch.distributed.checkpoint directories (resumable under
-            another layout) rather than one consolidated file.
+            another layout) rather than one consolidated file. Either is written under a hidden ``.NAME.partial``
+            and renamed to its name once every rank has finished, so a kill while saving leaves the previous
+            checkpoint the latest complete one.
         on_nonfinite: what a step does when the loss or a gradient is NaN or infinite on any rank (checked after the
             last backward of the step, agreed by one all-reduce over the world): ``"skip"`` (default) drops the
             gradients on every rank so the optimizer changes neither weights nor state (the step still counts, as does
