@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import IGNORE_INDEX, ReferenceMLLM, next_token_loss_sum, vocab_parallel_loss
+from omni_lightning.parallel.activation_checkpoint import apply_ac, apply_compile
 from omni_lightning.parallel.mesh import OmniMeshes
 from omni_lightning.parallel.parallelize import parallelize_mllm
 from omni_lightning.parallel.pipeline import PipelineRunner, split_micro_batches
@@ -50,6 +51,10 @@ class OmniModule(LightningModule):
             otherwise weights come from ``init_seed``. Either way every rank and every layout starts identically.
         init_seed: seed of the initial weights when no seed checkpoint is given.
         param_dtype: FSDP compute dtype for parameters (e.g. ``"bfloat16"`` on GPUs); ``None`` keeps fp32.
+        activation_checkpointing: recompute every transformer block's activations in the backward instead of
+            keeping them (less memory, about a third more compute).
+        compile_backend: ``torch.compile`` backend for the blocks' MLPs (``"inductor"`` on GPUs); ``None`` runs
+            eagerly. See :mod:`omni_lightning.parallel.activation_checkpoint` for what is compiled and why.
 
     The loss is the sum of next-token cross-entropies over text positions divided by the number of such
     positions in the *global* micro-batch (all data-parallel ranks together), so gradients do not depend on how
@@ -71,6 +76,8 @@ class OmniModule(LightningModule):
         init_checkpoint: str | None = None,
         init_seed: int = 0,
         param_dtype: str | None = None,
+        activation_checkpointing: bool = False,
+        compile_backend: str | None = None,
     ) -> None:
         super().__init__()
         built = model if isinstance(model, ReferenceMLLM) else None
@@ -109,7 +116,15 @@ class OmniModule(LightningModule):
                 model, self.omni_meshes, param_dtype=self._param_dtype,
                 encoder_balance=bool(getattr(strategy, "encoder_balance", False)),
                 pipeline=getattr(strategy, "pipeline_settings", None),
+                activation_checkpointing=self.hparams.activation_checkpointing,
+                compile_backend=self.hparams.compile_backend,
             )
+        else:  # one process, or a strategy that does not parallelise the model itself
+            blocks = [*model.llm.layers.values(), *model.vision.blocks, *model.audio.blocks]
+            if self.hparams.compile_backend is not None:
+                apply_compile(blocks, self.hparams.compile_backend)
+            if self.hparams.activation_checkpointing:
+                apply_ac(blocks)
         if self._pipeline is not None:
             # Each pipeline rank holds only its stages: rank 0 cannot broadcast the others' weights, so every rank
             # takes rank 0's full copy first (a built model) or already has it (seeded or from a seed checkpoint).

@@ -21,20 +21,25 @@ from omni_lightning.models.config import FIRST_TEXT_ID, ReferenceMLLMConfig
 from omni_lightning.monitor import BalanceMonitor, ThroughputMonitor, batch_training_flops
 
 
-def test_batch_flops_are_the_cost_models_sum_over_its_samples() -> None:
-    """The FLOPs read off a packed batch's shapes equal the cost model's prediction from sample metadata."""
+def mixed_samples() -> tuple[list[DecodedSample], list[SampleMeta]]:
+    """Three samples (images of several sizes, audio, text only) and their metadata."""
     rng = np.random.default_rng(0)
-    shapes = [((4, 6), (2, 2)), ((), ()), ((8, 8),)]  # patch grids per sample (2x2-mergeable)
+    shapes = [((4, 6), (2, 2)), (), ((8, 8),)]  # patch grids per sample (2x2-mergeable)
     audio = [12, 0, 40]
     samples, metas = [], []
     for i, (grids, frames) in enumerate(zip(shapes, audio, strict=True)):
-        grids = tuple(g for g in grids if g)
         text = 5 + 3 * i
         images = [rng.integers(0, 256, (h * 14, w * 14, 3), dtype=np.uint8) for h, w in grids]
         mel = rng.standard_normal((frames, 80)).astype(np.float32) if frames else None
         samples.append(DecodedSample(f"s{i}", rng.integers(FIRST_TEXT_ID, 256, text), images, mel))
         metas.append(SampleMeta("image", text, images=grids, audio_frames=frames,
                                 merge=(("audio", 4), ("image", 4), ("video", 4))))
+    return samples, metas
+
+
+def test_batch_flops_are_the_cost_models_sum_over_its_samples() -> None:
+    """The FLOPs read off a packed batch's shapes equal the cost model's prediction from sample metadata."""
+    samples, metas = mixed_samples()
     cost = CostModel.from_config(ReferenceMLLMConfig.tiny())
     batch = pack_samples(samples)
     assert batch_training_flops(batch, cost) == pytest.approx(float(cost.costs(metas).sum()), rel=1e-9)

@@ -9,6 +9,7 @@ from omni_lightning.models.encoders import AudioEncoder, VisionEncoder
 from omni_lightning.models.llm import Decoder
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.models.moe import MoEFeedForward
+from omni_lightning.parallel.activation_checkpoint import apply_ac, apply_compile
 from omni_lightning.parallel.encoder_balance import EncoderBalancer
 from omni_lightning.parallel.expert_parallel import apply_ep
 from omni_lightning.parallel.fsdp import apply_fsdp
@@ -54,7 +55,8 @@ def check_model_fits_layout(model: ReferenceMLLM, meshes: OmniMeshes, *, encoder
 
 def parallelize_mllm(
     model: ReferenceMLLM, meshes: OmniMeshes, *, param_dtype: torch.dtype | None = None,
-    encoder_balance: bool = False, pipeline: PipelineSettings | None = None,
+    encoder_balance: bool = False, pipeline: PipelineSettings | None = None, activation_checkpointing: bool = False,
+    compile_backend: str | None = None,
 ) -> PipelineRunner | None:
     """Tensor-parallelise the decoder, then shard every transformer block and the root with FSDP2 (in place).
 
@@ -64,7 +66,9 @@ def parallelize_mllm(
     Encoder weights are sharded over the same data-parallel ranks as the decoder and replicated over TP peers,
     which see the same samples and so compute the same encoder gradients. With ``encoder_balance`` the
     data-parallel ranks share each step's encoder work (whole items by LPT, long ones split over ``enc_sp``
-    blocks; see :mod:`omni_lightning.parallel.encoder_balance`).
+    blocks; see :mod:`omni_lightning.parallel.encoder_balance`). ``activation_checkpointing`` recomputes every
+    transformer block in the backward and ``compile_backend`` compiles their MLPs (see
+    :mod:`omni_lightning.parallel.activation_checkpoint`), both between TP and FSDP.
     """
     check_model_fits_layout(model, meshes, encoder_balance=encoder_balance)
     runner = None
@@ -96,10 +100,16 @@ def parallelize_mllm(
         for module in model.llm.modules():  # global routing statistics for the load-balance loss
             if isinstance(module, MoEFeedForward):
                 module.stats_group = loss_mesh.get_group()
+    # This rank's blocks: a pipeline stage has pruned the others (and, past stage 0, maybe the encoders).
+    encoders = [encoder for name in ("vision", "audio") if (encoder := getattr(model, name, None)) is not None]
+    blocks = [*model.llm.layers.values(), *(block for encoder in encoders for block in encoder.blocks)]
+    if compile_backend is not None:
+        apply_compile(blocks, compile_backend)
+    if activation_checkpointing:
+        apply_ac(blocks)
     fsdp_mesh = meshes.fsdp_mesh
     if runner is None:
         if fsdp_mesh is not None:
-            blocks = [*model.llm.layers.values(), *model.vision.blocks, *model.audio.blocks]
             apply_fsdp(model, fsdp_mesh, blocks=blocks, param_dtype=param_dtype, ignored_params=set(experts) or None)
         return None
     if fsdp_mesh is not None:
