@@ -27,6 +27,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from omni_lightning.datamodules.streaming import ShardStream
 from omni_lightning.datamodules.synthetic import make_synthetic_shards
 from omni_lightning.strategies.checkpointing import partial_path, publish_checkpoint
+from omni_lightning.strategies.omni import _NoWeightsMultiProcessingLauncher
 
 pytestmark = pytest.mark.distributed
 
@@ -54,6 +55,25 @@ def sigkill_while_writing(name: str, rank: int) -> Iterator[None]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(FileSystemWriter, "write_data", write_then_die)
+        yield
+
+
+@contextmanager
+def record_worker_errors(out_dir: Path) -> Iterator[None]:
+    """Every fork-started worker that fails writes ``error_rank{r}.json``: seconds since the epoch, exception type and
+    message (the parent only reports the first worker to fail). Patched before the workers fork."""
+    wrapping_function = _NoWeightsMultiProcessingLauncher._wrapping_function
+
+    def recording(self: Any, process_idx: int, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return wrapping_function(self, process_idx, *args, **kwargs)
+        except Exception as error:
+            (out_dir / f"error_rank{process_idx}.json").write_text(
+                json.dumps([time.time(), type(error).__name__, str(error)]))
+            raise
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_NoWeightsMultiProcessingLauncher, "_wrapping_function", recording)
         yield
 
 
@@ -106,9 +126,13 @@ def chain(tmp_path_factory: pytest.TempPathFactory, shards: tuple[str, list[str]
     fit(**common(u), callbacks=[RecordRun(u), RecordKeys(u)])
 
     a = runs["a"]
-    error_a = _killed_fit(KILL_RANK, **common(a), callbacks=[
-        saving(), RecordRun(a), RecordKeys(a), SigkillRankAtStep(KILL_STEP, KILL_RANK, a)])
-    stopped_after_s = time.time() - float((a / "killed_at").read_text())
+    a.mkdir()
+    with record_worker_errors(a):
+        error_a = _killed_fit(KILL_RANK, **common(a), callbacks=[
+            saving(), RecordRun(a), RecordKeys(a), SigkillRankAtStep(KILL_STEP, KILL_RANK, a)])
+    killed_at = float((a / "killed_at").read_text())
+    stopped_after_s = time.time() - killed_at
+    survivors = {r: json.loads((a / f"error_rank{r}.json").read_text()) for r in range(RANKS) if r != KILL_RANK}
     resume_a = max(checkpoints(ckpt))
 
     b = runs["b"]
@@ -118,7 +142,8 @@ def chain(tmp_path_factory: pytest.TempPathFactory, shards: tuple[str, list[str]
                     ckpt_path=str(checkpoints(ckpt)[resume_a]))
     leftovers = sorted(p.name for p in ckpt.iterdir())
     return {**runs, "ckpt": ckpt, "error_a": error_a, "stopped_after_s": stopped_after_s, "resume_a": resume_a,
-            "leftovers": leftovers}
+            "leftovers": leftovers,
+            "survivors": {r: (at - killed_at, kind, message) for r, (at, kind, message) in survivors.items()}}
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -131,11 +156,15 @@ def _stitched(chain: dict[str, Any], record: Any) -> dict[int, Any]:
     return {**{s: x for s, x in a.items() if s <= chain["resume_a"]}, **b}
 
 
-def test_survivors_are_stopped_soon_after_a_rank_is_killed(chain: dict[str, Any]) -> None:
-    """With the fork launcher the parent sees the SIGKILLed worker exit, terminates the survivors and raises
-    naming the rank and the signal: far sooner than the 120 s process-group timeout a blocked collective waits."""
+def test_survivors_fail_at_once_with_a_clear_error(chain: dict[str, Any]) -> None:
+    """Each surviving rank fails by itself in its next collective with gloo's error naming a crashed peer, within
+    seconds (the process-group timeout is 120 s); the launcher then raises naming the killed rank and the signal."""
+    for rank, (after_s, kind, message) in chain["survivors"].items():
+        # gloo names the lost peer: "Connection closed by peer" or "Read error ... Connection reset by peer".
+        assert kind == "RuntimeError" and re.search(r"Connection (closed|reset) by peer", message), (rank, message)
+        assert after_s < 10, (rank, after_s)
     assert f"process {KILL_RANK} terminated with signal SIGKILL" in chain["error_a"]
-    assert chain["stopped_after_s"] < 15, chain["stopped_after_s"]  # launcher grace 2 s + 2 s, plus slack
+    assert chain["stopped_after_s"] < 15, chain["stopped_after_s"]
     assert chain["resume_a"] == KILL_STEP // EVERY * EVERY  # the last checkpoint before the kill
 
 

@@ -420,7 +420,7 @@ def loader_state_for_rank(saved: dict[str, Any], dp_rank: int, dp_size: int) -> 
     return state["loader"]
 
 
-# Seconds a worker gets to exit by itself once another has died, then again after SIGTERM, before SIGKILL.
+# Seconds a worker gets to fail by itself once another has died, then again after SIGTERM, before SIGKILL.
 _SURVIVOR_GRACE_S = 2.0
 
 
@@ -433,10 +433,11 @@ class _NoWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        """Lightning's launch, except that when a worker dies the others are killed after
-        ``_SURVIVOR_GRACE_S`` seconds, not torch's 30: a survivor blocked in a collective with the dead rank cannot
-        run Python's SIGTERM handler, and Lightning's handler would itself enter a collective. The error still names
-        the worker that died first and how (``process 2 terminated with signal SIGKILL``)."""
+        """Lightning's launch, except that when a worker dies the others get ``_SURVIVOR_GRACE_S`` seconds to fail
+        by themselves before they are terminated. They do within a fraction of a second: their next collective raises
+        gloo's ``Connection closed by peer``. torch's default SIGTERMs them at once instead, and Lightning's SIGTERM
+        handler then enters a collective with the dead rank and blocks until SIGKILL 30 s later. The error still
+        names the worker that died first and how (``process 2 terminated with signal SIGKILL``)."""
         self._strategy.check_model_fits(self._strategy.lightning_module)  # before any worker starts
         if self._start_method in ("fork", "forkserver"):
             _check_bad_cuda_fork()
