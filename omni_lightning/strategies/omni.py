@@ -435,9 +435,9 @@ class _NoWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         """Lightning's launch, except that when a worker dies the others get ``_SURVIVOR_GRACE_S`` seconds to fail
         by themselves before they are terminated. They do within a fraction of a second: their next collective raises
-        gloo's ``Connection closed by peer``. torch's default SIGTERMs them at once instead, and Lightning's SIGTERM
-        handler then enters a collective with the dead rank and blocks until SIGKILL 30 s later. The error still
-        names the worker that died first and how (``process 2 terminated with signal SIGKILL``)."""
+        gloo's ``Connection closed by peer``. torch's default SIGTERMs them at once instead, and then they stayed
+        blocked in collectives until its SIGKILL 30 s later (Lightning's SIGTERM handler itself enters a collective).
+        The error still names the worker that died first and how (``process 2 terminated with signal SIGKILL``)."""
         self._strategy.check_model_fits(self._strategy.lightning_module)  # before any worker starts
         if self._start_method in ("fork", "forkserver"):
             _check_bad_cuda_fork()
