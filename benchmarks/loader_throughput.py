@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--samples-per-step", type=int, default=8)
     parser.add_argument("--group-steps", type=int, default=8)
     parser.add_argument("--length-scale", type=float, default=0.05)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         shard_count = 2 * args.ranks
