@@ -68,7 +68,7 @@ def test_same_loss_gradients_and_names(ac: bool, backend: str | None) -> None:
 @pytest.mark.distributed
 def test_checkpointed_blocks_under_fsdp_and_tensor_parallelism(tmp_path: Path, tiny_shards: str,
                                                                 seed_checkpoint: Path) -> None:
-    """tp=2 x dp_shard=2 with every block checkpointed: the first step's gradients equal those of the same
+    """dp_shard=2 x tp=2 with every block checkpointed: the first step's gradients equal those of the same
     layout without checkpointing (FSDP gathers the weights again for the recomputation)."""
     for ac in (False, True):
         module = OmniModule(ReferenceMLLMConfig.tiny(), learning_rate=LEARNING_RATE,

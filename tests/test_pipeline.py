@@ -109,7 +109,6 @@ DENSE, MOE = ReferenceMLLMConfig.tiny(), ReferenceMLLMConfig.tiny(moe=True)
 LAYOUTS = {
     "pp2_1f1b": ({"pp": 2, "dp_shard": 1}, 2, DENSE),
     "pp2_gpipe_4mb": ({"pp": 2, "dp_shard": 1, "pp_schedule": "GPipe", "pp_microbatches": 4}, 2, DENSE),
-    "pp2_dp2_first_stage_encoders": ({"pp": 2, "dp_shard": 2, "pp_encoders": "first_stage"}, 4, DENSE),
     "pp2_interleaved": ({"pp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B", "pp_virtual_stages": 2}, 2,
                         DENSE),
     "pp2_zero_bubble": ({"pp": 2, "dp_shard": 1, "pp_schedule": "InterleavedZeroBubble", "pp_virtual_stages": 2}, 2,
