@@ -8,9 +8,14 @@ machine runs more ranks than it has cores, so wall-clock idle time mixes bubbles
 is therefore replayed as dedicated devices would run it (:func:`omni_lightning.sim.replay_pipeline`: the recorded
 order, the measured durations, the pipeline's dependencies), and the bubble is the idle share of all stages' time
 (encoder work counts as busy: it is work that has to be done somewhere).
-Each step runs ``--repeats`` times and every action keeps its least time over the repeats (the same actions run
-in the same order each time), which keeps each micro-batch's own cost but not the other processes' interference.
-The theoretical bubble of 1F1B with uniform micro-batches is ``(p - 1) / (m + p - 1)``.
+
+Micro-batches are formed and ordered by the loader's planner, as OmniDataModule feeds a pipeline. It prices
+samples with the FLOP cost model until a workload's first warm-up step has been measured, then with a cost model
+fitted to that step (``fit_cost_model``: each micro-batch's samples against its measured CPU time), as a job
+calibrates on its first steps; ``--no-calibrate`` keeps the FLOP model. Each step runs ``--repeats`` times and
+every action keeps its least time over the repeats (the same actions run in the same order each time), which keeps
+each micro-batch's own cost but not the other processes' interference. The theoretical bubble of 1F1B with
+uniform micro-batches is ``(p - 1) / (m + p - 1)``.
 
     python benchmarks/pipeline.py [--workload FILE ...] [--micro-batches 8 16 32] [--stages 4]
 
@@ -38,7 +43,7 @@ from common import default_workloads, free_port
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from omni_lightning.balance.cost import CostModel, feature_matrix
+from omni_lightning.balance.cost import MODULES, CostModel, feature_matrix, fit_cost_model
 from omni_lightning.balance.reorder import ReorderConfig, plan_balance_group
 from omni_lightning.datamodules.collate import DecodedSample, pack_samples
 from omni_lightning.datamodules.workload import SampleMeta, load_workload, sample_metadata
@@ -67,20 +72,34 @@ CONFIG = ReferenceMLLMConfig(
 )
 
 
-def _micro_batches(workload: str, count: int, step: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+def _micro_batches(workload: str, count: int, step: int, cost_model: CostModel, args: argparse.Namespace
+                   ) -> tuple[list[dict[str, Any]], list[list[SampleMeta]]]:
     """The same micro-batches on every rank (seeded by workload and step), formed and ordered as OmniDataModule
-    does under pipeline parallelism: its planner for one rank and step (LPT of predicted cost over the
-    micro-batches, then DistTrain's 1F1B order: the lightest first and last)."""
+    does under pipeline parallelism: its planner for one rank and step (LPT of ``cost_model``'s predicted cost over
+    the micro-batches, then DistTrain's 1F1B order: the lightest first and last). Also returns their samples."""
     spec = load_workload(workload)
     rng = np.random.default_rng([args.seed, step])
     metas = [sample_metadata(spec, rng, length_scale=args.length_scale, max_llm_tokens=args.max_llm_tokens)
              for _ in range(count * args.samples_per_micro_batch)]
-    costs = feature_matrix(metas) @ CostModel.from_config(CONFIG).coefficients
+    costs = feature_matrix(metas) @ cost_model.coefficients
     zeros = np.zeros(len(metas), dtype=np.int64)
     plan = plan_balance_group(costs, np.array([m.llm_tokens for m in metas]), zeros, zeros, n_ranks=1,
                               config=ReorderConfig(steps=1, micro_batches=count, pp=args.stages), seed=args.seed,
                               epoch=step, group_index=0)
-    return [pack_samples([_sample(metas[i], rng) for i in ids]) for ids in plan.micro_batches[0][0]]
+    groups = [[metas[i] for i in ids] for ids in plan.micro_batches[0][0]]
+    return [pack_samples([_sample(meta, rng) for meta in group]) for group in groups], groups
+
+
+def _calibrated(groups: list[list[SampleMeta]], everyone: list[list[tuple[str, int, float]]]) -> CostModel:
+    """The cost model fitted (``fit_cost_model``) to one measured step: each micro-batch's samples against the
+    CPU time every rank spent on it (layers, encoders, transfers), as a job calibrates on its first steps."""
+    seconds = np.zeros(len(groups))
+    for rank in everyone:
+        for _, m, duration in rank:
+            seconds[m] += duration
+    used = feature_matrix([meta for group in groups for meta in group]).sum(axis=0)
+    modules = [name for i, name in enumerate(MODULES) if used[2 * i : 2 * i + 2].any()]
+    return fit_cost_model(list(zip(groups, seconds.tolist(), strict=True)), modules=modules)
 
 
 def _sample(meta: SampleMeta, rng: np.random.Generator) -> DecodedSample:
@@ -163,6 +182,7 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, results: 
     meshes = build_meshes(ParallelDims(world_size=size, pp=size, dp_shard=1), "cpu")
     state = initial_state_dict(CONFIG, seed=0)
     for workload in args.workload:
+        cost_model, calibrated = CostModel.from_config(CONFIG), False  # FLOPs until a warm-up step is measured
         for count in args.micro_batches:
             for encoders in ("first_stage", "joint"):
                 with torch.device("meta"):
@@ -177,7 +197,7 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, results: 
                                      options=StateDictOptions(full_state_dict=True, strict=True))
                 steps = []
                 for step in range(args.steps + 1):  # the first step warms up
-                    micro = _micro_batches(workload, count, step, args)
+                    micro, groups = _micro_batches(workload, count, step, cost_model, args)
                     runs = []
                     for _ in range(args.repeats):
                         recorder.actions = []
@@ -188,6 +208,8 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, results: 
                     dist.all_gather_object(everyone, _fastest(runs))
                     if step > 0:
                         steps.append(everyone)
+                    elif args.calibrate and not calibrated:  # every rank fits the same model from the same data
+                        cost_model, calibrated = _calibrated(groups, everyone), True
                 if rank == 0:
                     results[(Path(workload).stem, count, encoders)] = steps
     dist.destroy_process_group()
@@ -200,6 +222,8 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each step; every action keeps its least time")
+    parser.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                        help="plan micro-batches with the FLOP cost model instead of one fitted to the first warm-up")
     parser.add_argument("--length-scale", type=float, default=0.05)
     parser.add_argument("--max-llm-tokens", type=int, default=384)
     parser.add_argument("--samples-per-micro-batch", type=int, default=2)
