@@ -52,9 +52,10 @@ class BalanceMonitor(pl.Callback):
         per_rank = everyone[:, 0]
         self.history.append(per_rank.tolist())
         samples = batch.get("num_samples", 1) if isinstance(batch, dict) else 1
+        imbalance = float(per_rank.max() / per_rank.mean().clamp(min=1e-12))
         pl_module.log_dict(
             {
-                "balance/measured_imbalance": float(per_rank.max() / per_rank.mean().clamp(min=1e-12)),
+                "balance/measured_imbalance": imbalance,
                 "balance/measured_step_cpu_s": float(per_rank.mean()),
                 "balance/measured_encoders_cpu_s": float(everyone[:, 1].mean()),
                 "balance/measured_llm_forward_cpu_s": float(everyone[:, 2].mean()),
@@ -62,8 +63,7 @@ class BalanceMonitor(pl.Callback):
             batch_size=max(int(samples), 1),
         )
         # The progress bar shows the imbalance under a short name; loggers get the full one above.
-        pl_module.log("imbalance", float(per_rank.max() / per_rank.mean().clamp(min=1e-12)), prog_bar=True,
-                      logger=False, batch_size=max(int(samples), 1))
+        pl_module.log("imbalance", imbalance, prog_bar=True, logger=False, batch_size=max(int(samples), 1))
 
 
 def _micro_batches(batch: dict[str, Any]) -> list[dict[str, Any]]:

@@ -89,6 +89,18 @@ class Snapshot(pl.Callback):
             torch.save(snapshot, self.out_dir / f"snapshot_{tag}.pt")
 
 
+def assert_restored_exactly(saved: Path, restored: Path, step: int) -> None:
+    """The snapshot a resumed run took at train start (``restored``) equals the one the saving run took at
+    ``step`` (``saved``): every weight and AdamW moment, bit for bit."""
+    before = torch.load(saved, weights_only=True)
+    after = torch.load(restored, weights_only=True)
+    assert after["step"] == step
+    for kind in ("weights", "exp_avg"):
+        assert after[kind].keys() == before[kind].keys()
+        for name, tensor in before[kind].items():
+            torch.testing.assert_close(after[kind][name], tensor, rtol=0, atol=0, msg=f"{kind} {name}")
+
+
 class GradientPresence(pl.Callback):
     """Rank 0 records, after each backward, whether the sharded parameters hold reduced gradients yet."""
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_runs import BATCH_SIZE, KillAtStep, RecordRun, Snapshot, fit
+from lightning_runs import BATCH_SIZE, KillAtStep, RecordRun, Snapshot, assert_restored_exactly, fit
 
 from omni_lightning.strategies.omni import loader_state_for_rank
 
@@ -69,13 +69,7 @@ def test_resume_under_another_layout(
     """Saved with dp_shard=4, resumed with dp_shard=2 x tp=2: DCP reshards weights and optimizer moments."""
     fit(tmp_path, tiny_shards, seed_checkpoint, layout={"dp_shard": 2, "tp": 2}, max_steps=7,
         callbacks=[Snapshot(tmp_path), RecordRun(tmp_path)], ckpt_path=str(runs["checkpoint"]))
-    saved = torch.load(runs["killed"] / "snapshot_step5.pt", weights_only=True)
-    restored = torch.load(tmp_path / "snapshot_start.pt", weights_only=True)
-    assert restored["step"] == 5
-    for kind in ("weights", "exp_avg"):
-        assert restored[kind].keys() == saved[kind].keys()
-        for name, tensor in saved[kind].items():
-            torch.testing.assert_close(restored[kind][name], tensor, rtol=0, atol=0, msg=f"{kind} {name}")
+    assert_restored_exactly(runs["killed"] / "snapshot_step5.pt", tmp_path / "snapshot_start.pt", step=5)
     losses = _losses(tmp_path)
     assert sorted(losses) == [6, 7] and all(map(torch.isfinite, torch.tensor(list(losses.values()))))
 

@@ -18,10 +18,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_runs import BATCH_SIZE, RecordKeys, RecordRun, SigkillRankAtStep, Snapshot, fit, recorded_keys
+from lightning_runs import (
+    BATCH_SIZE,
+    RecordKeys,
+    RecordRun,
+    SigkillRankAtStep,
+    Snapshot,
+    assert_restored_exactly,
+    fit,
+    recorded_keys,
+)
 from torch.distributed.checkpoint import FileSystemWriter
 
 from omni_lightning.datamodules.streaming import ShardStream
@@ -208,13 +216,7 @@ def test_resume_on_fewer_data_parallel_ranks(chain: dict[str, Any], shards: tupl
     steps = 3
     fit(tmp_path, pattern, seed_checkpoint, layout={"dp_shard": 2}, devices=2, max_steps=6 + steps,
         callbacks=[Snapshot(tmp_path), RecordKeys(tmp_path)], ckpt_path=str(checkpoint))
-    saved = torch.load(chain["b"] / "snapshot_step6.pt", weights_only=True)
-    restored = torch.load(tmp_path / "snapshot_start.pt", weights_only=True)
-    assert restored["step"] == 6
-    for kind in ("weights", "exp_avg"):
-        assert restored[kind].keys() == saved[kind].keys()
-        for name, tensor in saved[kind].items():
-            torch.testing.assert_close(restored[kind][name], tensor, rtol=0, atol=0, msg=f"{kind} {name}")
+    assert_restored_exactly(chain["b"] / "snapshot_step6.pt", tmp_path / "snapshot_start.pt", step=6)
     keys = recorded_keys(tmp_path, 2)
     paths = sorted(str(p) for p in Path(pattern).parent.glob("train-*.tar"))
     for rank in range(2):
