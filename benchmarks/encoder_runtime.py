@@ -57,14 +57,14 @@ CONFIG = ReferenceMLLMConfig(
 
 def _encode(model: ReferenceMLLM, batch: dict[str, Any], balanced: bool) -> None:
     """Both encoders forward, then backward from a loss on their outputs: the encoder work of a training step."""
-    vision, audio = model._encode(batch) if balanced else _local(model, batch)
+    vision, audio = model.encode_items(batch) if balanced else _local(model, batch)
     (vision.square().sum() + audio.square().sum()).backward()
 
 
 def _local(model: ReferenceMLLM, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     balancer, model.encoder_balancer = model.encoder_balancer, None
     try:
-        return model._encode(batch)
+        return model.encode_items(batch)
     finally:
         model.encoder_balancer = balancer
 

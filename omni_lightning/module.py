@@ -18,8 +18,10 @@ from typing_extensions import override
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import IGNORE_INDEX, ReferenceMLLM, next_token_loss_sum, vocab_parallel_loss
 from omni_lightning.parallel.activation_checkpoint import apply_ac, apply_compile
-from omni_lightning.parallel.mesh import OmniMeshes
-from omni_lightning.parallel.parallelize import parallelize_mllm
+from omni_lightning.parallel.disaggregated import EncoderPoolLink, EncoderPoolWorker
+from omni_lightning.parallel.fsdp import set_gradient_sync
+from omni_lightning.parallel.mesh import EncoderPool, OmniMeshes
+from omni_lightning.parallel.parallelize import parallelize_encoder_pool, parallelize_mllm
 from omni_lightning.parallel.pipeline import PipelineRunner, split_micro_batches
 
 __all__ = ["OmniModule", "initial_state_dict", "clip_grad_norm_"]
@@ -90,6 +92,9 @@ class OmniModule(LightningModule):
         self._param_dtype = getattr(torch, param_dtype) if param_dtype else None
         self._last_step_time: float | None = None
         self._pipeline: PipelineRunner | None = None
+        # The disaggregated placement: an LLM-pool rank's link to the encoder pool, or an encoder-pool rank's worker.
+        self._pool_link: EncoderPoolLink | None = None
+        self._pool_worker: EncoderPoolWorker | None = None
 
     @override
     def configure_model(self) -> None:
@@ -110,7 +115,10 @@ class OmniModule(LightningModule):
                 self.config, init_checkpoint=self.hparams.init_checkpoint, seed=self.hparams.init_seed
             )
         broadcast = dist.is_initialized()
-        if self.omni_meshes is not None:
+        pool: EncoderPool | None = getattr(self.trainer.strategy, "encoder_pool", None) if self._trainer else None
+        if pool is not None:
+            self._parallelize_for_pool(model, pool)
+        elif self.omni_meshes is not None:
             strategy = self.trainer.strategy
             self._pipeline = parallelize_mllm(
                 model, self.omni_meshes, param_dtype=self._param_dtype,
@@ -125,9 +133,9 @@ class OmniModule(LightningModule):
                 apply_compile(blocks, self.hparams.compile_backend)
             if self.hparams.activation_checkpointing:
                 apply_ac(blocks)
-        if self._pipeline is not None:
-            # Each pipeline rank holds only its stages: rank 0 cannot broadcast the others' weights, so every rank
-            # takes rank 0's full copy first (a built model) or already has it (seeded or from a seed checkpoint).
+        if self._pipeline is not None or pool is not None:
+            # Each pipeline rank (or pool) holds only its part: rank 0 cannot broadcast the others' weights, so every
+            # rank takes rank 0's full copy first (a built model) or already has it (seeded or from a seed checkpoint).
             if self._built_model:
                 for tensor in state.values():
                     dist.broadcast(tensor, src=0)
@@ -146,6 +154,34 @@ class OmniModule(LightningModule):
         self.model = model
         self._built_model = ()
 
+    def _parallelize_for_pool(self, model: ReferenceMLLM, pool: EncoderPool) -> None:
+        """Disaggregated placement: keep this pool's part of the model, parallelise it, connect it to the other."""
+        strategy = self.trainer.strategy
+        costs = {"vision": model.vision.cost(), "audio": model.audio.cost()}
+        dtype = self._param_dtype or torch.float32
+        options = {"param_dtype": self._param_dtype, "activation_checkpointing": self.hparams.activation_checkpointing,
+                   "compile_backend": self.hparams.compile_backend}
+        if strategy.is_encoder_rank:
+            del model.llm
+            parallelize_encoder_pool(model, pool, encoder_balance=strategy.encoder_balance, **options)
+            self._pool_worker = EncoderPoolWorker(pool.layout, pool.transfers, model, self.config,
+                                                  device=strategy.root_device, dtype=dtype)
+            return
+        del model.vision, model.audio
+        meshes = self.omni_meshes
+        assert meshes is not None
+        parallelize_mllm(model, meshes, **options)
+        cp = meshes.get("cp")
+        # The encoder pool's FSDP averages over its ranks, the LLM's loss is scaled by its data-parallel size.
+        scale = (pool.layout.encoder_world_size if pool.mesh is not None else 1) / meshes.size("dp_cp")
+        self._pool_link = EncoderPoolLink(pool.layout, pool.transfers, self.config, costs, dtype=dtype,
+                                          cp_group=cp.get_group() if cp is not None else None, gradient_scale=scale)
+
+    @property
+    def _backward_in_step(self) -> bool:
+        """Whether training_step runs the backward itself (a pipeline schedule, or the disaggregated pools' stream)."""
+        return self._pipeline is not None or self._pool_link is not None or self._pool_worker is not None
+
     @property
     def pipeline(self) -> PipelineRunner | None:
         """The pipeline runner under pipeline parallelism (``None`` otherwise)."""
@@ -157,13 +193,16 @@ class OmniModule(LightningModule):
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, torch.Tensor]:
+        if self._backward_in_step and batch_idx % self.trainer.accumulate_grad_batches == 0:
+            # Lightning zeroes gradients between training_step and backward, but the schedule's (or the pools')
+            # backward runs inside training_step: zero them here instead (see optimizer_zero_grad).
+            for p in self.parameters():
+                p.grad = None
         if self._pipeline is not None:
-            if batch_idx % self.trainer.accumulate_grad_batches == 0:
-                # Lightning zeroes gradients between training_step and backward, but the schedule's backward runs
-                # inside training_step: zero them here instead (see optimizer_zero_grad).
-                for p in self.parameters():
-                    p.grad = None
             loss, stats = self._pipeline_loss_and_stats(batch)
+        elif self._backward_in_step:
+            sync = (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0
+            loss, stats = self._pool_loss_and_stats(batch, reduce_gradients=sync)
         else:
             loss, stats = self._loss_and_stats(batch)
         now = time.perf_counter()
@@ -188,6 +227,8 @@ class OmniModule(LightningModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         if self._pipeline is not None:
             _, stats = self._pipeline_loss_and_stats(batch)
+        elif self._backward_in_step:
+            _, stats = self._pool_loss_and_stats(batch, reduce_gradients=True)
         else:
             _, stats = self._loss_and_stats(batch)
         # Each value is already global; sync_dist only averages identical per-rank epoch means.
@@ -270,6 +311,74 @@ class OmniModule(LightningModule):
                  "moe_aux_loss": torch.zeros(())}
         return global_loss.detach().requires_grad_(), stats
 
+    def _pool_loss_and_stats(self, batch: dict[str, Any], *,
+                             reduce_gradients: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Disaggregated placement: stream the step's micro-batches between the pools, forward and backward.
+
+        LLM-pool ranks scale losses as the pipeline does (summed token losses over the step's global loss tokens,
+        times the data-parallel size FSDP averages over) and reduce gradients after the last micro-batch when
+        ``reduce_gradients``; encoder-pool ranks encode what arrives. Rank 0's global loss and counts then go to every
+        rank, so both pools log, check and return the same values. The returned loss only carries the value.
+        """
+        strategy = self.trainer.strategy
+        n = strategy.stream_microbatches
+        stats = torch.zeros(4, dtype=torch.float64)
+        if self._pool_worker is not None:
+            self._pool_worker.step(n, train=self.training)
+        else:
+            assert self._pool_link is not None and self.model is not None and self.omni_meshes is not None
+            stats = self._stream_to_llm(batch, n, reduce_gradients=reduce_gradients)
+        stats = stats.to(strategy.root_device)
+        dist.broadcast(stats, src=0)
+        global_loss = stats[0].float()
+        result = {"loss": global_loss, "tokens": stats[1], "samples": stats[2], "moe_aux_loss": stats[3].float()}
+        return global_loss.detach().requires_grad_(), result
+
+    def _stream_to_llm(self, batch: dict[str, Any], n: int, *, reduce_gradients: bool) -> torch.Tensor:
+        """An LLM-pool rank's part of :meth:`_pool_loss_and_stats`: ``[global loss, tokens, samples, aux]``."""
+        link, model, meshes = self._pool_link, self.model, self.omni_meshes
+        assert link is not None and model is not None and meshes is not None
+        merge, downsample = self.config.vision.merge, self.config.audio.downsample
+        micro = batch.get("micro_batches") or split_micro_batches(batch, n, vision_merge=merge,
+                                                                   audio_downsample=downsample)
+        if len(micro) != n:
+            raise ValueError(f"the batch holds {len(micro)} micro-batches but the encoder pool streams {n} a step "
+                             f"(OmniStrategy(pp_microbatches={n})): plan {n} per step")
+        device = micro[0]["input_ids"].device
+        cp = meshes.size("cp")  # CP peers hold the same micro-batches: each counts 1 / cp of them
+        counts = torch.tensor([float(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)),
+                               float(sum(mb["input_ids"].numel() for mb in micro)),
+                               float(sum(mb["num_samples"] for mb in micro))], dtype=torch.float64, device=device) / cp
+        loss_mesh = meshes.get("dp_cp")
+        data_parallel = loss_mesh.size() if loss_mesh is not None else 1
+        if loss_mesh is not None:
+            dist.all_reduce(counts, group=loss_mesh.get_group())
+        tokens = float(counts[0].clamp(min=1.0))
+        accumulate = self.trainer.accumulate_grad_batches if self.training else 1
+        loss_scale = data_parallel / tokens / accumulate
+        aux_scale = self.config.llm.moe_aux_loss_coef * data_parallel / accumulate / n  # a mean over micro-batches
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        aux_total = torch.zeros((), dtype=torch.float64, device=device)
+        link.start(micro, train=self.training)
+        tp = meshes.get("tp") is not None
+        for i, mb in enumerate(micro):
+            with vocab_parallel_loss() if tp else nullcontext():
+                mb_sum, _ = next_token_loss_sum(model(mb, encoded=link.outputs(i)), model.local_labels(mb))
+                aux = model.llm.moe_aux_loss()
+                if self.training:
+                    set_gradient_sync(model, reduce_gradients and i == n - 1)
+                    (mb_sum * loss_scale + aux_scale * aux).backward()
+            if self.training:
+                link.send_gradients(i)
+            loss_sum += mb_sum.detach().double()
+            aux_total += aux.detach().double() / n
+        link.finish()
+        set_gradient_sync(model, True)
+        totals = torch.stack([loss_sum, aux_total * data_parallel])
+        if loss_mesh is not None:
+            dist.all_reduce(totals, group=loss_mesh.get_group())
+        return torch.stack([totals[0] / tokens, counts[1], counts[2], totals[1] / data_parallel]).cpu()
+
     def _step_weighting(self, batch: dict[str, Any], loss_tokens: torch.Tensor, cp: int) -> tuple[int, float]:
         """(accumulation factor to undo, this rank's share of the loss tokens of the whole optimizer step).
 
@@ -285,7 +394,7 @@ class OmniModule(LightningModule):
 
     @override
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
-        if self._pipeline is None:  # under pipeline parallelism training_step zeroes before the schedule runs
+        if not self._backward_in_step:  # otherwise training_step zeroes before its backward runs
             super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     @override
@@ -317,19 +426,26 @@ class OmniModule(LightningModule):
         copies: set[torch.nn.Parameter] = set()
         if self._pipeline is not None and pp_mesh is not None and pp_mesh.get_local_rank() != 0:
             copies = self._pipeline.replicated_parameters()  # in the norm once, from the first pipeline rank
+        pool: EncoderPool | None = getattr(self.trainer.strategy, "encoder_pool", None)
+        if pool is not None:  # each pool's norm once, from its first rank, summed over the world
+            first_ranks = (0, pool.layout.encoder_ranks[0])
+            clip_grad_norm_(list(self.model.parameters()), gradient_clip_val, pp_group=pool.transfers,
+                            counted=self.trainer.global_rank in first_ranks)
+            return
         clip_grad_norm_(list(self.model.parameters()), gradient_clip_val,
                         pp_group=pp_mesh.get_group() if pp_mesh is not None else None, not_in_norm=copies)
 
 
 def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float,
                     pp_group: dist.ProcessGroup | None = None,
-                    not_in_norm: set[torch.nn.Parameter] | None = None) -> torch.Tensor:
+                    not_in_norm: set[torch.nn.Parameter] | None = None, counted: bool = True) -> torch.Tensor:
     """Clip by the global gradient norm across parameters sharded on different meshes (plain tensors too).
 
     ``torch.nn.utils.clip_grad_norm_`` stacks per-parameter norms, which fails when DTensors live on different
     meshes (decoder on ``dp x tp``, encoders on ``dp``); reducing each norm to a plain scalar first avoids that.
     Under pipeline parallelism each rank holds only its stages' parameters: ``pp_group`` sums the squares over the
-    stages; ``not_in_norm`` are copies another pipeline rank already counts (they are still scaled).
+    stages; ``not_in_norm`` are copies another pipeline rank already counts (they are still scaled). With
+    ``counted=False`` this rank's squares stay out of that sum (a peer in ``pp_group`` holds the same ones).
     """
     squares = []
     for p in parameters:
@@ -338,6 +454,8 @@ def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float,
         norm = p.grad.norm()
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).double() ** 2)
     total_squares = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
+    if not counted:
+        total_squares = torch.zeros_like(total_squares)
     if pp_group is not None:
         dist.all_reduce(total_squares, group=pp_group)
     total = total_squares.sqrt()

@@ -38,6 +38,7 @@ __all__ = [
     "pool_step_time",
     "pool_memory",
     "solve_pools",
+    "encoder_pool_size",
     "tp_seconds_per_token",
 ]
 
@@ -200,6 +201,32 @@ def solve_pools(problem: PoolProblem) -> PoolChoice | None:
     best = int(np.lexsort((table[:, 2], table[:, 0], llm_gpus, times))[0])
     tp_enc, dp_enc, tp, pp, dp = (int(v) for v in table[best])
     return PoolChoice(tp_enc=tp_enc, dp_enc=dp_enc, tp=tp, pp=pp, dp=dp)
+
+
+def encoder_pool_size(problem: PoolProblem, *, llm_unit: int, tp: int = 1, pp: int = 1) -> int:
+    """Encoder ranks of the fastest split of ``problem.world_size`` ranks whose LLM pool keeps a given layout.
+
+    The run-time question (``OmniStrategy(placement="disaggregated", encoder_world_size=None)``): the LLM pool's
+    TP and PP degrees are the user's, its size a multiple of ``llm_unit`` (``tp * pp * cp * dp_replicate``), and the
+    encoder pool, which has no TP at run time, takes the rest. Every split is tried (:func:`pool_step_time`, CP ranks
+    counted as data parallelism); splits that do not fit in memory are skipped, ties go to the smaller LLM pool.
+    Raises ``ValueError`` when no split leaves both pools a rank or none fits.
+    """
+    world = problem.world_size
+    if llm_unit < 1 or llm_unit % (tp * pp):
+        raise ValueError(f"llm_unit={llm_unit} must be a positive multiple of tp*pp = {tp * pp}")
+    best: tuple[float, int] | None = None
+    for llm_gpus in range(llm_unit, world, llm_unit):
+        choice = PoolChoice(tp_enc=1, dp_enc=world - llm_gpus, tp=tp, pp=pp, dp=llm_gpus // (tp * pp))
+        if max(pool_memory(problem, choice)) > problem.memory_bytes:
+            continue
+        time = pool_step_time(problem, choice)
+        if best is None or time < best[0]:
+            best = (time, choice.dp_enc)
+    if best is None:
+        raise ValueError(f"no split of {world} ranks into an LLM pool of a multiple of {llm_unit} ranks and an "
+                         "encoder pool of at least one fits in memory")
+    return best[1]
 
 
 def pool_problem(

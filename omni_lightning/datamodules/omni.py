@@ -137,9 +137,12 @@ class OmniDataModule(WebDataModule):
                 f"balance_group_size={self.balance_group_size} must divide the data-parallel size {self.dp_size}"
             )
         dims = getattr(self.trainer.strategy, "parallel_dims", None) if self.trainer is not None else None
-        if dims is not None and dims.pp > 1:
+        streamed = getattr(self.trainer.strategy, "placement", None) == "disaggregated" if self.trainer else False
+        if dims is not None and (dims.pp > 1 or streamed):
+            # A disaggregated step streams its micro-batches from the encoder pool to the LLM pool: a two-stage
+            # pipeline, planned as one.
             pipeline = self.trainer.strategy.pipeline_settings
-            self._plan_for_pipeline(dims.pp, pipeline)
+            self._plan_for_pipeline(max(dims.pp, 2), pipeline)
             if stage == "fit" and pipeline.encoders == "first_stage":
                 # Group creation is collective: every rank creates every pipeline group, in the same order.
                 self.relay_group, _ = dist.new_subgroups_by_enumeration(dims.groups("pp"), backend="gloo")

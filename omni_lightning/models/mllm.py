@@ -66,17 +66,20 @@ class ReferenceMLLM(nn.Module):
         ``OmniDataModule(cost_model=...)``, which otherwise prices samples by the reference model's config."""
         return CostModel(vision=self.vision.cost(), audio=self.audio.cost(), llm=self.llm.cost())
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, batch: dict[str, torch.Tensor],
+                encoded: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits of ``batch``; ``encoded`` gives its vision and audio outputs when another rank encoded them."""
         started = time.thread_time()
-        logits = self._forward(batch)
+        logits = self._forward(batch, encoded)
         # This thread's forward CPU seconds (a blocked collective costs none), for the measured balance.
         llm_seconds = time.thread_time() - started - self._encoder_seconds
         self.forward_cpu_seconds = {"encoders": self._encoder_seconds, "llm": llm_seconds}
         return logits
 
-    def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _forward(self, batch: dict[str, torch.Tensor],
+                 encoded: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         started = time.thread_time()
-        embeddings = self.embed(batch)
+        embeddings = self.embed(batch, encoded)
         self._encoder_seconds = time.thread_time() - started
         if self.cp_group is None:
             return self.llm(embeddings, batch["position_ids"], batch["cu_seqlens"])
@@ -88,11 +91,12 @@ class ReferenceMLLM(nn.Module):
               encoded: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Token embeddings with every placeholder replaced by its encoder output: the decoder's input.
 
-        ``encoded`` gives the vision and audio outputs when they were computed elsewhere (the joint pipeline).
+        ``encoded`` gives the vision and audio outputs when they were computed elsewhere (the joint pipeline, the
+        encoder pool of the disaggregated placement).
         """
         input_ids = batch["input_ids"]
         embeddings = self.llm.tok_embeddings(input_ids)
-        vision, audio = encoded if encoded is not None else self._encode(batch)
+        vision, audio = encoded if encoded is not None else self.encode_items(batch)
         embeddings = _scatter(embeddings, input_ids == IMAGE_ID, vision, "vision")
         return _scatter(embeddings, input_ids == AUDIO_ID, audio, "audio")
 
@@ -102,8 +106,9 @@ class ReferenceMLLM(nn.Module):
             return batch["labels"]
         return batch["labels"][shard_for_context_parallel(batch["cu_seqlens"], self.cp_group).local_index]
 
-    def _encode(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Vision and audio embeddings of this micro-batch's items, in placeholder order."""
+    def encode_items(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Vision and audio embeddings of a batch's items (``vision_patches``, ``vision_positions``,
+        ``vision_grids``, ``audio_mels``, ``audio_lengths``), in placeholder order."""
         vision_inputs = (batch["vision_patches"], batch["vision_positions"], batch["vision_grids"])
         audio_inputs = (batch["audio_mels"], batch["audio_lengths"])
         balancer = self.encoder_balancer

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from omni_lightning.parallel.dims import FLATTENED_DIMS, ParallelDims
+from omni_lightning.parallel.placement import PoolLayout
 
-__all__ = ["OmniMeshes", "build_meshes"]
+__all__ = ["OmniMeshes", "EncoderPool", "build_meshes", "build_encoder_pool"]
 
 
 @dataclass
@@ -54,24 +56,28 @@ class OmniMeshes:
         return self.views.get("hsdp") or self.views.get("dp_shard_cp") or self.views.get("dp_replicate")
 
 
-def build_meshes(parallel_dims: ParallelDims, device_type: str) -> OmniMeshes:
+def build_meshes(parallel_dims: ParallelDims, device_type: str, *, pool: PoolLayout | None = None) -> OmniMeshes:
     """Create the LLM DeviceMesh (dimensions of degree > 1 only), its flattened views and the encoder groups.
 
     Group creation is collective: every rank must call this with the same ``parallel_dims``; the order of creation
-    is fixed here, so it is the same on every rank.
+    is fixed here, so it is the same on every rank. With a disaggregated ``pool`` the LLM mesh covers the LLM pool's
+    ranks (the first ``parallel_dims.world_size``) and the encoder ranks take part in creating it without being in it.
     """
-    if dist.get_world_size() != parallel_dims.world_size:
+    world_size = pool.world_size if pool is not None else parallel_dims.world_size
+    if dist.get_world_size() != world_size:
         raise ValueError(
-            f"the process group has {dist.get_world_size()} ranks but ParallelDims was built for "
-            f"world_size={parallel_dims.world_size}"
+            f"the process group has {dist.get_world_size()} ranks but the layout was built for {world_size}"
         )
     names = parallel_dims.materialized_dims
     views: dict[str, DeviceMesh] = {}
     world: DeviceMesh | None = None
     if names:
-        world = init_device_mesh(
-            device_type, tuple(parallel_dims.degrees[n] for n in names), mesh_dim_names=names
-        )
+        shape = tuple(parallel_dims.degrees[n] for n in names)
+        if pool is None:
+            world = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        else:
+            world = DeviceMesh(device_type, torch.arange(parallel_dims.world_size).reshape(shape),
+                               mesh_dim_names=names)
         views.update({name: world[name] for name in names})
         mesh_dim_of: dict[str, str] = {}  # view name -> the dim name the root mesh knows it by
         for flat_name, components in FLATTENED_DIMS.items():
@@ -105,10 +111,48 @@ def build_meshes(parallel_dims: ParallelDims, device_type: str) -> OmniMeshes:
     return OmniMeshes(parallel_dims, world, views, encoder_group, blocks, ep_mesh, expert_replicas)
 
 
+@dataclass
+class EncoderPool:
+    """The encoder pool's groups (disaggregated placement), on every rank; members hold the pool's groups.
+
+    ``mesh`` shards the encoders (FSDP) over the pool, ``group`` is the pool's encoder group for the balancer and
+    ``sp_blocks`` its aligned SP blocks (as :class:`OmniMeshes`); all are ``None``/empty off the pool or with one
+    encoder rank. ``transfers`` spans the world and carries only the pools' point-to-point transfers.
+    """
+
+    layout: PoolLayout
+    mesh: DeviceMesh | None
+    group: dist.ProcessGroup | None
+    sp_blocks: dict[int, dist.ProcessGroup]
+    transfers: dist.ProcessGroup
+
+
+def build_encoder_pool(layout: PoolLayout, enc_sp: int, device_type: str) -> EncoderPool:
+    """Create the encoder pool's mesh, SP blocks and the transfer group (collective: every rank calls it)."""
+    rank, ranks = dist.get_rank(), layout.encoder_ranks
+    mesh, group = None, None
+    if len(ranks) > 1:
+        mesh = DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=("encoder_pool",))
+        group = mesh.get_group() if rank in ranks else None
+    blocks: dict[int, dist.ProcessGroup] = {}
+    degree = 2
+    while degree <= enc_sp:
+        mine = _new_subgroups([ranks[i : i + degree] for i in range(0, len(ranks), degree)], rank)
+        if mine is not None:
+            blocks[degree] = mine
+        degree *= 2
+    transfers = dist.new_group(ranks=list(range(layout.world_size)))
+    return EncoderPool(layout, mesh, group, blocks, transfers)
+
+
 def _new_subgroups(groups: list[list[int]], rank: int) -> dist.ProcessGroup | None:
+    """This rank's group of ``groups`` (created collectively), or ``None`` for singletons and for a rank in none
+    of them (an encoder-pool rank creating the LLM pool's groups)."""
     if len(groups[0]) == 1:
         return None
     mine, _ = dist.new_subgroups_by_enumeration(groups)
+    if not any(rank in group for group in groups):
+        return None
     if rank not in dist.get_process_group_ranks(mine):
         raise AssertionError(f"rank {rank} landed in the wrong subgroup {dist.get_process_group_ranks(mine)}")
     return mine

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import register_fsdp_forward_method
 
 from omni_lightning.models.encoders import AudioEncoder, VisionEncoder
 from omni_lightning.models.llm import Decoder
@@ -13,11 +14,11 @@ from omni_lightning.parallel.activation_checkpoint import apply_ac, apply_compil
 from omni_lightning.parallel.encoder_balance import EncoderBalancer
 from omni_lightning.parallel.expert_parallel import apply_ep
 from omni_lightning.parallel.fsdp import apply_fsdp
-from omni_lightning.parallel.mesh import OmniMeshes
+from omni_lightning.parallel.mesh import EncoderPool, OmniMeshes
 from omni_lightning.parallel.pipeline import PipelineRunner, PipelineSettings
 from omni_lightning.parallel.tensor_parallel import apply_tp
 
-__all__ = ["parallelize_mllm", "check_model_fits_layout"]
+__all__ = ["parallelize_mllm", "parallelize_encoder_pool", "check_model_fits_layout"]
 
 
 def check_model_fits_layout(model: ReferenceMLLM, meshes: OmniMeshes, *, encoder_balance: bool = False) -> None:
@@ -25,7 +26,8 @@ def check_model_fits_layout(model: ReferenceMLLM, meshes: OmniMeshes, *, encoder
     dims = meshes.parallel_dims
     model.llm.check_tp(dims.tp)
     reference_llm = isinstance(model.llm, Decoder)
-    reference_encoders = isinstance(model.vision, VisionEncoder) and isinstance(model.audio, AudioEncoder)
+    reference_encoders = (isinstance(getattr(model, "vision", None), VisionEncoder)
+                          and isinstance(getattr(model, "audio", None), AudioEncoder))
     # CP, EP and the pipeline drive the reference modules' own signatures (CP shards, experts, RoPE tables, stems).
     for name, supported, what in (("cp", reference_llm, "decoder"), ("ep", reference_llm, "decoder"),
                                   ("pp", reference_llm and reference_encoders, "decoder and encoders")):
@@ -42,7 +44,9 @@ def check_model_fits_layout(model: ReferenceMLLM, meshes: OmniMeshes, *, encoder
     if dims.enc_sp > 1 and not encoder_balance:
         raise ValueError(f"enc_sp={dims.enc_sp} splits items planned by the encoder balancer: set encoder_balance=True")
     for name in ("vision", "audio"):
-        encoder = getattr(model, name)
+        encoder = getattr(model, name, None)
+        if encoder is None:  # an LLM-pool rank of the disaggregated placement
+            continue
         if dims.enc_sp > 1 and not encoder.supports_sequence_parallel:
             raise ValueError(f"enc_sp={dims.enc_sp} splits long items, which {type(encoder).__name__} cannot encode "
                              "in pieces: use enc_sp=1 (whole-item encoder balancing still works)")
@@ -125,3 +129,25 @@ def parallelize_mllm(
                        ignored_params=set(experts) or None)
     runner.build()
     return runner
+
+
+def parallelize_encoder_pool(model: ReferenceMLLM, pool: EncoderPool, *, param_dtype: torch.dtype | None = None,
+                             encoder_balance: bool = True, activation_checkpointing: bool = False,
+                             compile_backend: str | None = None) -> None:
+    """Parallelise an encoder-pool rank's encoders (disaggregated placement), in place: FSDP over the pool, and with
+    ``encoder_balance`` each micro-batch's items resharded over the pool (long ones split over its SP blocks)."""
+    encoders = [model.vision, model.audio]
+    blocks = [block for encoder in encoders for block in encoder.blocks]
+    if compile_backend is not None:
+        apply_compile(blocks, compile_backend)
+    if activation_checkpointing:
+        apply_ac(blocks)
+    if pool.group is not None and encoder_balance:
+        enc_sp = max(pool.sp_blocks, default=1)
+        model.encoder_balancer = EncoderBalancer(pool.group, pool.sp_blocks,
+                                                 {"vision": model.vision.cost(), "audio": model.audio.cost()},
+                                                 enc_sp=enc_sp)
+    if pool.mesh is not None:
+        apply_fsdp(model, pool.mesh, blocks=blocks, param_dtype=param_dtype)
+        # The pool calls encode_items, not forward: FSDP must gather the root's parameters (stems, projectors) there.
+        register_fsdp_forward_method(model, "encode_items")

@@ -30,15 +30,19 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from omni_lightning.balance.allocation import ModuleShape, encoder_pool_size, pool_problem
+from omni_lightning.balance.cost import CostModel
 from omni_lightning.datamodules.resumable import commit_consumed
+from omni_lightning.datamodules.workload import load_workload
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import ReferenceMLLM, vocab_parallel_loss
 from omni_lightning.parallel.dims import ParallelDims
 from omni_lightning.parallel.expert_parallel import sync_expert_gradients
 from omni_lightning.parallel.fsdp import set_gradient_sync
-from omni_lightning.parallel.mesh import OmniMeshes, build_meshes
+from omni_lightning.parallel.mesh import EncoderPool, OmniMeshes, build_encoder_pool, build_meshes
 from omni_lightning.parallel.parallelize import check_model_fits_layout
 from omni_lightning.parallel.pipeline import PIPELINE_SCHEDULES, PipelineSettings, assign_layers, layer_costs
+from omni_lightning.parallel.placement import PoolLayout
 from omni_lightning.strategies.checkpointing import (
     load_sharded_checkpoint,
     optimizer_state_by_name,
@@ -53,6 +57,7 @@ log = logging.getLogger(__name__)
 
 LauncherName = Literal["subprocess", "fork", "spawn"]
 NonFinitePolicy = Literal["skip", "stop"]
+Placement = Literal["multiplexed", "disaggregated"]
 
 # Schedules that run one stage per pipeline rank (the others run pp_virtual_stages and need micro-batches % pp == 0).
 _SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
@@ -74,10 +79,10 @@ class OmniStrategy(ModelParallelStrategy):
         ep: expert-parallel ranks for MoE layers, carved out of the ``dp_shard x cp`` ranks.
         enc_sp: largest number of data-parallel ranks one encoder item may be split over with sequence
             parallelism (a power of two dividing the encoder heads).
-        encoder_balance: reshard encoder items across the data-parallel ranks every step so each rank's encoder
-            work is about equal, splitting long items with sequence parallelism (see
-            :mod:`omni_lightning.parallel.encoder_balance`); default ``True`` when there are several data-parallel
-            ranks.
+        encoder_balance: reshard encoder items across the data-parallel ranks (the encoder pool's ranks under the
+            disaggregated placement) every step so each rank's encoder work is about equal, splitting long items with
+            sequence parallelism (see :mod:`omni_lightning.parallel.encoder_balance`); default ``True`` when there are
+            several such ranks.
         pp_schedule: pipeline schedule when ``pp > 1``: ``"1F1B"``, ``"GPipe"``, ``"Interleaved1F1B"`` or
             ``"InterleavedZeroBubble"`` (the last two run ``pp_virtual_stages`` stages per rank).
         pp_microbatches: micro-batches per step in the pipeline (default ``pp``); each training batch is cut into
@@ -96,6 +101,15 @@ class OmniStrategy(ModelParallelStrategy):
             another layout) rather than one consolidated file. Either is written under a hidden ``.NAME.partial``
             and renamed to its name once every rank has finished, so a kill while saving leaves the previous
             checkpoint the latest complete one.
+        placement: ``"multiplexed"`` (default) colocates the encoders with the LLM on every rank (MegaScale-Omni);
+            ``"disaggregated"`` gives them a pool of their own, as DistTrain does: the LLM pool (the first ranks,
+            laid out by the degrees above) and an encoder pool of ``encoder_world_size`` ranks (data parallelism and
+            encoder SP: ``enc_sp`` then applies to that pool), whose outputs stream to the LLM pool micro-batch by
+            micro-batch (see :mod:`omni_lightning.parallel.disaggregated`). ``pp`` must then be 1.
+        encoder_world_size: ranks of the encoder pool under ``placement="disaggregated"``; ``None`` sizes it with the
+            pool solver (:func:`~omni_lightning.balance.allocation.encoder_pool_size`) for ``pool_workload``.
+        pool_workload: a workload spec file (see ``shared/workloads``) the pool solver sizes the encoder pool for when
+            ``encoder_world_size`` is ``None``.
         on_nonfinite: what a step does when the loss or a gradient is NaN or infinite on any rank (checked after the
             last backward of the step, agreed by one all-reduce over the world): ``"skip"`` (default) drops the
             gradients on every rank so the optimizer changes neither weights nor state (the step still counts, as does
@@ -133,7 +147,11 @@ class OmniStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         save_distributed_checkpoint: bool = True,
         on_nonfinite: NonFinitePolicy = "skip",
+        placement: Placement = "multiplexed",
+        encoder_world_size: int | None = None,
+        pool_workload: str | None = None,
     ) -> None:
+        _check_placement(placement, encoder_world_size, pool_workload, pp=pp, enc_sp=enc_sp)
         if on_nonfinite not in ("skip", "stop"):
             raise ValueError(f"on_nonfinite={on_nonfinite!r} must be 'skip' or 'stop'")
         if launcher not in ("subprocess", "fork", "spawn"):
@@ -149,8 +167,14 @@ class OmniStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timedelta(seconds=timeout),
         )
+        self.placement = placement
+        self._encoder_world_size, self._pool_workload = encoder_world_size, pool_workload
+        self._pool_layout: PoolLayout | None = None
+        self._encoder_pool: EncoderPool | None = None
+        # Under the disaggregated placement enc_sp splits items over the encoder pool, not the LLM's ranks.
+        self._enc_sp = enc_sp
         self._degrees = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp,
-                         "ep": ep, "enc_sp": enc_sp}
+                         "ep": ep, "enc_sp": enc_sp if placement == "multiplexed" else 1}
         # Validate what can be checked before the world size is known, so a typo fails at construction.
         ParallelDims(world_size=_smallest_world(self._degrees), **self._degrees)
         self._launcher_name = launcher
@@ -189,15 +213,65 @@ class OmniStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------------------------------- topology
     @property
     def parallel_dims(self) -> ParallelDims:
-        """Degrees resolved for this job's world size (available once the world size is known)."""
+        """Degrees of the LLM's ranks, resolved for this job's world size (available once the world size is known):
+        the whole world, or the LLM pool under the disaggregated placement."""
         if self._parallel_dims is None:
-            self._parallel_dims = ParallelDims(world_size=self.num_nodes * self.num_processes, **self._degrees)
+            if (layout := self.pool_layout) is not None:
+                self._parallel_dims = layout.llm
+            else:
+                self._parallel_dims = ParallelDims(world_size=self.num_nodes * self.num_processes, **self._degrees)
         return self._parallel_dims
+
+    @property
+    def pool_layout(self) -> PoolLayout | None:
+        """Both pools' ranks under ``placement="disaggregated"`` (``None`` when multiplexed)."""
+        if self.placement != "disaggregated":
+            return None
+        if self._pool_layout is None:
+            world = self.num_nodes * self.num_processes
+            size = self._encoder_world_size
+            if size is None:
+                size = self._solve_encoder_pool(world)
+            if not 1 <= size < world:
+                raise ValueError(f"encoder_world_size={size} must leave the LLM pool at least one of the {world} ranks")
+            if size % self._enc_sp:
+                raise ValueError(f"enc_sp={self._enc_sp} must divide encoder_world_size={size} (SP blocks are aligned "
+                                 "ranks of the encoder pool)")
+            self._pool_layout = PoolLayout(ParallelDims(world_size=world - size, **self._degrees), size)
+        return self._pool_layout
+
+    @property
+    def is_encoder_rank(self) -> bool:
+        """Whether this rank belongs to the encoder pool of the disaggregated placement."""
+        return self.pool_layout is not None and self.pool_layout.is_encoder_rank(self.global_rank)
+
+    @property
+    def encoder_pool(self) -> EncoderPool | None:
+        """The encoder pool's groups (disaggregated placement, after :meth:`setup_environment`)."""
+        return self._encoder_pool
+
+    @property
+    def stream_microbatches(self) -> int:
+        """Micro-batches a step streams from the encoder pool to the LLM pool (at least 2, so they overlap)."""
+        return self.pipeline_settings.microbatches or 2
+
+    def _solve_encoder_pool(self, world: int) -> int:
+        module = self._lightning_module
+        config = getattr(module, "config", None)
+        if not isinstance(config, ReferenceMLLMConfig):
+            raise ValueError("encoder_world_size=None sizes the encoder pool from the model's configuration, which is "
+                             "not known yet (or not a ReferenceMLLMConfig): pass encoder_world_size")
+        assert self._pool_workload is not None  # _check_placement
+        degrees = self._degrees
+        unit = degrees["tp"] * degrees["pp"] * degrees["cp"] * degrees["dp_replicate"]
+        return size_encoder_pool(config, self._pool_workload, world_size=world, llm_unit=unit, tp=degrees["tp"])
 
     @property
     def encoder_balance(self) -> bool:
         """Whether the data-parallel ranks share each step's encoder work (default: when there are several)."""
         if self._encoder_balance is None:
+            if (layout := self.pool_layout) is not None:
+                return layout.encoder_world_size > 1
             return self.parallel_dims.dp > 1
         return self._encoder_balance
 
@@ -217,20 +291,32 @@ class OmniStrategy(ModelParallelStrategy):
         """
         config = getattr(module, "config", None)
         if not isinstance(config, ReferenceMLLMConfig):
+            if self.placement == "disaggregated":
+                raise ValueError("placement='disaggregated' needs an OmniModule whose config is a ReferenceMLLMConfig "
+                                 "(item sizes and output widths travel by it)")
             return
         dims = self.parallel_dims
         with torch.device("meta"):
             model = ReferenceMLLM(config)
         # No groups: the checks read only the degrees, and group creation would be collective.
-        check_model_fits_layout(model, OmniMeshes(dims, None, {}, None, {}), encoder_balance=self.encoder_balance)
+        if self.placement == "disaggregated":
+            for name in ("vision", "audio"):
+                if getattr(model, name).n_heads % self._enc_sp:
+                    raise ValueError(f"{name}.n_heads={getattr(model, name).n_heads} is not divisible by enc_sp="
+                                     f"{self._enc_sp}: pick enc_sp dividing the encoder heads")
+        else:
+            check_model_fits_layout(model, OmniMeshes(dims, None, {}, None, {}),
+                                    encoder_balance=self.encoder_balance)
         if dims.pp_enabled:
             stages = dims.pp * self.pipeline_settings.virtual_stages
             assign_layers(layer_costs(config.llm)[0], stages)
 
     @override
     def _configure_launcher(self) -> None:
-        # Fail on a bad layout in the launching process, before any worker or process group exists.
-        _ = self.parallel_dims
+        # Fail on a bad layout in the launching process, before any worker or process group exists (a pool size left
+        # to the solver waits for the model, in check_model_fits).
+        if self.placement == "multiplexed" or self._encoder_world_size is not None:
+            _ = self.parallel_dims
         if self.cluster_environment.creates_processes_externally:
             self._launcher = None
         elif self._launcher_name == "subprocess":
@@ -244,21 +330,37 @@ class OmniStrategy(ModelParallelStrategy):
         self.check_model_fits(self.lightning_module)
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
-        if dist.get_world_size() != dims.world_size:
-            raise ValueError(f"OmniStrategy expected {dims.world_size} processes, the process group has "
+        layout = self.pool_layout
+        expected = layout.world_size if layout is not None else dims.world_size
+        if dist.get_world_size() != expected:
+            raise ValueError(f"OmniStrategy expected {expected} processes, the process group has "
                              f"{dist.get_world_size()}")
-        self._meshes = build_meshes(dims, self.root_device.type)
+        self._meshes = build_meshes(dims, self.root_device.type, pool=layout)
+        if layout is not None:
+            self._encoder_pool = build_encoder_pool(layout, self._enc_sp, self.root_device.type)
         self._device_mesh = self._meshes.world
         module = self.lightning_module
         module._device_mesh = self._meshes.world
         module.omni_meshes = self._meshes
-        log.info("rank %d: %s", self.global_rank, dims)
+        log.info("rank %d: %s", self.global_rank, f"encoder pool of {layout}" if self.is_encoder_rank else dims)
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        """Samplers split data over the data-parallel ranks only: TP/CP/PP peers must see the same samples."""
-        return {"num_replicas": self.parallel_dims.dp, "rank": self.meshes.local_rank("dp")}
+        """Samplers split data over the data-parallel ranks only: TP/CP/PP peers must see the same samples.
+
+        An encoder-pool rank reads the stream of the first LLM data-parallel rank it serves, so that both pools run
+        the same number of batches an epoch; it takes its items from the LLM pool, not from those batches.
+        """
+        return {"num_replicas": self.parallel_dims.dp, "rank": self._dp_rank}
+
+    @property
+    def _dp_rank(self) -> int:
+        """The data-parallel rank whose samples this rank reads (see :attr:`distributed_sampler_kwargs`)."""
+        if self.is_encoder_rank:
+            assert self.pool_layout is not None
+            return self.pool_layout.served_by(self.global_rank)[0]
+        return self.meshes.local_rank("dp")
 
     @contextmanager
     @override
@@ -272,8 +374,8 @@ class OmniStrategy(ModelParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self.parallel_dims.pp > 1:  # the pipeline schedule ran the backward inside training_step
-            return closure_loss
+        if self.parallel_dims.pp > 1 or self.placement == "disaggregated":
+            return closure_loss  # the pipeline schedule or the pool stream ran the backward inside training_step
         # Under TP the loss was taken over vocabulary-sharded logits; their backward needs the same context.
         with vocab_parallel_loss() if self.parallel_dims.tp_enabled else nullcontext():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -350,8 +452,11 @@ class OmniStrategy(ModelParallelStrategy):
         # its own shards, so gather every rank's loader state into the checkpoint.
         loader_state = _get_path(checkpoint, _LOADER_STATE_PATH)
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, {"dp_rank": self.meshes.local_rank("dp"), "loader": loader_state})
-        checkpoint["omni"] = {"parallel_dims": _dims_record(self.parallel_dims), "ranks": gathered}
+        dist.all_gather_object(gathered, {"dp_rank": self._dp_rank, "loader": loader_state,
+                                          "encoder_pool": self.is_encoder_rank})
+        checkpoint["omni"] = {"parallel_dims": _dims_record(self.parallel_dims), "ranks": gathered,
+                              "placement": self.placement,
+                              "encoder_world_size": self.pool_layout.encoder_world_size if self.pool_layout else 0}
         # Written under a hidden name and renamed once every rank is done (see strategies/checkpointing.py): a kill
         # while saving leaves the previous checkpoint the latest one. Rank 0 owns the names, as in Lightning.
         path = Path(self.broadcast(filepath))
@@ -384,7 +489,8 @@ class OmniStrategy(ModelParallelStrategy):
         loop_state = _get_path(checkpoint, _LOADER_STATE_PATH[:-1])
         if "omni" not in checkpoint or loop_state is None:
             return checkpoint
-        state = loader_state_for_rank(checkpoint["omni"], self.meshes.local_rank("dp"), self.parallel_dims.dp)
+        state = loader_state_for_rank(checkpoint["omni"], self._dp_rank, self.parallel_dims.dp,
+                                      encoder_pool=self.is_encoder_rank)
         if state is None:
             loop_state.pop(_LOADER_STATE_PATH[-1], None)
         else:
@@ -392,7 +498,7 @@ class OmniStrategy(ModelParallelStrategy):
         return checkpoint
 
 
-def loader_state_for_rank(saved: dict[str, Any], dp_rank: int, dp_size: int) -> Any:
+def loader_state_for_rank(saved: dict[str, Any], dp_rank: int, dp_size: int, *, encoder_pool: bool = False) -> Any:
     """The loader state a resuming data-parallel rank continues from, or ``None`` to restart its stream.
 
     Ranks are matched by data-parallel rank (TP/CP/PP peers share a stream), so any layout with the same
@@ -414,7 +520,11 @@ def loader_state_for_rank(saved: dict[str, Any], dp_rank: int, dp_size: int) -> 
             "(model, optimizer and step count are restored)"
         )
         return None
-    state = next((rank for rank in saved["ranks"] if rank["dp_rank"] == dp_rank), None)
+    # An LLM rank resumes from an LLM rank's stream; an encoder-pool rank, which reads a copy of a stream to keep the
+    # pools' epochs in step, from that stream (a checkpoint of the other placement holds no encoder-pool ranks).
+    saved_ranks = [rank for rank in saved["ranks"] if rank["dp_rank"] == dp_rank]
+    state = next((rank for rank in saved_ranks if rank.get("encoder_pool", False) == encoder_pool),
+                 saved_ranks[0] if saved_ranks else None)
     if state is None:
         raise ValueError(f"the checkpoint holds no loader state for data-parallel rank {dp_rank} of {dp_size}")
     return state["loader"]
@@ -489,6 +599,51 @@ def _any_nonfinite_grad(params: list[Tensor], device: torch.device) -> Tensor:
     local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
     finite = torch.stack([torch.isfinite(g).all().to(device) for g in local]).all()
     return (~finite).to(torch.int32)
+
+
+def _check_placement(placement: str, encoder_world_size: int | None, pool_workload: str | None, *, pp: int,
+                     enc_sp: int) -> None:
+    if placement not in ("multiplexed", "disaggregated"):
+        raise ValueError(f"placement={placement!r} must be 'multiplexed' or 'disaggregated'")
+    if placement == "multiplexed":
+        if encoder_world_size is not None or pool_workload is not None:
+            raise ValueError("encoder_world_size and pool_workload size the encoder pool of placement='disaggregated'; "
+                             "the multiplexed placement runs the encoders on every rank")
+        return
+    if pp > 1:
+        raise ValueError(f"placement='disaggregated' with pp={pp}: the encoder pool streams to an LLM pool without "
+                         "pipeline stages in this version; use pp=1 or placement='multiplexed'")
+    if encoder_world_size is None and pool_workload is None:
+        raise ValueError("placement='disaggregated' needs encoder_world_size=N, or pool_workload=FILE (a workload "
+                         "spec) for the pool solver to size the encoder pool")
+    if encoder_world_size is not None and (not isinstance(encoder_world_size, int) or encoder_world_size < 1):
+        raise ValueError(f"encoder_world_size={encoder_world_size!r} must be a positive integer")
+    if enc_sp & (enc_sp - 1):
+        raise ValueError(f"enc_sp={enc_sp} must be a power of two (an item is split over 2, 4, ... aligned ranks)")
+
+
+_POOL_SEQ_LEN = 4096  # LLM tokens a rank packs per step when the solver sizes the pools
+
+
+def size_encoder_pool(config: ReferenceMLLMConfig, workload: str, *, world_size: int, llm_unit: int, tp: int) -> int:
+    """Encoder ranks for ``world_size`` ranks training ``config`` on ``workload`` (a spec file), by the pool solver.
+
+    The solver compares the pools' predicted step times (the model's training FLOPs from its cost model, both pools
+    on the same devices, so only ratios matter); the step holds one packed sequence of ``_POOL_SEQ_LEN`` tokens per
+    rank. Memory is not the limit at these sizes.
+    """
+    spec = load_workload(workload)
+    with torch.device("meta"):
+        model = ReferenceMLLM(config)
+    encoders = [model.vision, model.audio]
+    encoder_shape = ModuleShape(params=float(sum(p.numel() for e in encoders for p in e.parameters())),
+                                layers=config.vision.n_layers + config.audio.n_layers, dim=config.vision.dim)
+    llm_shape = ModuleShape(params=float(sum(p.numel() for p in model.llm.parameters())),
+                            layers=config.llm.n_layers, dim=config.llm.dim)
+    problem = pool_problem(CostModel.from_config(config), spec, world_size=world_size, memory_bytes=math.inf,
+                           device_flops=1.0, intra_node_bandwidth=math.inf, sequences=world_size,
+                           seq_len=_POOL_SEQ_LEN, encoder=encoder_shape, llm=llm_shape, samples=512)
+    return encoder_pool_size(problem, llm_unit=llm_unit, tp=tp)
 
 
 def _smallest_world(degrees: dict[str, int]) -> int:
