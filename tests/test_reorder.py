@@ -11,10 +11,15 @@ from omni_lightning.balance.reorder import (
     ReorderConfig,
     balance_groups,
     lower_bound,
+    one_f_one_b_makespans,
     order_for_1f1b,
     plan_balance_group,
     plan_naive,
+    refine_for_1f1b,
+    search_1f1b_order,
 )
+from omni_lightning.sim import replay_pipeline
+from omni_lightning.sim.schedules import one_f_one_b
 
 
 def _inputs(seed: int, n_ranks: int, per_rank: int, sigma: float = 1.0) -> tuple[np.ndarray, ...]:
@@ -39,12 +44,15 @@ def _placed(plan) -> list[int]:
     per_rank=st.integers(0, 40),
     budget=st.one_of(st.none(), st.integers(200, 1200)),
     pp=st.integers(1, 3),
+    search=st.booleans(),
 )
 def test_every_sample_once_and_no_budget_exceeded(
-    seed: int, n_ranks: int, steps: int, micro_batches: int, per_rank: int, budget: int | None, pp: int
+    seed: int, n_ranks: int, steps: int, micro_batches: int, per_rank: int, budget: int | None, pp: int,
+    search: bool,
 ) -> None:
     costs, tokens, owners, nbytes = _inputs(seed, n_ranks, per_rank)
-    config = ReorderConfig(steps=steps, micro_batches=micro_batches, token_budget=budget, pp=pp)
+    config = ReorderConfig(steps=steps, micro_batches=micro_batches, token_budget=budget, pp=pp,
+                           pipeline_search=search)
     plan = plan_balance_group(costs, tokens, owners, nbytes, n_ranks=n_ranks, config=config, seed=seed, epoch=0,
                               group_index=0)
     placed = _placed(plan)
@@ -133,6 +141,72 @@ def test_balance_groups() -> None:
     assert balance_groups(4, 1) == [[0], [1], [2], [3]]
     with pytest.raises(ValueError, match="must divide the data-parallel size 6"):
         balance_groups(6, 4)
+
+
+@pytest.mark.parametrize(("stages", "count"), [(4, 16), (2, 3), (4, 2), (3, 7)])
+def test_1f1b_makespans_match_the_replay(stages: int, count: int) -> None:
+    rng = np.random.default_rng(count)
+    costs = rng.lognormal(0.0, 1.0, (3, count))
+    spans = one_f_one_b_makespans(costs, stages, forward_share=0.4)
+    for row, span in zip(costs, spans, strict=True):
+        forward, backward = [list(row * 0.4 / stages)] * stages, [list(row * 0.6 / stages)] * stages
+        assert span == pytest.approx(replay_pipeline(one_f_one_b(forward, backward)).makespan)
+
+
+def _span(costs: np.ndarray, order: list[int], stages: int = 4) -> float:
+    return float(one_f_one_b_makespans(costs[order], stages)[0])
+
+
+def test_searched_order_is_a_permutation_no_slower_than_disttrains() -> None:
+    costs = np.random.default_rng(0).lognormal(0.0, 1.0, 12)
+    order = search_1f1b_order(list(costs), 4)
+    assert sorted(order) == list(range(12))
+    assert order == search_1f1b_order(list(costs), 4)
+    assert _span(costs, order) < _span(costs, order_for_1f1b(list(costs), 4))
+    assert search_1f1b_order([3.0, 1.0], 4) == order_for_1f1b([3.0, 1.0], 4)
+
+
+def test_refinement_ramps_the_micro_batches_around_a_heavy_sample() -> None:
+    """One sample worth three light micro-batches: LPT leaves the rest even, the refinement shapes a ramp that
+    the pipeline fills and drains on, shorter, within the token budget and with no micro-batch emptied."""
+    costs = np.array([12.0] + [1.0] * 23)
+    tokens = np.array([300] + [40] * 23)
+    plan = plan_balance_group(costs, tokens, np.zeros(24, dtype=np.int64), tokens, n_ranks=1,
+                              config=ReorderConfig(steps=1, micro_batches=8, token_budget=320, pp=4), seed=0,
+                              epoch=0, group_index=0)
+    lpt = plan.micro_batches[0][0]
+    refined = refine_for_1f1b(lpt, costs, tokens, pp=4, token_budget=320)
+    assert sorted(s for batch in refined for s in batch) == list(range(24))
+    assert all(batch and tokens[batch].sum() <= 320 for batch in refined)
+
+    def span(batches: list[list[int]]) -> float:
+        return float(one_f_one_b_makespans(np.array([costs[b].sum() for b in batches]), 4)[0])
+
+    assert span(refined) < 0.95 * span(lpt)
+    searched = plan_balance_group(costs, tokens, np.zeros(24, dtype=np.int64), tokens, n_ranks=1,
+                                  config=ReorderConfig(steps=1, micro_batches=8, token_budget=320, pp=4,
+                                                       pipeline_search=True), seed=0, epoch=0, group_index=0)
+    assert span(searched.micro_batches[0][0]) < 0.95 * span(lpt)
+
+
+def test_micro_batches_balance_their_own_costs() -> None:
+    """Steps balance ``costs``; a step's micro-batches balance ``micro_batch_costs`` (the LLM's share under the
+    joint pipeline): here two samples cost the same in all but their micro-batch cost."""
+    costs = np.ones(4)
+    llm = np.array([4.0, 1.0, 3.0, 2.0])
+    zeros = np.zeros(4, dtype=np.int64)
+    plan = plan_balance_group(costs, zeros + 1, zeros, zeros, n_ranks=1, config=ReorderConfig(steps=1, micro_batches=2),
+                              seed=0, epoch=0, group_index=0, micro_batch_costs=llm)
+    assert sorted(sorted(llm[mb].tolist()) for mb in plan.micro_batches[0][0]) == [[1.0, 4.0], [2.0, 3.0]]
+    with pytest.raises(ValueError, match="one per sample"):
+        plan_balance_group(costs, zeros + 1, zeros, zeros, n_ranks=1, config=ReorderConfig(steps=1), seed=0, epoch=0,
+                           group_index=0, micro_batch_costs=llm[:3])
+
+
+@pytest.mark.parametrize("share", [0.0, 1.0, -0.5])
+def test_forward_share_is_a_fraction(share: float) -> None:
+    with pytest.raises(ValueError, match="forward_share"):
+        ReorderConfig(steps=1, forward_share=share)
 
 
 @pytest.mark.parametrize(("name", "value"), [("steps", 0), ("micro_batches", 0), ("pp", 0), ("token_budget", 0)])

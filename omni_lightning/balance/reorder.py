@@ -6,8 +6,10 @@ of them derive the same plan without a coordinator. Only payloads that the plan 
 
 The plan minimises the largest predicted cost of any (rank, step): longest-processing-time-first (LPT) over the
 ``ranks x steps`` bins, subject to a token budget per micro-batch, then LPT again to split each bin into
-micro-batches, then (with pipeline parallelism) DistTrain's 1F1B order of the micro-batches. Bins of one step are
-finally matched to the ranks that already hold most of their payload bytes, which keeps the exchange small.
+micro-batches, then (with pipeline parallelism) DistTrain's 1F1B order of the micro-batches, or, with
+``pipeline_search``, the micro-batches and order that a local search finds shortest in a 1F1B replay of the
+predicted costs. Bins of one step are finally matched to the ranks that already hold most of their payload bytes,
+which keeps the exchange small.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ __all__ = [
     "plan_naive",
     "balance_groups",
     "order_for_1f1b",
+    "search_1f1b_order",
+    "refine_for_1f1b",
+    "one_f_one_b_makespans",
     "lower_bound",
 ]
 
@@ -37,12 +42,19 @@ class ReorderConfig:
         micro_batches: micro-batches per step on every rank (gradient accumulation or pipeline micro-batches).
         token_budget: most LLM tokens one micro-batch may hold (``None``: unlimited).
         pp: pipeline stages; with ``pp > 1`` the micro-batches of each step are ordered for 1F1B.
+        pipeline_search: with ``pp > 1``, form and order each step's micro-batches by a local search on the 1F1B
+            step time of their predicted costs (:func:`search_1f1b_order`, :func:`refine_for_1f1b`) instead of
+            LPT and DistTrain's heuristic order.
+        forward_share: the share of a micro-batch's cost its forward takes, for that search (1/3 in FLOPs: the
+            backward computes input and weight gradients; a measured step gives the real share).
     """
 
     steps: int
     micro_batches: int = 1
     token_budget: int | None = None
     pp: int = 1
+    pipeline_search: bool = False
+    forward_share: float = 1 / 3
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batches", "pp"):
@@ -50,6 +62,8 @@ class ReorderConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.token_budget is not None and self.token_budget < 1:
             raise ValueError(f"token_budget={self.token_budget} must be positive or None")
+        if not 0.0 < self.forward_share < 1.0:
+            raise ValueError(f"forward_share={self.forward_share} must be strictly between 0 and 1")
 
 
 @dataclass
@@ -102,19 +116,26 @@ def plan_balance_group(
     seed: int,
     epoch: int,
     group_index: int,
+    micro_batch_costs: np.ndarray | None = None,
 ) -> GroupPlan:
     """Plan one balance group; a pure function, identical on every rank given the same gathered inputs.
 
     Args:
-        costs: predicted cost of each sample (what is balanced).
+        costs: predicted cost of each sample (what is balanced over ranks and steps).
         tokens: LLM tokens of each sample (what the micro-batch budget limits).
         owners: the rank (0..n_ranks-1 within the group) that holds each sample's payload now.
         nbytes: payload size of each sample, for the movement counters.
         n_ranks: ranks in the balance group.
         config: steps, micro-batches, token budget and pipeline degree.
         seed, epoch, group_index: break ties among equal costs reproducibly, differently per group.
+        micro_batch_costs: the cost of each sample that a step's micro-batches balance and are ordered by
+            (default ``costs``). Under a joint encoder-LLM pipeline that is the LLM's cost: the pipeline's shape
+            is set by each micro-batch's LLM work, while its encoder work is spread over all the stages.
     """
     costs = np.asarray(costs, dtype=np.float64)
+    split_costs = costs if micro_batch_costs is None else np.asarray(micro_batch_costs, dtype=np.float64)
+    if split_costs.shape != costs.shape:
+        raise ValueError(f"micro_batch_costs has shape {split_costs.shape}, costs {costs.shape}: one per sample")
     tokens = np.asarray(tokens, dtype=np.int64)
     budget = config.token_budget
     if budget is not None and tokens.size and int(tokens.max()) > budget:
@@ -132,7 +153,7 @@ def plan_balance_group(
 
     micro: list[list[list[int]]] = []
     for b in range(n_bins):
-        split, spilled = _split_bin(members[b], costs, tokens, config)
+        split, spilled = _split_bin(members[b], split_costs, tokens, config)
         micro.append(split)
         leftover.extend(spilled)
 
@@ -324,7 +345,8 @@ def _split_bin(
     used = [0] * m
     batches: list[list[int]] = [[] for _ in range(m)]
     spilled = []
-    for sample in samples:  # already in descending cost order
+    # Descending cost (the bin lists them by the balanced cost, which micro_batch_costs may differ from).
+    for sample in sorted(samples, key=lambda s: -costs[s]):
         candidates = [
             i for i in range(m) if config.token_budget is None or used[i] + tokens[sample] <= config.token_budget
         ]
@@ -335,7 +357,11 @@ def _split_bin(
         batches[target].append(sample)
         loads[target] += costs[sample]
         used[target] += int(tokens[sample])
-    if config.pp > 1:
+    if config.pp > 1 and config.pipeline_search:
+        batches = [batches[i] for i in search_1f1b_order(loads, config.pp, forward_share=config.forward_share)]
+        batches = refine_for_1f1b(batches, costs, tokens, pp=config.pp, forward_share=config.forward_share,
+                                  token_budget=config.token_budget)
+    elif config.pp > 1:
         batches = [batches[i] for i in order_for_1f1b(loads, config.pp)]
     return batches, spilled
 
@@ -353,6 +379,160 @@ def order_for_1f1b(micro_batch_costs: list[float], pp: int) -> list[int]:
     tail = rest[: pp - 1]
     middle = rest[pp - 1 :]
     return [first, *middle, *reversed(tail)]
+
+
+def one_f_one_b_makespans(costs: np.ndarray, pp: int, *, forward_share: float = 1 / 3) -> np.ndarray:
+    """Step times of 1F1B over ``pp`` equal stages for many orders at once (pure, vectorised over the rows).
+
+    ``costs[k, j]`` is the cost of the micro-batch that order ``k`` runs ``j``-th; each stage runs a ``1 / pp``
+    share of it, the forward ``forward_share`` of that and the backward the rest, transfers taking no time. Every
+    action starts when its stage is free and its input is there (the forward of the stage before, the backward of
+    the stage after), as :func:`omni_lightning.sim.replay_pipeline` replays a step.
+    """
+    costs = np.atleast_2d(np.asarray(costs, dtype=np.float64)) / pp
+    durations = (costs * forward_share, costs * (1.0 - forward_share))
+    end = np.zeros((2 * pp * costs.shape[1] + 1, costs.shape[0]))  # row -1 (the last) stays 0: "no action"
+    for i, (backward, micro_batch, before, needs) in enumerate(_one_f_one_b_actions(pp, costs.shape[1])):
+        end[i] = np.maximum(end[before], end[needs]) + durations[backward][:, micro_batch]
+    return end.max(axis=0)
+
+
+def _one_f_one_b_actions(pp: int, m: int) -> list[tuple[int, int, int, int]]:
+    """1F1B's actions in an order that respects their dependencies: (is backward, micro-batch, index of the action
+    before it on its stage, index of the action it waits for on another stage), -1 for none."""
+    orders = []
+    for stage in range(pp):  # as torch's Schedule1F1B: pp - 1 - stage warm-up forwards, alternate, drain
+        warmup = min(pp - 1 - stage, m)
+        order = [(0, j) for j in range(warmup)]
+        for j in range(m - warmup):
+            order += [(0, warmup + j), (1, j)]
+        orders.append(order + [(1, j) for j in range(m - warmup, m)])
+    index: dict[tuple[int, int, int], int] = {}
+    actions: list[tuple[int, int, int, int]] = []
+    position = [0] * pp
+    while len(actions) < 2 * pp * m:
+        for stage in range(pp):
+            while position[stage] < 2 * m:
+                backward, j = orders[stage][position[stage]]
+                other = stage + 1 if backward else stage - 1
+                needs = (other, backward, j) if 0 <= other < pp else None
+                if needs is not None and needs not in index:
+                    break
+                before = index[(stage, *orders[stage][position[stage] - 1])] if position[stage] else -1
+                index[(stage, backward, j)] = len(actions)
+                actions.append((backward, j, before, -1 if needs is None else index[needs]))
+                position[stage] += 1
+    return actions
+
+
+def search_1f1b_order(micro_batch_costs: list[float], pp: int, *, forward_share: float = 1 / 3,
+                      max_rounds: int = 64) -> list[int]:
+    """The order of a step's micro-batches whose 1F1B step (:func:`one_f_one_b_makespans`) is the shortest found.
+
+    Indivisible samples leave micro-batches of unequal cost however they are grouped, and 1F1B then stalls in its
+    steady state wherever a heavy micro-batch follows light ones (a stage waits for the heavy forward or backward
+    further down the pipeline). Which order hides that best depends on the costs, so the order is searched:
+    steepest descent over all swaps and moves of one micro-batch, from DistTrain's order, ascending and
+    descending order, keeping the best. Deterministic; returns indices into ``micro_batch_costs``.
+    """
+    costs = np.asarray(micro_batch_costs, dtype=np.float64)
+    m = costs.size
+    if pp <= 1 or m <= 2:
+        return order_for_1f1b(list(costs), pp)
+    ascending = sorted(range(m), key=lambda i: (costs[i], i))
+    moves = [(i, j, True) for i in range(m) for j in range(i + 1, m)]
+    moves += [(i, j, False) for i in range(m) for j in range(m) if abs(i - j) > 1]
+    found = []
+    for start in (order_for_1f1b(list(costs), pp), ascending, ascending[::-1]):
+        order = list(start)
+        now = float(one_f_one_b_makespans(costs[order], pp, forward_share=forward_share)[0])
+        for _ in range(max_rounds):
+            candidates = np.array([_moved(order, i, j, swap) for i, j, swap in moves])
+            spans = one_f_one_b_makespans(costs[candidates], pp, forward_share=forward_share)
+            k = int(np.argmin(spans))
+            if not spans[k] < now * (1 - 1e-9):  # no move shortens the step: a local optimum
+                break
+            now, order = float(spans[k]), candidates[k].tolist()
+        found.append((now, order))
+    return min(found, key=lambda f: f[0])[1]  # the first start wins ties
+
+
+def refine_for_1f1b(batches: list[list[int]], costs: np.ndarray, tokens: np.ndarray, *, pp: int,
+                    forward_share: float = 1 / 3, token_budget: int | None = None,
+                    max_rounds: int = 256) -> list[list[int]]:
+    """Micro-batches (lists of sample ids, in run order) reshaped for a shorter 1F1B step (pure, deterministic).
+
+    LPT makes the micro-batches as even as it can, but a sample larger than their fair share stays a heavy
+    micro-batch of its own, and 1F1B stalls where the light ones meet it. A ramp hides it better: micro-batches
+    growing towards the heavy ones and shrinking after them, the lightest at the ends where the pipeline fills and
+    drains. This finds one by steepest descent on :func:`one_f_one_b_makespans` over moving one sample to another
+    micro-batch and swapping two, re-searching the order (:func:`search_1f1b_order`) whenever no such move helps.
+    Micro-batches never exceed ``token_budget`` and none is emptied.
+    """
+    m = len(batches)
+    assign = np.full(costs.size, -1, dtype=np.int64)
+    for j, batch in enumerate(batches):
+        assign[batch] = j
+    ids = np.flatnonzero(assign >= 0)
+    if pp <= 1 or m <= 1 or ids.size <= 1:
+        return batches
+    c, t = costs[ids].astype(np.float64), tokens[ids].astype(np.int64)
+    where = assign[ids]
+    first, second = np.triu_indices(ids.size, k=1)
+    now = float(one_f_one_b_makespans(np.bincount(where, weights=c, minlength=m), pp, forward_share=forward_share)[0])
+    for _ in range(max_rounds):
+        load = np.bincount(where, weights=c, minlength=m)
+        count = np.bincount(where, minlength=m)
+        used = np.bincount(where, weights=t, minlength=m)
+        # Every candidate moves cost `delta` (and tokens) from micro-batch `src` to `dst`: a move of sample i to
+        # micro-batch j, or a swap of samples i and k (i leaves, k comes back).
+        mover, target = np.repeat(np.arange(ids.size), m), np.tile(np.arange(m), ids.size)
+        keep = (target != where[mover]) & (count[where[mover]] > 1)
+        mover, target = mover[keep], target[keep]
+        swap = where[first] != where[second]
+        a, b = first[swap], second[swap]
+        leaving = np.concatenate([mover, a])
+        returning = np.concatenate([np.full(mover.size, -1), b])  # -1: a move, nothing comes back
+        src = where[leaving]
+        dst = np.concatenate([target, where[b]])
+        delta = c[leaving] - np.where(returning >= 0, c[returning], 0.0)
+        token_delta = t[leaving] - np.where(returning >= 0, t[returning], 0)
+        if token_budget is not None:
+            fits = (used[dst] + token_delta <= token_budget) & (used[src] - token_delta <= token_budget)
+            leaving, returning, src, dst, delta = leaving[fits], returning[fits], src[fits], dst[fits], delta[fits]
+        if src.size:
+            candidates = np.tile(load, (src.size, 1))
+            rows = np.arange(src.size)
+            candidates[rows, src] -= delta
+            candidates[rows, dst] += delta
+            spans = one_f_one_b_makespans(candidates, pp, forward_share=forward_share)
+            k = int(np.argmin(spans))
+            if spans[k] < now * (1 - 1e-9):
+                now = float(spans[k])
+                if returning[k] >= 0:
+                    where[returning[k]] = src[k]
+                where[leaving[k]] = dst[k]
+                continue
+        order = search_1f1b_order(list(load), pp, forward_share=forward_share)
+        span = float(one_f_one_b_makespans(load[order], pp, forward_share=forward_share)[0])
+        if not span < now * (1 - 1e-9):  # neither a sample nor the order can move for the better
+            break
+        now = span
+        where = np.argsort(order)[where]  # micro-batch order[p] runs p-th
+    out: list[list[int]] = [[] for _ in range(m)]
+    for sample, j in zip(ids.tolist(), where.tolist(), strict=True):
+        out[j].append(sample)
+    return [sorted(batch, key=lambda s: -costs[s]) for batch in out]
+
+
+def _moved(order: list[int], i: int, j: int, swap: bool) -> list[int]:
+    """``order`` with positions ``i`` and ``j`` swapped, or with the entry at ``i`` moved to ``j``."""
+    out = list(order)
+    if swap:
+        out[i], out[j] = out[j], out[i]
+    else:
+        out.insert(j, out.pop(i))
+    return out
 
 
 def _match_bins_to_ranks(
