@@ -91,7 +91,22 @@ CASES: dict[str, Case] = {
     "interleaved-microbatches-not-multiple-of-pp": Case(
         lambda _: OmniStrategy(pp=2, pp_schedule="Interleaved1F1B", pp_virtual_stages=2, pp_microbatches=3),
         r"needs pp_microbatches \(3\) to be a multiple of pp=2: use pp_microbatches=4"),
+    "placement-unknown": Case(lambda _: OmniStrategy(placement="separate"),
+                              r"placement='separate' must be 'multiplexed' or 'disaggregated'"),
+    "pool-size-without-disaggregated": Case(lambda _: OmniStrategy(encoder_world_size=2),
+                                            r"encoder_world_size and pool_workload size the encoder pool of "
+                                            r"placement='disaggregated'"),
+    "disaggregated-with-pp": Case(lambda _: OmniStrategy(pp=2, placement="disaggregated", encoder_world_size=1),
+                                  r"placement='disaggregated' with pp=2: the encoder pool streams to an LLM pool "
+                                  r"without pipeline stages"),
+    "disaggregated-pool-unsized": Case(lambda _: OmniStrategy(placement="disaggregated"),
+                                       r"placement='disaggregated' needs encoder_world_size=N, or pool_workload=FILE"),
     # ---- degrees against the world size: Trainer(devices=..., num_nodes=...)
+    "encoder-pool-takes-the-world": Case(lambda _: _trainer(4, placement="disaggregated", encoder_world_size=4),
+                                         r"encoder_world_size=4 must leave the LLM pool at least one of the 4 ranks"),
+    "enc-sp-not-dividing-encoder-pool": Case(
+        lambda _: _trainer(4, placement="disaggregated", encoder_world_size=3, enc_sp=2),
+        r"enc_sp=2 must divide encoder_world_size=3 \(SP blocks are aligned ranks of the encoder pool\)"),
     "world-not-divisible": Case(lambda _: _trainer(6, tp=4),
                                 r"world size 6 is not divisible by pp\*dp_replicate\*cp\*tp = 1\*1\*1\*4 = 4"),
     "degrees-product-not-world": Case(lambda _: _trainer(4, dp_shard=4, tp=2),

@@ -108,8 +108,8 @@ class OmniStrategy(ModelParallelStrategy):
             micro-batch (see :mod:`omni_lightning.parallel.disaggregated`). ``pp`` must then be 1.
         encoder_world_size: ranks of the encoder pool under ``placement="disaggregated"``; ``None`` sizes it with the
             pool solver (:func:`~omni_lightning.balance.allocation.encoder_pool_size`) for ``pool_workload``.
-        pool_workload: a workload spec file (see ``shared/workloads``) the pool solver sizes the encoder pool for when
-            ``encoder_world_size`` is ``None``.
+        pool_workload: a workload spec file or bundled preset name (``"vlm_dynres"``, ...) that the pool solver sizes
+            the encoder pool for when ``encoder_world_size`` is ``None``.
         on_nonfinite: what a step does when the loss or a gradient is NaN or infinite on any rank (checked after the
             last backward of the step, agreed by one all-reduce over the world): ``"skip"`` (default) drops the
             gradients on every rank so the optimizer changes neither weights nor state (the step still counts, as does

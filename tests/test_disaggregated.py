@@ -1,0 +1,78 @@
+"""The disaggregated placement on 4 CPU ranks against one process, and its checkpoints.
+
+Tolerance: the foundation's parity test's (tests/test_parity.py): losses within 1e-4 relative, gradients within 1e-4
+of their norm. The pools compute the same mathematics as one process; only the order of fp32 additions differs (the
+encoder pool's FSDP average, the LLM pool's, the encoder balancer's exchanges), ~1e-7 relative per step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning_runs import RecordRun, assert_resumes_under, fit, merged_grads, reference_run
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 10
+STREAMED = 2  # micro-batches a step streams from the encoder pool (OmniStrategy.stream_microbatches' default)
+LAYOUTS = {
+    # fan-in: one encoder rank serves the three data-parallel ranks of the LLM pool
+    "1+3": ({"placement": "disaggregated", "encoder_world_size": 1}, 3),
+    # one encoder rank per LLM data-parallel rank; long items split over both encoder ranks (long-short SP)
+    "2+2": ({"placement": "disaggregated", "encoder_world_size": 2, "enc_sp": 2}, 2),
+    # fan-out: two encoder ranks share the items of the LLM pool's one data-parallel rank, which is TP over 2 ranks
+    "2+2_tp2": ({"placement": "disaggregated", "encoder_world_size": 2, "tp": 2, "dp_shard": 1}, 1),
+}
+
+
+class RecordEncoderPlans(pl.Callback):
+    """Encoder-pool ranks write how many items their balancer split over SP blocks each step."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir, self.split = out_dir, []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        balancer = module.model.encoder_balancer
+        if trainer.strategy.is_encoder_rank and balancer is not None:
+            self.split.append(balancer.stats.get("items_split", 0.0))
+            (self.out_dir / f"split_rank{trainer.global_rank}.json").write_text(json.dumps(self.split))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_disaggregated_matches_single_process(name: str, tmp_path: Path, tiny_shards: str,
+                                              seed_checkpoint: Path) -> None:
+    layout, llm_dp = LAYOUTS[name]
+    fit(tmp_path, tiny_shards, seed_checkpoint, layout=layout, max_steps=STEPS,
+        callbacks=[RecordRun(tmp_path, grads=True), RecordEncoderPlans(tmp_path)])
+    ref_losses, ref_grads = reference_run(tiny_shards, seed_checkpoint, dp_size=llm_dp, steps=STEPS,
+                                          pipeline_micro_batches=STREAMED)
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert [int(k) for k in losses] == list(range(1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+    grads = merged_grads(tmp_path)  # the LLM pool's ranks hold llm.*, the encoder pool's vision.* and audio.*
+    assert grads.keys() == ref_grads.keys()
+    for param, ref in ref_grads.items():
+        error = (grads[param] - ref).norm().item()
+        assert error <= 1e-4 * ref.norm().item() + 1e-8, f"{name}: gradient of {param} differs by {error:.3g}"
+    if layout.get("enc_sp", 1) > 1:  # the parity covers split items only if some were split
+        split = json.loads((tmp_path / "split_rank2.json").read_text())
+        assert sum(split) > 0, "no encoder item was split over the encoder pool: the SP path went untested"
+
+
+def test_disaggregated_checkpoint_resumes_exactly(tmp_path: Path, tiny_shards: str, seed_checkpoint: Path) -> None:
+    layout = LAYOUTS["2+2"][0]
+    assert_resumes_under(tmp_path, tiny_shards, seed_checkpoint, saved=layout, resumed=layout)
+
+
+def test_switching_placement_between_save_and_resume(tmp_path: Path, tiny_shards: str,
+                                                     seed_checkpoint: Path) -> None:
+    """A disaggregated checkpoint (LLM pool dp_shard=2) resumes multiplexed with the same data-parallel size: weights
+    and optimizer state are keyed by parameter name, so each rank reads what it now holds; the loader positions of
+    the two data-parallel ranks carry over, so steps 4-6 match the uninterrupted run."""
+    assert_resumes_under(tmp_path, tiny_shards, seed_checkpoint, saved=LAYOUTS["2+2"][0],
+                         resumed={"dp_shard": 2, "tp": 2})
