@@ -121,6 +121,20 @@ def test_cli_prints_the_table_and_ends_with_the_speedups(capsys: pytest.CaptureF
         assert any(line.startswith(name + " ") for line in lines), name
     assert PRESETS["omni-a"].model.name in lines[0]
     assert any(line.startswith("whole-sample bound") for line in lines)
+    assert any(line.startswith("speedup vs coupled per step: ") for line in lines)
+
+
+def test_every_data_parallel_rank_is_simulated_by_default_and_a_sample_only_leaves_out_stragglers() -> None:
+    scenario = replace(_scenario(balance_group=2), steps=2)  # 8 data-parallel ranks in 4 balance groups
+    sampled = Simulation(scenario)  # max_groups=1
+    full = Simulation(replace(scenario, max_groups=None))
+    assert Scenario.max_groups is None and Scenario.steps > 2
+    assert (sampled.ranks, full.ranks) == (2, full.dp) and full.dp == 8
+    # Every step draws the same reads for the ranks both simulate: the others can only add stragglers to it.
+    for step in range(2):
+        for a, b in zip(sampled.draws[step].samples, full.draws[step].samples, strict=False):
+            assert np.array_equal(a, b)
+    assert all(f >= s for f, s in zip(full.coupled().per_step_s, sampled.coupled().per_step_s, strict=True))
 
 
 def test_whole_sample_bound_is_the_largest_sample_when_ranks_get_few() -> None:

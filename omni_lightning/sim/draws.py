@@ -107,7 +107,10 @@ class StepDraw:
 
 def draw_step(pool: SamplePool, *, ranks: int, micro_batches: int, seq_len: int, rng: np.random.Generator,
               concentration: float | None) -> StepDraw:
-    """Each of ``ranks`` ranks reads samples until ``micro_batches`` packed sequences are full (module docstring)."""
+    """Each of ``ranks`` ranks reads samples until ``micro_batches`` packed sequences are full (module docstring).
+
+    ``rng`` draws the step's mix first, then each rank's reads in rank order: the first ranks read the same samples
+    whatever ``ranks`` is."""
     weights = pool.weights if not concentration else rng.dirichlet(concentration * pool.weights)
     mean_tokens = float(sum(w * pool.tokens[ix].mean() for w, ix in zip(weights, pool.by_modality, strict=True)))
     chunk = int(2 * micro_batches * seq_len / max(mean_tokens, 1.0)) + 16

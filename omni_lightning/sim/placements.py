@@ -22,10 +22,15 @@ there moves the figures here:
   Its ablations switch off multiplexing (encoders on stage 0's GPUs, still planned with LSSP), balancing (arrival
   order) or LSSP (``enc_sp=1``).
 
-Scale: the simulated data-parallel ranks are ``max_groups`` balance groups (all of them when there are fewer); a
-step's time is the slowest simulated rank's. Ranks outside the sample would only add stragglers, so at large scale
-this *under*-states the step time of the unbalanced placements, i.e. the speedups are conservative. Leftover samples
-that a plan could not place are scaled out: each step's time is divided by the share of the drawn work it ran.
+Scale: a step ends when the slowest data-parallel replica does (the gradient synchronisation waits for it), so by
+default every balance group is simulated, i.e. every data-parallel rank (``dp // balance_group`` whole groups):
+the expected maximum of long-tailed per-replica work grows with the number of replicas, and a fixed sample of them
+(``max_groups``) would give the same stragglers at 4096 and 8192 GPUs. A step's time is the slowest simulated
+rank's; the figure is the mean over ``steps`` steps, enough of them to average over the per-step modality mix (with
+``concentration``, one step in a few is encoder-heavy or encoder-light, and a placement's step time is not linear
+in the mix: the coupled one is held up by encoder-heavy steps, and light ones leave its encoder stage idle).
+Leftover samples that a plan could not place are scaled out: each step's time is divided by the share of the drawn
+work it ran.
 """
 
 from __future__ import annotations
@@ -63,14 +68,17 @@ class Scenario:
     """What to simulate: model, cluster, layout, workload, and how much of it to sample.
 
     ``concentration``: Dirichlet concentration of the per-step modality mix (``None``: the spec's fixed mix).
+    ``steps``: steps drawn (the figures are means over them). ``max_groups``: balance groups simulated per step
+    (``None``: all of them, every data-parallel rank; a smaller number is only a quicker, optimistic look, since
+    the ranks left out could only add stragglers).
     """
 
     model: ModelSpec
     cluster: Cluster
     layout: Layout
     workload: WorkloadSpec
-    steps: int = 2
-    max_groups: int = 2
+    steps: int = 8
+    max_groups: int | None = None
     concentration: float | None = 10.0
     seed: int = 0
 
@@ -126,13 +134,16 @@ class Simulation:
         self.dp = layout.dp_of(cluster.gpus)
         group = min(layout.balance_group, self.dp)
         self.group = group
-        self.ranks = min(self.dp // group, scenario.max_groups) * group
+        groups = self.dp // group
+        self.ranks = (groups if scenario.max_groups is None else min(groups, scenario.max_groups)) * group
         self.pool = SamplePool.build(scenario.workload, self.cost_model, seq_len=layout.seq_len, seed=scenario.seed)
-        rng = np.random.default_rng([scenario.seed, 1])
+        # One random stream per step, which draws the step's modality mix first and then each rank's reads in rank
+        # order: step k has the same mix, and rank r the same samples, at every GPU count, so the figures of one
+        # workload at different scales differ by the ranks added and not by a different sample of mixes.
         self.draws: list[StepDraw] = [
             draw_step(self.pool, ranks=self.ranks, micro_batches=layout.micro_batches, seq_len=layout.seq_len,
-                      rng=rng, concentration=scenario.concentration)
-            for _ in range(scenario.steps)
+                      rng=np.random.default_rng([scenario.seed, 1, step]), concentration=scenario.concentration)
+            for step in range(scenario.steps)
         ]
         self.flops = cluster.effective_flops
         self.encoder_params = encoder_params(config, "vision") + encoder_params(config, "audio")
@@ -156,7 +167,8 @@ class Simulation:
     def sampling_note(self) -> str:
         """How much of the job the figures come from."""
         return (f"simulated {self.ranks} of {self.dp} data-parallel ranks ({self.ranks // self.group} balance "
-                f"group(s) of {self.group}) x {len(self.draws)} steps; step time = slowest simulated rank")
+                f"group(s) of {self.group}) x {len(self.draws)} steps; step time = slowest simulated rank, mean over "
+                f"the steps")
 
     def _llm_durations(self, cost: float, tokens: float, layout: Layout, fraction: float) -> tuple[float, float]:
         """Forward and backward seconds of one micro-batch on a pipeline stage holding ``fraction`` of the LLM's

@@ -65,8 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus", type=int, required=True)
     parser.add_argument("--preset", choices=sorted(PRESETS), help="model and layout (default: the largest "
                         "MegaScale-Omni preset with at most --gpus GPUs)")
-    parser.add_argument("--steps", type=int, default=2, help="simulated steps")
-    parser.add_argument("--groups", type=int, default=2, help="balance groups simulated per step")
+    parser.add_argument("--steps", type=int, default=Scenario.steps,
+                        help="simulated steps (the step times are their mean)")
+    parser.add_argument("--groups", type=int, default=0, help="balance groups simulated per step (0: all, i.e. "
+                        "every data-parallel rank; fewer is quicker but leaves out stragglers)")
     parser.add_argument("--concentration", type=float, default=10.0,
                         help="Dirichlet concentration of the per-step modality mix (0: the spec's fixed mix)")
     parser.add_argument("--sweep", action="store_true", help="also sweep image:text from 1:9 to 9:1")
@@ -94,7 +96,7 @@ def simulate_main(argv: list[str]) -> None:
                       intra_node_gbps=args.intra_gbps, inter_node_gbps=args.inter_gbps)
     spec = load_workload(args.workload)
     scenario = Scenario(model=preset.model, cluster=cluster, layout=layout, workload=spec, steps=args.steps,
-                        max_groups=args.groups, concentration=args.concentration or None, seed=args.seed)
+                        max_groups=args.groups or None, concentration=args.concentration or None, seed=args.seed)
     sim = Simulation(scenario)
     print(f"workload {spec.name}; model {preset.model.name} ({preset.name} layout); {args.gpus} GPUs: tp {layout.tp}, "
           f"pp {layout.pp}, cp {layout.cp}, dp {sim.dp}, {layout.micro_batches} x {layout.seq_len} tokens per "
@@ -109,6 +111,10 @@ def simulate_main(argv: list[str]) -> None:
     print("ablation: omni with one mechanism off")
     for options in (OmniOptions(multiplex=False), OmniOptions(balance=False), OmniOptions(lssp=False)):
         print(_row(sim.omni(options), omni))
+    if not (coupled.oom or omni.oom):
+        per_step = [c / o for c, o in zip(coupled.per_step_s, omni.per_step_s, strict=True)]
+        print(f"speedup vs coupled per step: {min(per_step):.3f} to {max(per_step):.3f} over {len(per_step)} steps "
+              "(the figures are ratios of mean step times)")
     if args.sweep:
         _sweep(scenario, sim)
     print(f"whole-sample bound on max/mean over data-parallel ranks (largest sample or the mean, over the mean): "
