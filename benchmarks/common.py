@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Any
 
-from omni_lightning.datamodules.workload import WORKLOADS_DIR
+from omni_lightning.balance.cost import MODULES, CostModel, feature_matrix, fit_cost_model
+from omni_lightning.datamodules.workload import WORKLOADS_DIR, SampleMeta
 from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig, VisionEncoderConfig
 
 SHARED_WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
@@ -29,3 +31,17 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def fit_to_runs(runs: dict[str, dict[str, Any]], names: tuple[str, ...], steps: slice) -> tuple[CostModel, int]:
+    """A cost model in seconds fitted to ``e2e.py``'s measured (rank, step) times of runs ``names`` over ``steps``
+    (every rank's samples and thread CPU seconds), for the modules the samples use; and how many rank-steps it saw."""
+    calibration = [([SampleMeta.from_json(m) for m in metas], float(seconds))
+                   for name in names
+                   for step_metas, step_seconds in zip(runs[name]["per_rank_samples"][steps],
+                                                       runs[name]["per_rank_step_s"][steps], strict=True)
+                   for metas, seconds in zip(step_metas, step_seconds, strict=True)]
+    # Fit only the modules the workload exercises: an absent one has no data to determine its coefficients.
+    totals = feature_matrix([meta for metas, _ in calibration for meta in metas]).sum(axis=0)
+    used = [m for i, m in enumerate(MODULES) if totals[2 * i] > 0]
+    return fit_cost_model(calibration, modules=used), len(calibration)

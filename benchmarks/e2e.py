@@ -6,19 +6,29 @@ fork-started CPU processes, under
 * (a) Lightning's ``ModelParallelStrategy`` with FSDP2 over every rank and the plain per-rank data split;
 * (b) OmniStrategy (FSDP2) with balancing off (``OmniDataModule(workload_balance="none")``, no encoder resharding);
 * (c) OmniStrategy with grouped reordering in the loader;
-* (d) (c) plus encoder resharding with long-short sequence parallelism (``enc_sp``).
+* (d) (c) plus encoder resharding with long-short sequence parallelism (``enc_sp``);
+* (e) DistTrain's disaggregated placement (``OmniStrategy(placement="disaggregated")``): an encoder pool sized by
+  the pool solver (:func:`~omni_lightning.strategies.omni.size_encoder_pool`) for this workload, with costs fitted
+  to what (a)-(c) measured in this invocation (DistTrain sizes from profiled costs too; the FLOP model misjudges
+  CPU cost, e.g. 3 encoder ranks + 1 LLM rank on vlm_dynres where the measured costs give fewer), whose
+  outputs stream micro-batch by micro-batch (2 a step) to the LLM pool, with grouped reordering in the LLM pool's
+  loader and whole items balanced over the encoder pool (DistTrain's reordering; no LSSP). The same global batch:
+  the LLM pool's data-parallel ranks read ``samples_per_step * ranks`` samples a step between them.
 
 This machine has 2 cores and runs more ranks than that, so wall time is not what dedicated devices would see.
 Each rank's compute per step is its training thread's CPU time (a rank blocked in a collective uses none); the
 *modeled step time* is the slowest rank's, i.e. the step time on dedicated devices when communication overlaps
-or is small (the CPU a rank spends inside collectives is included). Reported per configuration: samples/s and
+or is small (the CPU a rank spends inside collectives is included). For (e) the pools run side by side, but the
+LLM pool cannot start before the encoder pool's first micro-batch and the encoder pool's last backward follows the
+LLM's: its modeled step adds that fill and drain, the encoder pool's slowest rank divided by the micro-batches of a
+step (as the pool solver models it). Reported per configuration: samples/s and
 tokens/s (wall, for reference), the modeled step time, its max/mean imbalance over ranks, and the ratio to (a).
 Results go to ``benchmarks/results/e2e.json`` and a plot of per-rank time per step to ``e2e.png`` (needs the
 ``bench`` extra: matplotlib).
 
     python benchmarks/e2e.py [--workload FILE] [--ranks 4] [--steps 16] [--quick]
 
-Its last line is ``modeled speedup (d)/(a): X``.
+Its last two lines are ``modeled speedup (d)/(e): Y`` and ``modeled speedup (d)/(a): X``.
 """
 
 from __future__ import annotations
@@ -35,11 +45,12 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 import torch.distributed as dist
-from common import SHARED_WORKLOADS, free_port
+from common import SHARED_WORKLOADS, fit_to_runs, free_port
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 
 from omni_lightning import OmniDataModule, OmniModule, OmniStrategy, ReferenceMLLM, WebDataModule
+from omni_lightning.balance.cost import CostModel
 from omni_lightning.datamodules.synthetic import make_synthetic_shards
 from omni_lightning.datamodules.workload import SampleMeta
 from omni_lightning.models.config import (
@@ -52,7 +63,7 @@ from omni_lightning.models.config import (
 )
 from omni_lightning.module import initial_state_dict
 from omni_lightning.monitor import BalanceMonitor
-from omni_lightning.strategies.omni import _NoWeightsMultiProcessingLauncher
+from omni_lightning.strategies.omni import _NoWeightsMultiProcessingLauncher, size_encoder_pool
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Encoders wide enough that their work, and its imbalance, matter next to the LLM's (as in real VLMs).
@@ -66,7 +77,9 @@ CONFIGURATIONS = {
     "b": "OmniStrategy, balancing off",
     "c": "OmniStrategy, grouped reordering",
     "d": "OmniStrategy, grouped reordering + encoder resharding/LSSP",
+    "e": "disaggregated pools (DistTrain), solver-sized",
 }
+STREAMED = 2  # micro-batches a step of (e) streams from the encoder pool to the LLM pool
 
 
 class _ForkedModelParallel(ModelParallelStrategy):
@@ -125,13 +138,15 @@ class _Throughput(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        tokens = torch.tensor([float(batch["input_ids"].numel())], dtype=torch.float64)
+        # An encoder-pool rank of (e) reads a copy of a stream only to keep the pools' epochs in step: not its samples.
+        micro = [] if getattr(trainer.strategy, "is_encoder_rank", False) else batch.get("micro_batches", [batch])
+        tokens = torch.tensor([float(sum(mb["input_ids"].numel() for mb in micro))], dtype=torch.float64)
         dist.all_reduce(tokens)
         self.wall.append(time.perf_counter())
         self.tokens.append(float(tokens) / trainer.strategy.parallel_dims.tp
                            if isinstance(trainer.strategy, OmniStrategy) else float(tokens))
         per_rank: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, batch_metas(batch))
+        dist.all_gather_object(per_rank, [meta for mb in micro for meta in batch_metas(mb)])
         self.samples.append(per_rank)
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -140,11 +155,28 @@ class _Throughput(pl.Callback):
                                              "samples": self.samples}))
 
 
-def run(name: str, shards: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def encoder_pool(args: argparse.Namespace, cost_model: CostModel) -> int:
+    """(e)'s encoder ranks: the pool solver's choice for this model and workload, as the shards draw it."""
+    return size_encoder_pool(CONFIG, args.workload, world_size=args.ranks, llm_unit=1, tp=1,
+                             seq_len=args.max_llm_tokens, length_scale=args.length_scale, cost_model=cost_model)
+
+
+def run(name: str, shards: str, args: argparse.Namespace, out: Path, pool: int = 0) -> dict[str, Any]:
     os.environ["MASTER_PORT"] = str(free_port())
     monitor = BalanceMonitor()
     record = out / f"{name}.json"
-    if name == "a":
+    if name == "e":
+        llm_ranks = args.ranks - pool
+        if args.samples_per_step * args.ranks % llm_ranks:
+            raise SystemExit(f"(e): the global batch of {args.samples_per_step * args.ranks} samples does not split "
+                             f"over the LLM pool's {llm_ranks} ranks: pick --samples-per-step or --ranks")
+        strategy = OmniStrategy(launcher="fork", timeout=600, placement="disaggregated", encoder_world_size=pool,
+                                pp_microbatches=STREAMED)
+        module = OmniModule(CONFIG, init_seed=args.seed)
+        data = OmniDataModule(shards, samples_per_step=args.samples_per_step * args.ranks // llm_ranks,
+                              group_steps=args.group_steps, workload_balance="grouped", balance_group_size=None,
+                              seed=args.seed)
+    elif name == "a":
         strategy: Any = _ForkedModelParallel(data_parallel_size=args.ranks, tensor_parallel_size=1)
         module: OmniModule = _UserFSDPModule(CONFIG, init_seed=args.seed)
         data: pl.LightningDataModule = WebDataModule(shards, batch_size=args.samples_per_step, seed=args.seed)
@@ -164,13 +196,16 @@ def run(name: str, shards: str, args: argparse.Namespace, out: Path) -> dict[str
     return json.loads(record.read_text())
 
 
-def summarize(record: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def summarize(record: dict[str, Any], args: argparse.Namespace, encoder_ranks: int = 0) -> dict[str, Any]:
+    """Per-configuration figures; ``encoder_ranks`` (the last ranks, for (e)) adds the pools' fill and drain."""
     cpu = np.array(record["cpu"][args.warmup:])
     wall = np.array(record["wall"])
     seconds = float(wall[-1] - wall[args.warmup - 1]) if args.warmup > 0 else float(wall[-1] - wall[0])
     steps = len(record["wall"]) - max(args.warmup, 1)
+    fill = cpu[:, -encoder_ranks:].max(axis=1) / STREAMED if encoder_ranks else 0.0
     return {
-        "modeled_step_s": float(cpu.max(axis=1).mean()),
+        "modeled_step_s": float((cpu.max(axis=1) + fill).mean()),
+        "encoder_ranks": encoder_ranks,
         "imbalance": float((cpu.max(axis=1) / cpu.mean(axis=1)).mean()),
         "samples_per_s": steps * args.samples_per_step * args.ranks / seconds,
         "tokens_per_s": float(sum(record["tokens"][args.warmup:])) / seconds,
@@ -225,7 +260,10 @@ def main() -> None:
         make_synthetic_shards(scratch, workload=args.workload, num_shards=shard_count, samples_per_shard=per_shard,
                               seed=args.seed, length_scale=args.length_scale, max_llm_tokens=args.max_llm_tokens)
         shards = f"{scratch}/train-{{000000..{shard_count - 1:06d}}}.tar"
-        results = {name: summarize(run(name, shards, args, Path(scratch)), args) for name in CONFIGURATIONS}
+        results = {name: summarize(run(name, shards, args, Path(scratch)), args) for name in "abcd"}
+        measured, _ = fit_to_runs(results, ("a", "b", "c"), slice(None))
+        pool = encoder_pool(args, measured)
+        results["e"] = summarize(run("e", shards, args, Path(scratch), pool), args, pool)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "e2e.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
     plot(results, RESULTS / "e2e.png")
@@ -237,6 +275,10 @@ def main() -> None:
         print(f"({name}) {label:<58} modeled step {r['modeled_step_s'] * 1e3:7.1f} ms, max/mean {r['imbalance']:.3f}, "
               f"{r['samples_per_s']:6.1f} samples/s, {r['tokens_per_s']:8.0f} tokens/s (wall), "
               f"vs (a) {base / r['modeled_step_s']:.3f}x")
+    pools = results["e"]["encoder_ranks"]
+    print(f"(e) ran {pools} encoder rank(s) + {args.ranks - pools} LLM rank(s), as the pool solver sized them with "
+          "the costs (a)-(c) measured")
+    print(f"modeled speedup (d)/(e): {results['e']['modeled_step_s'] / results['d']['modeled_step_s']:.3f}")
     print(f"modeled speedup (d)/(a): {base / results['d']['modeled_step_s']:.3f}")
 
 

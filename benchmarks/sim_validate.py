@@ -22,8 +22,9 @@ import json
 from pathlib import Path
 
 import numpy as np
+from common import fit_to_runs
 
-from omni_lightning.balance.cost import MODULES, CostModel, feature_matrix, fit_cost_model
+from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.reshard import plan_encoder_work
 from omni_lightning.datamodules.workload import SampleMeta
 
@@ -65,18 +66,13 @@ def main() -> None:
     measured = {name: np.array(run["per_rank_step_s"]) for name, run in runs.items()}
     steps = len(measured["a"])
     half = steps // 2
-    calibration = [(samples[name][s][r], float(measured[name][s, r]))
-                   for name in ("a", "b", "c") for s in range(half) for r in range(measured[name].shape[1])]
-    # Fit only the modules the workload exercises: an absent one has no data to determine its coefficients.
-    totals = feature_matrix([meta for metas, _ in calibration for meta in metas]).sum(axis=0)
-    used = [m for i, m in enumerate(MODULES) if totals[2 * i] > 0]
-    model = fit_cost_model(calibration, modules=used)
+    model, seen = fit_to_runs(runs, ("a", "b", "c"), slice(0, half))
 
-    lines = [f"calibrated on steps 0-{half - 1} of (a)-(c) ({len(calibration)} rank-steps); held out: steps "
+    lines = [f"calibrated on steps 0-{half - 1} of (a)-(c) ({seen} rank-steps); held out: steps "
              f"{half}-{steps - 1}",
              f"{'config':<8}{'pearson r':>10}{'pred step':>12}{'meas step':>12}{'rel err':>9}"]
     all_pred, all_meas, errors = [], [], []
-    for name in runs:
+    for name in ("a", "b", "c", "d"):  # the multiplexed runs; (e)'s pools are the simulator's other placement
         pred = np.array([predict_step(samples[name][s], model, reshard=name == "d", enc_sp=enc_sp)
                          for s in range(half, steps)])
         meas = measured[name][half:]

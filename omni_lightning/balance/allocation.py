@@ -244,12 +244,14 @@ def pool_problem(
     recompute: str = "selective",
     samples: int = 2048,
     seed: int = 0,
+    length_scale: float = 1.0,
 ) -> PoolProblem:
     """The :class:`PoolProblem` of a workload: its mean encoder and LLM work per LLM token, drawn from ``spec``
-    (``samples`` samples cut to ``seq_len``), times the step's ``sequences * seq_len`` tokens. Sizing on the mean
-    is what a static allocation can do: the mix of the steps that follow may differ."""
+    (``samples`` samples cut to ``seq_len``, sizes times ``length_scale`` as the synthetic shards draw them), times
+    the step's ``sequences * seq_len`` tokens. Sizing on the mean is what a static allocation can do: the mix of the
+    steps that follow may differ."""
     rng = np.random.default_rng(seed)
-    metas = [sample_metadata(spec, rng, max_llm_tokens=seq_len) for _ in range(samples)]
+    metas = [sample_metadata(spec, rng, length_scale=length_scale, max_llm_tokens=seq_len) for _ in range(samples)]
     costs = cost_model.costs(metas)
     llm_tokens = float(sum(m.llm_tokens for m in metas))
     enc_tokens = float(sum(m.vision_patches + m.audio_frames / 4 for m in metas))

@@ -548,7 +548,8 @@ class _NoWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
         gloo's ``Connection closed by peer``. torch's default SIGTERMs them at once instead, and then they stayed
         blocked in collectives until its SIGKILL 30 s later (Lightning's SIGTERM handler itself enters a collective).
         The error still names the worker that died first and how (``process 2 terminated with signal SIGKILL``)."""
-        self._strategy.check_model_fits(self._strategy.lightning_module)  # before any worker starts
+        if (check := getattr(self._strategy, "check_model_fits", None)) is not None:  # before any worker starts
+            check(self._strategy.lightning_module)
         if self._start_method in ("fork", "forkserver"):
             _check_bad_cuda_fork()
         if self._start_method == "spawn":
@@ -625,12 +626,17 @@ def _check_placement(placement: str, encoder_world_size: int | None, pool_worklo
 _POOL_SEQ_LEN = 4096  # LLM tokens a rank packs per step when the solver sizes the pools
 
 
-def size_encoder_pool(config: ReferenceMLLMConfig, workload: str, *, world_size: int, llm_unit: int, tp: int) -> int:
-    """Encoder ranks for ``world_size`` ranks training ``config`` on ``workload`` (a spec file), by the pool solver.
+def size_encoder_pool(config: ReferenceMLLMConfig, workload: str, *, world_size: int, llm_unit: int, tp: int,
+                      seq_len: int = _POOL_SEQ_LEN, length_scale: float = 1.0,
+                      cost_model: CostModel | None = None) -> int:
+    """Encoder ranks for ``world_size`` ranks training ``config`` on ``workload`` (a spec file or preset name), by
+    the pool solver.
 
     The solver compares the pools' predicted step times (the model's training FLOPs from its cost model, both pools
-    on the same devices, so only ratios matter); the step holds one packed sequence of ``_POOL_SEQ_LEN`` tokens per
-    rank. Memory is not the limit at these sizes.
+    on the same devices, so only ratios matter); the step holds one packed sequence of ``seq_len`` tokens per rank,
+    of samples drawn as the synthetic shards draw them (``length_scale``). Memory is not the limit at these sizes.
+    ``cost_model`` replaces the FLOP model with a measured one (e.g. :func:`~omni_lightning.balance.cost.fit_cost_model`
+    on profiled steps, as DistTrain profiles before it sizes).
     """
     spec = load_workload(workload)
     with torch.device("meta"):
@@ -640,9 +646,10 @@ def size_encoder_pool(config: ReferenceMLLMConfig, workload: str, *, world_size:
                                 layers=config.vision.n_layers + config.audio.n_layers, dim=config.vision.dim)
     llm_shape = ModuleShape(params=float(sum(p.numel() for p in model.llm.parameters())),
                             layers=config.llm.n_layers, dim=config.llm.dim)
-    problem = pool_problem(CostModel.from_config(config), spec, world_size=world_size, memory_bytes=math.inf,
-                           device_flops=1.0, intra_node_bandwidth=math.inf, sequences=world_size,
-                           seq_len=_POOL_SEQ_LEN, encoder=encoder_shape, llm=llm_shape, samples=512)
+    problem = pool_problem(cost_model or CostModel.from_config(config), spec, world_size=world_size,
+                           memory_bytes=math.inf, device_flops=1.0, intra_node_bandwidth=math.inf, sequences=world_size,
+                           seq_len=seq_len, encoder=encoder_shape, llm=llm_shape, samples=512,
+                           length_scale=length_scale)
     return encoder_pool_size(problem, llm_unit=llm_unit, tp=tp)
 
 
