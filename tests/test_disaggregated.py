@@ -16,6 +16,8 @@ import pytest
 import torch
 from lightning_runs import RecordRun, assert_resumes_under, fit, merged_grads, reference_run
 
+from omni_lightning import OmniDataModule
+
 pytestmark = pytest.mark.distributed
 
 STEPS = 10
@@ -76,3 +78,40 @@ def test_switching_placement_between_save_and_resume(tmp_path: Path, tiny_shards
     the two data-parallel ranks carry over, so steps 4-6 match the uninterrupted run."""
     assert_resumes_under(tmp_path, tiny_shards, seed_checkpoint, saved=LAYOUTS["2+2"][0],
                          resumed={"dp_shard": 2, "tp": 2})
+
+
+def test_gradient_clipping_spans_both_pools(tmp_path: Path, tiny_shards: str, seed_checkpoint: Path) -> None:
+    """The clipping norm sums both pools' gradients once each (a norm of one pool, or one counted per rank, would
+    clip by another factor and move the losses of the steps after the first)."""
+    steps, clip = 4, 0.05  # well below these gradients' norm, so every step clips
+    layout, llm_dp = LAYOUTS["1+3"]
+    fit(tmp_path, tiny_shards, seed_checkpoint, layout=layout, max_steps=steps, gradient_clip_val=clip,
+        callbacks=[RecordRun(tmp_path)])
+    ref_losses, _ = reference_run(tiny_shards, seed_checkpoint, dp_size=llm_dp, steps=steps, clip=clip,
+                                  pipeline_micro_batches=STREAMED)
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+
+
+def test_omni_datamodule_streams_planned_micro_batches(tmp_path: Path, tiny_shards: str,
+                                                      seed_checkpoint: Path) -> None:
+    """OmniDataModule plans each step as the micro-batches the pools stream (balanced over the LLM pool's ranks),
+    and validation runs through both pools; every rank logs rank 0's global loss."""
+    train, val = (tiny_shards.replace("{000000..000007}", shards)
+                  for shards in ("{000000..000005}", "{000006..000007}"))
+    data = OmniDataModule(train, samples_per_step=4, group_steps=2, val_shards=val, val_batches=2)
+    fit(tmp_path, tiny_shards, seed_checkpoint, layout=LAYOUTS["2+2"][0], max_steps=3, datamodule=data,
+        val_check_interval=3, check_val_every_n_epoch=None, callbacks=[RecordRun(tmp_path), _RecordLogged(tmp_path)])
+    logged = [json.loads((tmp_path / f"logged_rank{r}.json").read_text()) for r in range(4)]
+    assert all(entry == logged[0] for entry in logged), logged
+    assert logged[0]["val/loss"] > 0 and len(json.loads((tmp_path / "losses.json").read_text())) == 3
+
+
+class _RecordLogged(pl.Callback):
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+
+    def on_validation_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        metrics = {k: round(float(v), 6) for k, v in trainer.callback_metrics.items()
+                   if k in ("train/loss", "val/loss")}
+        (self.out_dir / f"logged_rank{trainer.global_rank}.json").write_text(json.dumps(metrics))
