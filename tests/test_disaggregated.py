@@ -66,18 +66,21 @@ def test_disaggregated_matches_single_process(name: str, tmp_path: Path, tiny_sh
         assert sum(split) > 0, "no encoder item was split over the encoder pool: the SP path went untested"
 
 
-def test_disaggregated_checkpoint_resumes_exactly(tmp_path: Path, tiny_shards: str, seed_checkpoint: Path) -> None:
-    layout = LAYOUTS["2+2"][0]
-    assert_resumes_under(tmp_path, tiny_shards, seed_checkpoint, saved=layout, resumed=layout)
-
-
-def test_switching_placement_between_save_and_resume(tmp_path: Path, tiny_shards: str,
-                                                     seed_checkpoint: Path) -> None:
-    """A disaggregated checkpoint (LLM pool dp_shard=2) resumes multiplexed with the same data-parallel size: weights
-    and optimizer state are keyed by parameter name, so each rank reads what it now holds; the loader positions of
-    the two data-parallel ranks carry over, so steps 4-6 match the uninterrupted run."""
-    assert_resumes_under(tmp_path, tiny_shards, seed_checkpoint, saved=LAYOUTS["2+2"][0],
-                         resumed={"dp_shard": 2, "tp": 2})
+def test_checkpoint_resumes_under_either_placement(tmp_path: Path, tiny_shards: str, seed_checkpoint: Path) -> None:
+    """A disaggregated checkpoint (LLM pool dp_shard=2, 2 encoder ranks) resumes exactly under the same layout, and
+    under the multiplexed placement with the same data-parallel size: weights and optimizer state are keyed by
+    parameter name, so each rank reads what it now holds, and the two data-parallel ranks' loader positions carry
+    over; steps 4-6 match the uninterrupted run either way."""
+    saved = LAYOUTS["2+2"][0]
+    checkpoint = assert_resumes_under(tmp_path / "same", tiny_shards, seed_checkpoint, saved=saved, resumed=saved)
+    full = json.loads((tmp_path / "same" / "full" / "losses.json").read_text())
+    out = tmp_path / "switched"
+    fit(out, tiny_shards, seed_checkpoint, layout={"dp_shard": 2, "tp": 2}, max_steps=6, ckpt_path=str(checkpoint),
+        callbacks=[RecordRun(out)])
+    after = json.loads((out / "losses.json").read_text())
+    assert sorted(after) == ["4", "5", "6"]
+    torch.testing.assert_close(torch.tensor([after[s] for s in "456"]), torch.tensor([full[s] for s in "456"]),
+                               rtol=1e-4, atol=0)
 
 
 def test_gradient_clipping_spans_both_pools(tmp_path: Path, tiny_shards: str, seed_checkpoint: Path) -> None:
