@@ -9,13 +9,18 @@ is therefore replayed as dedicated devices would run it (:func:`omni_lightning.s
 order, the measured durations, the pipeline's dependencies), and the bubble is the idle share of all stages' time
 (encoder work counts as busy: it is work that has to be done somewhere).
 
-Micro-batches are formed and ordered by the loader's planner, as OmniDataModule feeds a pipeline. It prices
-samples with the FLOP cost model until a workload's first warm-up step has been measured, then with a cost model
-fitted to that step (``fit_cost_model``: each micro-batch's samples against its measured CPU time), as a job
-calibrates on its first steps; ``--no-calibrate`` keeps the FLOP model. Each step runs ``--repeats`` times and
-every action keeps its least time over the repeats (the same actions run in the same order each time), which keeps
-each micro-batch's own cost but not the other processes' interference. The theoretical bubble of 1F1B with
-uniform micro-batches is ``(p - 1) / (m + p - 1)``.
+Micro-batches are formed and ordered by the loader's planner, as OmniDataModule feeds a pipeline: LPT of the
+predicted cost over a step's micro-batches, then a local search on the 1F1B step time of their predicted costs
+(``ReorderConfig(pipeline_search=True)``: the order, and samples moved between micro-batches so that they ramp
+up to the indivisible heavy ones and down after them). The joint pipeline's micro-batches balance their LLM cost
+(it spreads their encoder work over every stage), the stage-0 placement's their whole cost. The planner prices
+samples with the FLOP cost model until a workload's first warm-up step has been measured, then with one fitted to
+that step (``fit_cost_model``: the LLM's coefficients to each micro-batch's forward and backward time, the
+encoders' to its encoder time, and the forward's share of the LLM time), as a job calibrates on its first steps;
+``--no-calibrate`` keeps the FLOP model. Each step runs ``--repeats`` times and every action keeps its least time
+over the repeats (the same actions run in the same order each time), which keeps each micro-batch's own cost but
+not the other processes' interference. The theoretical bubble of 1F1B with uniform micro-batches is
+``(p - 1) / (m + p - 1)``.
 
     python benchmarks/pipeline.py [--workload FILE ...] [--micro-batches 8 16 32] [--stages 4]
 
@@ -32,6 +37,7 @@ import datetime
 import json
 import os
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +49,7 @@ from common import default_workloads, free_port
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from omni_lightning.balance.cost import MODULES, CostModel, feature_matrix, fit_cost_model
+from omni_lightning.balance.cost import MODULES, CostModel, ModuleCost, feature_matrix, fit_cost_model
 from omni_lightning.balance.reorder import ReorderConfig, plan_balance_group
 from omni_lightning.datamodules.collate import DecodedSample, pack_samples
 from omni_lightning.datamodules.workload import SampleMeta, load_workload, sample_metadata
@@ -72,34 +78,54 @@ CONFIG = ReferenceMLLMConfig(
 )
 
 
-def _micro_batches(workload: str, count: int, step: int, cost_model: CostModel, args: argparse.Namespace
-                   ) -> tuple[list[dict[str, Any]], list[list[SampleMeta]]]:
+@dataclass(frozen=True)
+class _Planner:
+    """What the planner prices micro-batches with: a cost model and the forward's share of an LLM micro-batch."""
+
+    model: CostModel
+    forward_share: float = 1 / 3  # FLOPs: the backward computes input and weight gradients
+
+
+def _micro_batches(workload: str, count: int, step: int, planner: _Planner, encoders: str,
+                   args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[list[SampleMeta]]]:
     """The same micro-batches on every rank (seeded by workload and step), formed and ordered as OmniDataModule
-    does under pipeline parallelism: its planner for one rank and step (LPT of ``cost_model``'s predicted cost over
-    the micro-batches, then DistTrain's 1F1B order: the lightest first and last). Also returns their samples."""
+    does under pipeline parallelism: its planner for one rank and step (LPT of the predicted cost over the
+    micro-batches, then the 1F1B order its local search finds shortest for those costs). The joint pipeline's
+    micro-batches balance their LLM cost, since it spreads their encoder work over every stage; with encoders on
+    stage 0 they balance the whole cost. Also returns their samples."""
     spec = load_workload(workload)
     rng = np.random.default_rng([args.seed, step])
     metas = [sample_metadata(spec, rng, length_scale=args.length_scale, max_llm_tokens=args.max_llm_tokens)
              for _ in range(count * args.samples_per_micro_batch)]
-    costs = feature_matrix(metas) @ cost_model.coefficients
+    costs = planner.model.costs(metas)
     zeros = np.zeros(len(metas), dtype=np.int64)
-    plan = plan_balance_group(costs, np.array([m.llm_tokens for m in metas]), zeros, zeros, n_ranks=1,
-                              config=ReorderConfig(steps=1, micro_batches=count, pp=args.stages), seed=args.seed,
-                              epoch=step, group_index=0)
+    config = ReorderConfig(steps=1, micro_batches=count, pp=args.stages, pipeline_search=True,
+                           forward_share=planner.forward_share)
+    plan = plan_balance_group(costs.sum(axis=1), np.array([m.llm_tokens for m in metas]), zeros, zeros, n_ranks=1,
+                              config=config, seed=args.seed, epoch=step, group_index=0,
+                              micro_batch_costs=costs[:, 2] if encoders == "joint" else None)
     groups = [[metas[i] for i in ids] for ids in plan.micro_batches[0][0]]
     return [pack_samples([_sample(meta, rng) for meta in group]) for group in groups], groups
 
 
-def _calibrated(groups: list[list[SampleMeta]], everyone: list[list[tuple[str, int, float]]]) -> CostModel:
-    """The cost model fitted (``fit_cost_model``) to one measured step: each micro-batch's samples against the
-    CPU time every rank spent on it (layers, encoders, transfers), as a job calibrates on its first steps."""
-    seconds = np.zeros(len(groups))
+def _calibrated(groups: list[list[SampleMeta]], everyone: list[list[tuple[str, int, float]]]) -> _Planner:
+    """The planner fitted to one measured step of the joint pipeline, as a job calibrates on its first steps: the
+    LLM's coefficients (``fit_cost_model``) to each micro-batch's forward and backward CPU time over all stages,
+    the encoders' to its encoder forward and backward time over all ranks, and the forward share of the LLM time."""
+    seconds = {kind: np.zeros(len(groups)) for kind in ("F", "B", "E", "EB")}
     for rank in everyone:
-        for _, m, duration in rank:
-            seconds[m] += duration
+        for kind, m, duration in rank:
+            if kind in seconds:
+                seconds[kind][m] += duration
     used = feature_matrix([meta for group in groups for meta in group]).sum(axis=0)
-    modules = [name for i, name in enumerate(MODULES) if used[2 * i : 2 * i + 2].any()]
-    return fit_cost_model(list(zip(groups, seconds.tolist(), strict=True)), modules=modules)
+    encoders = [name for i, name in enumerate(MODULES[:2]) if used[2 * i : 2 * i + 2].any()]
+    llm = fit_cost_model(list(zip(groups, (seconds["F"] + seconds["B"]).tolist(), strict=True)), modules=["llm"])
+    model = CostModel(ModuleCost(0, 0), ModuleCost(0, 0), llm.llm)
+    if encoders:
+        fitted = fit_cost_model(list(zip(groups, (seconds["E"] + seconds["EB"]).tolist(), strict=True)),
+                                modules=encoders)
+        model = replace(model, vision=fitted.vision, audio=fitted.audio)
+    return _Planner(model, float(seconds["F"].sum() / (seconds["F"] + seconds["B"]).sum()))
 
 
 def _sample(meta: SampleMeta, rng: np.random.Generator) -> DecodedSample:
@@ -182,9 +208,10 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, results: 
     meshes = build_meshes(ParallelDims(world_size=size, pp=size, dp_shard=1), "cpu")
     state = initial_state_dict(CONFIG, seed=0)
     for workload in args.workload:
-        cost_model, calibrated = CostModel.from_config(CONFIG), False  # FLOPs until a warm-up step is measured
+        planner, calibrated = _Planner(CostModel.from_config(CONFIG)), False  # FLOPs until a warm-up is measured
         for count in args.micro_batches:
-            for encoders in ("first_stage", "joint"):
+            # The joint pipeline first: its warm-up step times the LLM and the encoders apart, for the calibration.
+            for encoders in ("joint", "first_stage"):
                 with torch.device("meta"):
                     model = ReferenceMLLM(CONFIG)
                 max_tokens = args.max_llm_tokens * args.samples_per_micro_batch * 2
@@ -197,7 +224,7 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, results: 
                                      options=StateDictOptions(full_state_dict=True, strict=True))
                 steps = []
                 for step in range(args.steps + 1):  # the first step warms up
-                    micro, groups = _micro_batches(workload, count, step, cost_model, args)
+                    micro, groups = _micro_batches(workload, count, step, planner, encoders, args)
                     runs = []
                     for _ in range(args.repeats):
                         recorder.actions = []
@@ -209,7 +236,7 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, results: 
                     if step > 0:
                         steps.append(everyone)
                     elif args.calibrate and not calibrated:  # every rank fits the same model from the same data
-                        cost_model, calibrated = _calibrated(groups, everyone), True
+                        planner, calibrated = _calibrated(groups, everyone), True
                 if rank == 0:
                     results[(Path(workload).stem, count, encoders)] = steps
     dist.destroy_process_group()
