@@ -33,16 +33,20 @@ LAYOUTS = {
 
 
 class RecordEncoderPlans(pl.Callback):
-    """Encoder-pool ranks write how many items their balancer split over SP blocks each step."""
+    """Encoder-pool ranks write, each step, how many items their balancer split over SP blocks and how many
+    micro-batches' encoder activations were alive at once."""
 
     def __init__(self, out_dir: Path) -> None:
-        self.out_dir, self.split = out_dir, []
+        self.out_dir, self.split, self.in_flight = out_dir, [], []
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        if not trainer.strategy.is_encoder_rank:
+            return
         balancer = module.model.encoder_balancer
-        if trainer.strategy.is_encoder_rank and balancer is not None:
-            self.split.append(balancer.stats.get("items_split", 0.0))
-            (self.out_dir / f"split_rank{trainer.global_rank}.json").write_text(json.dumps(self.split))
+        self.split.append(balancer.stats.get("items_split", 0.0) if balancer is not None else 0.0)
+        self.in_flight.append(module._pool_worker.peak_in_flight)
+        record = {"split": self.split, "in_flight": self.in_flight}
+        (self.out_dir / f"plans_rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -61,9 +65,12 @@ def test_disaggregated_matches_single_process(name: str, tmp_path: Path, tiny_sh
     for param, ref in ref_grads.items():
         error = (grads[param] - ref).norm().item()
         assert error <= 1e-4 * ref.norm().item() + 1e-8, f"{name}: gradient of {param} differs by {error:.3g}"
+    plans = json.loads((tmp_path / f"plans_rank{4 - layout['encoder_world_size']}.json").read_text())
+    # The encoder forward of micro-batch 2 ran before the backward of micro-batch 1 (it overlaps the LLM's work on
+    # 1), and no more than those two were alive at once.
+    assert plans["in_flight"] == [STREAMED] * STEPS
     if layout.get("enc_sp", 1) > 1:  # the parity covers split items only if some were split
-        split = json.loads((tmp_path / "split_rank2.json").read_text())
-        assert sum(split) > 0, "no encoder item was split over the encoder pool: the SP path went untested"
+        assert sum(plans["split"]) > 0, "no encoder item was split over the encoder pool: the SP path went untested"
 
 
 def test_checkpoint_resumes_under_either_placement(tmp_path: Path, tiny_shards: str, seed_checkpoint: Path) -> None:
