@@ -170,17 +170,26 @@ class OmniModule(LightningModule):
         del model.vision, model.audio
         meshes = self.omni_meshes
         assert meshes is not None
-        parallelize_mllm(model, meshes, **options)
-        cp = meshes.get("cp")
-        # The encoder pool's FSDP averages over its ranks, the LLM's loss is scaled by its data-parallel size.
-        scale = (pool.layout.encoder_world_size if pool.mesh is not None else 1) / meshes.size("dp_cp")
-        self._pool_link = EncoderPoolLink(pool.layout, pool.transfers, self.config, costs, dtype=dtype,
-                                          cp_group=cp.get_group() if cp is not None else None, gradient_scale=scale)
+        if meshes.local_rank("pp") == 0:  # the first pipeline stage embeds: it receives the encoder outputs
+            cp = meshes.get("cp")
+            # The encoder pool's FSDP averages over its ranks, the LLM's loss is scaled by its data-parallel size.
+            scale = (pool.layout.encoder_world_size if pool.mesh is not None else 1) / meshes.size("dp_cp")
+            self._pool_link = EncoderPoolLink(pool.layout, pool.transfers, self.config, costs, dtype=dtype,
+                                              cp_group=cp.get_group() if cp is not None else None,
+                                              gradient_scale=scale)
+        self._pipeline = parallelize_mllm(model, meshes, pipeline=strategy.pipeline_settings,
+                                          encoder_source=self._pool_link, **options)
+
+    @property
+    def _disaggregated(self) -> bool:
+        """Whether this rank belongs to one of the disaggregated placement's pools."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        return getattr(strategy, "placement", None) == "disaggregated"
 
     @property
     def _backward_in_step(self) -> bool:
         """Whether training_step runs the backward itself (a pipeline schedule, or the disaggregated pools' stream)."""
-        return self._pipeline is not None or self._pool_link is not None or self._pool_worker is not None
+        return self._pipeline is not None or self._disaggregated
 
     @property
     def pipeline(self) -> PipelineRunner | None:
@@ -198,11 +207,11 @@ class OmniModule(LightningModule):
             # backward runs inside training_step: zero them here instead (see optimizer_zero_grad).
             for p in self.parameters():
                 p.grad = None
-        if self._pipeline is not None:
-            loss, stats = self._pipeline_loss_and_stats(batch)
-        elif self._backward_in_step:
+        if self._disaggregated:
             sync = (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0
             loss, stats = self._pool_loss_and_stats(batch, reduce_gradients=sync)
+        elif self._pipeline is not None:
+            loss, stats = self._pipeline_loss_and_stats(batch)
         else:
             loss, stats = self._loss_and_stats(batch)
         now = time.perf_counter()
@@ -225,10 +234,10 @@ class OmniModule(LightningModule):
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        if self._pipeline is not None:
-            _, stats = self._pipeline_loss_and_stats(batch)
-        elif self._backward_in_step:
+        if self._disaggregated:
             _, stats = self._pool_loss_and_stats(batch, reduce_gradients=True)
+        elif self._pipeline is not None:
+            _, stats = self._pipeline_loss_and_stats(batch)
         else:
             _, stats = self._loss_and_stats(batch)
         # Each value is already global; sync_dist only averages identical per-rank epoch means.
@@ -315,16 +324,21 @@ class OmniModule(LightningModule):
                              reduce_gradients: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Disaggregated placement: stream the step's micro-batches between the pools, forward and backward.
 
-        LLM-pool ranks scale losses as the pipeline does (summed token losses over the step's global loss tokens,
-        times the data-parallel size FSDP averages over) and reduce gradients after the last micro-batch when
-        ``reduce_gradients``; encoder-pool ranks encode what arrives. Rank 0's global loss and counts then go to every
-        rank, so both pools log, check and return the same values. The returned loss only carries the value.
+        LLM-pool ranks run their pipeline schedule, or else scale losses as the pipeline does (summed token losses
+        over the step's global loss tokens, times the data-parallel size FSDP averages over) and reduce gradients
+        after the last micro-batch when ``reduce_gradients``; encoder-pool ranks encode what arrives. Rank 0's global
+        loss and counts then go to every rank, so both pools log, check and return the same values. The returned loss
+        only carries the value.
         """
         strategy = self.trainer.strategy
         n = strategy.stream_microbatches
         stats = torch.zeros(4, dtype=torch.float64)
         if self._pool_worker is not None:
-            self._pool_worker.step(n, train=self.training)
+            self._pool_worker.step(n, train=self.training, lag=strategy.stream_lag)
+        elif self._pipeline is not None:
+            _, result = self._pipeline_loss_and_stats(batch)
+            stats = torch.stack([result[k].double().cpu().reshape(()) for k in ("loss", "tokens", "samples")]
+                                + [torch.zeros((), dtype=torch.float64)])
         else:
             assert self._pool_link is not None and self.model is not None and self.omni_meshes is not None
             stats = self._stream_to_llm(batch, n, reduce_gradients=reduce_gradients)
@@ -365,11 +379,9 @@ class OmniModule(LightningModule):
             with vocab_parallel_loss() if tp else nullcontext():
                 mb_sum, _ = next_token_loss_sum(model(mb, encoded=link.outputs(i)), model.local_labels(mb))
                 aux = model.llm.moe_aux_loss()
-                if self.training:
+                if self.training:  # the outputs' gradients leave for the encoder pool from inside this backward
                     set_gradient_sync(model, reduce_gradients and i == n - 1)
                     (mb_sum * loss_scale + aux_scale * aux).backward()
-            if self.training:
-                link.send_gradients(i)
             loss_sum += mb_sum.detach().double()
             aux_total += aux.detach().double() / n
         link.finish()
@@ -427,10 +439,14 @@ class OmniModule(LightningModule):
         if self._pipeline is not None and pp_mesh is not None and pp_mesh.get_local_rank() != 0:
             copies = self._pipeline.replicated_parameters()  # in the norm once, from the first pipeline rank
         pool: EncoderPool | None = getattr(self.trainer.strategy, "encoder_pool", None)
-        if pool is not None:  # each pool's norm once, from its first rank, summed over the world
-            first_ranks = (0, pool.layout.encoder_ranks[0])
+        if pool is not None:  # summed over the world: each pipeline stage's norm and the encoder pool's once
+            rank, llm = self.trainer.global_rank, pool.layout.llm
+            if pool.layout.is_encoder_rank(rank):
+                counted = rank == pool.layout.encoder_ranks[0]
+            else:
+                counted = not any(index for dim, index in llm.coordinate(rank).items() if dim != "pp")
             clip_grad_norm_(list(self.model.parameters()), gradient_clip_val, pp_group=pool.transfers,
-                            counted=self.trainer.global_rank in first_ranks)
+                            counted=counted)
             return
         clip_grad_norm_(list(self.model.parameters()), gradient_clip_val,
                         pp_group=pp_mesh.get_group() if pp_mesh is not None else None, not_in_norm=copies)

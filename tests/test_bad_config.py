@@ -96,9 +96,11 @@ CASES: dict[str, Case] = {
     "pool-size-without-disaggregated": Case(lambda _: OmniStrategy(encoder_world_size=2),
                                             r"encoder_world_size and pool_workload size the encoder pool of "
                                             r"placement='disaggregated'"),
-    "disaggregated-with-pp": Case(lambda _: OmniStrategy(pp=2, placement="disaggregated", encoder_world_size=1),
-                                  r"placement='disaggregated' with pp=2: the encoder pool streams to an LLM pool "
-                                  r"without pipeline stages"),
+    "disaggregated-with-interleaved-pipeline": Case(
+        lambda _: OmniStrategy(pp=2, pp_schedule="Interleaved1F1B", pp_virtual_stages=2, placement="disaggregated",
+                               encoder_world_size=1),
+        r"placement='disaggregated' streams encoder outputs into a 1F1B or GPipe pipeline, not "
+        r"pp_schedule='Interleaved1F1B'"),
     "disaggregated-pool-unsized": Case(lambda _: OmniStrategy(placement="disaggregated"),
                                        r"placement='disaggregated' needs encoder_world_size=N, or pool_workload=FILE"),
     # ---- degrees against the world size: Trainer(devices=..., num_nodes=...)

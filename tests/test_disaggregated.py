@@ -29,6 +29,9 @@ LAYOUTS = {
     "2+2": ({"placement": "disaggregated", "encoder_world_size": 2, "enc_sp": 2}, 2),
     # fan-out: two encoder ranks share the items of the LLM pool's one data-parallel rank, which is TP over 2 ranks
     "2+2_tp2": ({"placement": "disaggregated", "encoder_world_size": 2, "tp": 2, "dp_shard": 1}, 1),
+    # a 1F1B pipeline of 2 stages over 4 micro-batches: the encoder backward of j runs after the forward of j + 2
+    "2+2_pp2": ({"placement": "disaggregated", "encoder_world_size": 2, "pp": 2, "dp_shard": 1,
+                 "pp_microbatches": 4}, 1),
 }
 
 
@@ -55,8 +58,9 @@ def test_disaggregated_matches_single_process(name: str, tmp_path: Path, tiny_sh
     layout, llm_dp = LAYOUTS[name]
     fit(tmp_path, tiny_shards, seed_checkpoint, layout=layout, max_steps=STEPS,
         callbacks=[RecordRun(tmp_path, grads=True), RecordEncoderPlans(tmp_path)])
+    streamed, lag = layout.get("pp_microbatches", STREAMED), layout.get("pp", 1)
     ref_losses, ref_grads = reference_run(tiny_shards, seed_checkpoint, dp_size=llm_dp, steps=STEPS,
-                                          pipeline_micro_batches=STREAMED)
+                                          pipeline_micro_batches=streamed)
     losses = json.loads((tmp_path / "losses.json").read_text())
     assert [int(k) for k in losses] == list(range(1, STEPS + 1))
     torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor(ref_losses), rtol=1e-4, atol=0)
@@ -66,9 +70,9 @@ def test_disaggregated_matches_single_process(name: str, tmp_path: Path, tiny_sh
         error = (grads[param] - ref).norm().item()
         assert error <= 1e-4 * ref.norm().item() + 1e-8, f"{name}: gradient of {param} differs by {error:.3g}"
     plans = json.loads((tmp_path / f"plans_rank{4 - layout['encoder_world_size']}.json").read_text())
-    # The encoder forward of micro-batch 2 ran before the backward of micro-batch 1 (it overlaps the LLM's work on
-    # 1), and no more than those two were alive at once.
-    assert plans["in_flight"] == [STREAMED] * STEPS
+    # The encoder forward of micro-batch j + lag ran before the backward of micro-batch j (it overlaps the LLM's work
+    # on j), and no more micro-batches than that were alive at once.
+    assert plans["in_flight"] == [min(lag + 1, streamed)] * STEPS
     if layout.get("enc_sp", 1) > 1:  # the parity covers split items only if some were split
         assert sum(plans["split"]) > 0, "no encoder item was split over the encoder pool: the SP path went untested"
 

@@ -10,11 +10,17 @@ every rank of both pools, as:
 * **Encoder rank**: receives micro-batch ``j``'s items from every LLM data-parallel rank it serves, encodes them
   all in one pass per encoder (evened out over the pool by the encoder balancer), sends each LLM rank its outputs,
   then runs the backward of ``j - 1`` once its gradients are back. So the encoder forward of ``j + 1`` overlaps the
-  LLM's forward and backward of ``j``, and at most two micro-batches' encoder activations are alive.
-* **LLM ranks that embed** (the leader's TP and CP peers too): receive micro-batch ``j``'s outputs, put them in item
-  order as leaves of the embedding, run the LLM's forward and backward, and (the leader) send the leaves' gradients
-  back: summed over CP peers (each holds its share of the tokens), scaled so the encoder pool's averaging FSDP
-  reduction yields the gradient of the global loss (see :meth:`EncoderPoolLink.send_gradients`).
+  LLM's forward and backward of ``j``, and at most two micro-batches' encoder activations are alive (without a
+  pipeline; see below).
+* **LLM ranks that embed** (the first pipeline stage's: the leader and its TP and CP peers): receive micro-batch
+  ``j``'s outputs, put them in item order as leaves of the embedding, run the LLM's forward and backward (alone, or
+  inside a pipeline schedule), and as soon as the backward has produced the leaves' gradients (an autograd hook) the
+  leader sends them back: summed over CP peers (each holds its share of the tokens), scaled so the encoder pool's
+  averaging FSDP reduction yields the gradient of the global loss (see :meth:`EncoderPoolLink.send_gradients`).
+
+With a pipeline, stage 0 runs ``p`` forwards of 1F1B before its first backward, so the encoder rank runs the backward
+of ``j - p`` after the forward of ``j`` (``lag``; after every forward under GPipe) and holds at most ``p + 1``
+micro-batches' activations.
 
 Every transfer is point to point on a process group of its own, so it never meets the pools' collectives, and every
 encoder rank runs every encoder on every micro-batch (a dummy item where it has none), so the encoder pool's FSDP
@@ -127,10 +133,23 @@ class EncoderPoolLink:
             for work in works:
                 work.wait()
             order = arrival_order(plan["rows"][modality], plan["owners"][modality], len(self.servers))
-            leaf = torch.cat(buffers)[torch.as_tensor(order, device=buffers[0].device)]
-            leaves.append(leaf.requires_grad_(self.train))
+            leaf = torch.cat(buffers)[torch.as_tensor(order, device=buffers[0].device)].requires_grad_(self.train)
+            if self.train:
+                leaf.register_post_accumulate_grad_hook(lambda _, m=m: self._gradient_ready(m))
+            leaves.append(leaf)
         self._leaves[m] = (leaves[0], leaves[1])
         return self._leaves[m]
+
+    def before_forward(self, m: int) -> None:
+        """Nothing to do before a stage's forward: the outputs are already on their way (pipeline interface)."""
+
+    def sync_gradients(self) -> None:
+        """Nothing to reduce here: the encoder pool owns the encoders' gradients (pipeline interface)."""
+
+    def _gradient_ready(self, m: int) -> None:
+        """Autograd hook: once the backward has produced every output gradient of ``m``, send them at once."""
+        if m in self._leaves and all(leaf.grad is not None or not leaf.numel() for leaf in self._leaves[m]):
+            self.send_gradients(m)
 
     def send_gradients(self, m: int) -> None:
         """After the LLM's backward of ``m``: the leader sends each server the gradients of its outputs.
@@ -159,7 +178,11 @@ class EncoderPoolLink:
         del self._leaves[m]
 
     def finish(self) -> None:
-        """After the last micro-batch: wait until every transfer of the step has left."""
+        """After the last micro-batch: send what no hook sent (outputs without items), then wait until every
+        transfer of the step has left."""
+        if self.train:
+            for m in sorted(self._leaves):
+                self.send_gradients(m)
         for work in self._sends:
             work.wait()
         self._sends.clear()
@@ -220,8 +243,9 @@ class EncoderPoolWorker:
         self.rank = rank
         self.peak_in_flight = 0
 
-    def step(self, n_microbatches: int, *, train: bool) -> None:
-        """Encode ``n_microbatches`` micro-batches as they arrive; backward of each once its gradients are back."""
+    def step(self, n_microbatches: int, *, train: bool, lag: int = 1) -> None:
+        """Encode ``n_microbatches`` micro-batches as they arrive; the backward of each ``lag`` micro-batches later,
+        once its gradients are back (1 without a pipeline, ``pp`` under 1F1B, every micro-batch under GPipe)."""
         in_flight: dict[int, tuple[torch.Tensor, torch.Tensor, list[list[int]]]] = {}
         sends: list[dist.Work] = []
         self.peak_in_flight = 0
@@ -238,10 +262,10 @@ class EncoderPoolWorker:
             if train:
                 in_flight[m] = (vision, audio, per_client_rows)
                 self.peak_in_flight = max(self.peak_in_flight, len(in_flight))
-                if m >= 1:
-                    self._backward(m - 1, *in_flight.pop(m - 1))
-        if train and n_microbatches:
-            self._backward(n_microbatches - 1, *in_flight.pop(n_microbatches - 1))
+                if m >= lag:
+                    self._backward(m - lag, *in_flight.pop(m - lag))
+        for m in sorted(in_flight):
+            self._backward(m, *in_flight.pop(m))
         for work in sends:
             work.wait()
 

@@ -71,6 +71,8 @@ def build_meshes(parallel_dims: ParallelDims, device_type: str, *, pool: PoolLay
     names = parallel_dims.materialized_dims
     views: dict[str, DeviceMesh] = {}
     world: DeviceMesh | None = None
+    rank = dist.get_rank()
+    member = rank < parallel_dims.world_size
     if names:
         shape = tuple(parallel_dims.degrees[n] for n in names)
         if pool is None:
@@ -78,20 +80,13 @@ def build_meshes(parallel_dims: ParallelDims, device_type: str, *, pool: PoolLay
         else:
             world = DeviceMesh(device_type, torch.arange(parallel_dims.world_size).reshape(shape),
                                mesh_dim_names=names)
-        views.update({name: world[name] for name in names})
-        mesh_dim_of: dict[str, str] = {}  # view name -> the dim name the root mesh knows it by
-        for flat_name, components in FLATTENED_DIMS.items():
-            present = tuple(d for d in components if d in names)
-            if len(present) == 1:
-                views[flat_name], mesh_dim_of[flat_name] = world[present[0]], present[0]
-            elif len(present) > 1:
-                # Keep the returned mesh: slicing a flattened dim back off the root is being deprecated.
-                views[flat_name], mesh_dim_of[flat_name] = world[present]._flatten(flat_name), flat_name
-        shard_dim = mesh_dim_of.get("dp_shard_cp")
-        if "dp_replicate" in names and shard_dim is not None:
-            views["hsdp"] = world["dp_replicate", shard_dim]
+        if member:
+            views.update(_views(world, names))
+        else:  # the flattened views' groups: the same group creations, which only a member of the mesh can slice
+            for flat_name, components in FLATTENED_DIMS.items():
+                if len([d for d in components if d in names]) > 1:
+                    _mirror_new_groups(parallel_dims.groups(flat_name))
 
-    rank = dist.get_rank()
     encoder_group = _new_subgroups(parallel_dims.groups("encoder"), rank)
     blocks: dict[int, dist.ProcessGroup] = {}
     degree = 2
@@ -101,14 +96,42 @@ def build_meshes(parallel_dims: ParallelDims, device_type: str, *, pool: PoolLay
         degree *= 2
     ep_mesh, expert_replicas = None, None
     if parallel_dims.ep > 1:
-        shard_view = views["dp_shard_cp"]
+        shard_view = views.get("dp_shard_cp")
         efsdp = parallel_dims.size("efsdp")
         # EP groups are consecutive chunks of the FSDP ranks (ep innermost), as ParallelDims lays them out.
-        ep_mesh = shard_view
-        if efsdp > 1:
+        if not member:
+            if efsdp > 1:
+                _mirror_new_groups(parallel_dims.groups("efsdp") + parallel_dims.groups("ep"))
+        elif efsdp > 1:
             ep_mesh = shard_view._unflatten(0, (efsdp, parallel_dims.ep), ("efsdp", "ep"))["ep"]
+        else:
+            ep_mesh = shard_view
         expert_replicas = _new_subgroups(parallel_dims.expert_replica_groups(), rank)
     return OmniMeshes(parallel_dims, world, views, encoder_group, blocks, ep_mesh, expert_replicas)
+
+
+def _views(world: DeviceMesh, names: tuple[str, ...]) -> dict[str, DeviceMesh]:
+    """The 1-D mesh of every dimension and flattened view of degree > 1, and HSDP's 2-D one, sliced from ``world``."""
+    views = {name: world[name] for name in names}
+    mesh_dim_of: dict[str, str] = {}  # view name -> the dim name the root mesh knows it by
+    for flat_name, components in FLATTENED_DIMS.items():
+        present = tuple(d for d in components if d in names)
+        if len(present) == 1:
+            views[flat_name], mesh_dim_of[flat_name] = world[present[0]], present[0]
+        elif len(present) > 1:
+            # Keep the returned mesh: slicing a flattened dim back off the root is being deprecated.
+            views[flat_name], mesh_dim_of[flat_name] = world[present]._flatten(flat_name), flat_name
+    shard_dim = mesh_dim_of.get("dp_shard_cp")
+    if "dp_replicate" in names and shard_dim is not None:
+        views["hsdp"] = world["dp_replicate", shard_dim]
+    return views
+
+
+def _mirror_new_groups(groups: list[list[int]]) -> None:
+    """What a rank outside the LLM mesh does while its members flatten or unflatten it: ``new_group`` must be entered
+    by every rank, once per group and in the same order (groups are named by a counter), even by non-members."""
+    for ranks in groups:
+        dist.new_group(ranks=ranks)
 
 
 @dataclass

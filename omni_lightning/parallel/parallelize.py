@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import register_fsdp_forward_method
@@ -14,6 +16,7 @@ from omni_lightning.parallel.activation_checkpoint import apply_ac, apply_compil
 from omni_lightning.parallel.encoder_balance import EncoderBalancer
 from omni_lightning.parallel.expert_parallel import apply_ep
 from omni_lightning.parallel.fsdp import apply_fsdp
+from omni_lightning.parallel.joint_pipeline import JointEncoders
 from omni_lightning.parallel.mesh import EncoderPool, OmniMeshes
 from omni_lightning.parallel.pipeline import PipelineRunner, PipelineSettings
 from omni_lightning.parallel.tensor_parallel import apply_tp
@@ -26,13 +29,15 @@ def check_model_fits_layout(model: ReferenceMLLM, meshes: OmniMeshes, *, encoder
     dims = meshes.parallel_dims
     model.llm.check_tp(dims.tp)
     reference_llm = isinstance(model.llm, Decoder)
-    reference_encoders = (isinstance(getattr(model, "vision", None), VisionEncoder)
-                          and isinstance(getattr(model, "audio", None), AudioEncoder))
+    # An LLM-pool rank of the disaggregated placement holds no encoders: the encoder pool checks its own.
+    vision, audio = getattr(model, "vision", None), getattr(model, "audio", None)
+    reference_encoders = all(e is None or isinstance(e, kind) for e, kind in ((vision, VisionEncoder),
+                                                                              (audio, AudioEncoder)))
     # CP, EP and the pipeline drive the reference modules' own signatures (CP shards, experts, RoPE tables, stems).
     for name, supported, what in (("cp", reference_llm, "decoder"), ("ep", reference_llm, "decoder"),
                                   ("pp", reference_llm and reference_encoders, "decoder and encoders")):
         if getattr(dims, name) > 1 and not supported:
-            parts = ", ".join(type(part).__name__ for part in (model.vision, model.audio, model.llm))
+            parts = ", ".join(type(part).__name__ for part in (vision, audio, model.llm) if part is not None)
             raise ValueError(f"{name}={getattr(dims, name)} needs the reference {what}, not {parts}; adapted models "
                              "train with tp, dp_replicate and dp_shard")
     if reference_llm:
@@ -60,7 +65,7 @@ def check_model_fits_layout(model: ReferenceMLLM, meshes: OmniMeshes, *, encoder
 def parallelize_mllm(
     model: ReferenceMLLM, meshes: OmniMeshes, *, param_dtype: torch.dtype | None = None,
     encoder_balance: bool = False, pipeline: PipelineSettings | None = None, activation_checkpointing: bool = False,
-    compile_backend: str | None = None,
+    compile_backend: str | None = None, encoder_source: Any = None,
 ) -> PipelineRunner | None:
     """Tensor-parallelise the decoder, then shard every transformer block and the root with FSDP2 (in place).
 
@@ -72,7 +77,9 @@ def parallelize_mllm(
     data-parallel ranks share each step's encoder work (whole items by LPT, long ones split over ``enc_sp``
     blocks; see :mod:`omni_lightning.parallel.encoder_balance`). ``activation_checkpointing`` recomputes every
     transformer block in the backward and ``compile_backend`` compiles their MLPs (see
-    :mod:`omni_lightning.parallel.activation_checkpoint`), both between TP and FSDP.
+    :mod:`omni_lightning.parallel.activation_checkpoint`), both between TP and FSDP. ``encoder_source`` feeds
+    the first stage encoder outputs computed elsewhere (``pipeline.encoders == "pool"``: the encoder pool of the
+    disaggregated placement).
     """
     check_model_fits_layout(model, meshes, encoder_balance=encoder_balance)
     runner = None
@@ -86,7 +93,8 @@ def parallelize_mllm(
                                 virtual_stages=settings.virtual_stages, max_tokens=settings.max_tokens,
                                 device=torch.device(pp_mesh.device_type), dtype=param_dtype or torch.float32,
                                 encoders=settings.encoders, encoder_group=encoder_group,
-                                data_parallel_group=dp_cp.get_group() if (dp_cp := meshes.get("dp_cp")) else None)
+                                data_parallel_group=dp_cp.get_group() if (dp_cp := meshes.get("dp_cp")) else None,
+                                encoder_source=encoder_source)
     if (cp_mesh := meshes.get("cp")) is not None:
         model.cp_group = cp_mesh.get_group()
     first_stage_encoders = runner is None or (runner.joint is None and runner.has_first_stage)
@@ -117,7 +125,7 @@ def parallelize_mllm(
             apply_fsdp(model, fsdp_mesh, blocks=blocks, param_dtype=param_dtype, ignored_params=set(experts) or None)
         return None
     if fsdp_mesh is not None:
-        if runner.joint is not None:  # every pipeline rank runs the encoders: each is its own FSDP root
+        if isinstance(runner.joint, JointEncoders):  # every pipeline rank runs the encoders: each its own FSDP root
             for encoder in (model.vision, model.audio):
                 apply_fsdp(encoder, fsdp_mesh, blocks=[*encoder.blocks], param_dtype=param_dtype)
         for stage in runner.stage_modules:

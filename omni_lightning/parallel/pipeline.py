@@ -63,7 +63,9 @@ class PipelineSettings:
     ``pp``), stages per rank (``virtual_stages`` > 1 for the interleaved schedules), the padded length of the
     stage-to-stage buffers (``max_tokens``: the most tokens a micro-batch may hold), and where encoders run:
     ``"joint"`` (inserted into the schedule on every stage's rank; 1F1B and GPipe, see
-    :mod:`omni_lightning.parallel.joint_pipeline`) or ``"first_stage"`` (inside stage 0, torchtitan's way)."""
+    :mod:`omni_lightning.parallel.joint_pipeline`), ``"first_stage"`` (inside stage 0, torchtitan's way) or
+    ``"pool"`` (another pool of ranks encodes and stage 0 receives the outputs: the disaggregated placement, see
+    :mod:`omni_lightning.parallel.disaggregated`)."""
 
     schedule: str = "1F1B"
     microbatches: int | None = None
@@ -284,7 +286,10 @@ class PipelineRunner:
                  virtual_stages: int, max_tokens: int, device: torch.device,
                  dtype: torch.dtype = torch.float32, encoders: str = "first_stage",
                  encoder_group: dist.ProcessGroup | None = None,
-                 data_parallel_group: dist.ProcessGroup | None = None) -> None:
+                 data_parallel_group: dist.ProcessGroup | None = None, encoder_source: Any = None) -> None:
+        """``encoder_source`` (with ``encoders="pool"``, on stage 0's ranks) supplies each micro-batch's encoder
+        outputs as :class:`JointEncoders` does: ``start``, ``before_forward``, ``outputs``, ``finish`` and
+        ``sync_gradients`` (e.g. :class:`~omni_lightning.parallel.disaggregated.EncoderPoolLink`)."""
         if schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"pp_schedule={schedule!r} must be one of {sorted(PIPELINE_SCHEDULES)}")
         pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
@@ -310,6 +315,8 @@ class PipelineRunner:
             self.joint = JointEncoders(model, encoder_group, {"vision": costs.vision, "audio": costs.audio},
                                        n_microbatches=n_microbatches, lag=pp if schedule == "1F1B" else n_microbatches,
                                        dtype=dtype, dp_group=data_parallel_group)
+        elif encoders == "pool":
+            self.joint = encoder_source  # type: ignore[assignment]  # None off stage 0: it embeds nothing
         elif encoders != "first_stage":
             raise ValueError(f"pp_encoders={encoders!r} must be 'joint' or 'first_stage'")
         self.stage_modules = [
@@ -339,7 +346,7 @@ class PipelineRunner:
         model.llm.layers = nn.ModuleDict({k: v for k, v in model.llm.layers.items() if k in keep})
         if not self.has_first_stage:
             del model.llm.tok_embeddings
-            if self.joint is None:
+            if self.joint is None and hasattr(model, "vision"):  # the encoder pool's ranks hold the encoders
                 del model.vision, model.audio
         if not self.has_last_stage:
             del model.llm.norm, model.llm.output

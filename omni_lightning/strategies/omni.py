@@ -105,7 +105,8 @@ class OmniStrategy(ModelParallelStrategy):
             ``"disaggregated"`` gives them a pool of their own, as DistTrain does: the LLM pool (the first ranks,
             laid out by the degrees above) and an encoder pool of ``encoder_world_size`` ranks (data parallelism and
             encoder SP: ``enc_sp`` then applies to that pool), whose outputs stream to the LLM pool micro-batch by
-            micro-batch (see :mod:`omni_lightning.parallel.disaggregated`). ``pp`` must then be 1.
+            micro-batch (see :mod:`omni_lightning.parallel.disaggregated`), into a 1F1B or GPipe pipeline when
+            ``pp > 1``.
         encoder_world_size: ranks of the encoder pool under ``placement="disaggregated"``; ``None`` sizes it with the
             pool solver (:func:`~omni_lightning.balance.allocation.encoder_pool_size`) for ``pool_workload``.
         pool_workload: a workload spec file or bundled preset name (``"vlm_dynres"``, ...) that the pool solver sizes
@@ -151,7 +152,7 @@ class OmniStrategy(ModelParallelStrategy):
         encoder_world_size: int | None = None,
         pool_workload: str | None = None,
     ) -> None:
-        _check_placement(placement, encoder_world_size, pool_workload, pp=pp, enc_sp=enc_sp)
+        _check_placement(placement, encoder_world_size, pool_workload, pp=pp, enc_sp=enc_sp, pp_schedule=pp_schedule)
         if on_nonfinite not in ("skip", "stop"):
             raise ValueError(f"on_nonfinite={on_nonfinite!r} must be 'skip' or 'stop'")
         if launcher not in ("subprocess", "fork", "spawn"):
@@ -196,6 +197,8 @@ class OmniStrategy(ModelParallelStrategy):
                              f"pp={pp}: use pp_microbatches={pp * -(-microbatches // pp)}")
         if pp_encoders == "joint" and pp_schedule not in _SINGLE_STAGE_SCHEDULES:
             pp_encoders = "first_stage"  # the interleaved schedules keep the encoders inside stage 0
+        if placement == "disaggregated":
+            pp_encoders = "pool"  # stage 0 receives the encoder pool's outputs
         self.pipeline_settings = PipelineSettings(pp_schedule, pp_microbatches, pp_virtual_stages, pp_max_tokens,
                                                   pp_encoders)
         self.on_nonfinite = on_nonfinite
@@ -252,8 +255,18 @@ class OmniStrategy(ModelParallelStrategy):
 
     @property
     def stream_microbatches(self) -> int:
-        """Micro-batches a step streams from the encoder pool to the LLM pool (at least 2, so they overlap)."""
-        return self.pipeline_settings.microbatches or 2
+        """Micro-batches a step streams from the encoder pool to the LLM pool (default ``pp``, at least 2, so encoder
+        and LLM work overlap)."""
+        return self.pipeline_settings.microbatches or max(self._degrees["pp"], 2)
+
+    @property
+    def stream_lag(self) -> int:
+        """How many micro-batches after its forward the encoder pool runs one's backward: when the LLM pool's first
+        stage has produced its gradients (1 without a pipeline, ``pp`` under 1F1B, all of them under GPipe)."""
+        pp = self._degrees["pp"]
+        if pp == 1:
+            return 1
+        return pp if self.pipeline_settings.schedule == "1F1B" else self.stream_microbatches
 
     def _solve_encoder_pool(self, world: int) -> int:
         module = self._lightning_module
@@ -603,7 +616,7 @@ def _any_nonfinite_grad(params: list[Tensor], device: torch.device) -> Tensor:
 
 
 def _check_placement(placement: str, encoder_world_size: int | None, pool_workload: str | None, *, pp: int,
-                     enc_sp: int) -> None:
+                     enc_sp: int, pp_schedule: str) -> None:
     if placement not in ("multiplexed", "disaggregated"):
         raise ValueError(f"placement={placement!r} must be 'multiplexed' or 'disaggregated'")
     if placement == "multiplexed":
@@ -611,9 +624,9 @@ def _check_placement(placement: str, encoder_world_size: int | None, pool_worklo
             raise ValueError("encoder_world_size and pool_workload size the encoder pool of placement='disaggregated'; "
                              "the multiplexed placement runs the encoders on every rank")
         return
-    if pp > 1:
-        raise ValueError(f"placement='disaggregated' with pp={pp}: the encoder pool streams to an LLM pool without "
-                         "pipeline stages in this version; use pp=1 or placement='multiplexed'")
+    if pp > 1 and pp_schedule not in _SINGLE_STAGE_SCHEDULES:
+        raise ValueError(f"placement='disaggregated' streams encoder outputs into a 1F1B or GPipe pipeline, not "
+                         f"pp_schedule={pp_schedule!r}: use one of those or placement='multiplexed'")
     if encoder_world_size is None and pool_workload is None:
         raise ValueError("placement='disaggregated' needs encoder_world_size=N, or pool_workload=FILE (a workload "
                          "spec) for the pool solver to size the encoder pool")
