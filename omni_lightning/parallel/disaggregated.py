@@ -193,17 +193,18 @@ class EncoderPoolLink:
         grids = batch["vision_grids"].reshape(-1, 2)
         lengths = batch["audio_lengths"]
         vision_items, audio_items = np.flatnonzero(vision), np.flatnonzero(audio)
-        counts = torch.tensor([len(vision_items), len(audio_items)], dtype=torch.int64)
-        shapes = torch.cat([grids[torch.as_tensor(vision_items, dtype=torch.long)].reshape(-1).cpu(),
-                            lengths[torch.as_tensor(audio_items, dtype=torch.long)].cpu()]).to(torch.int64)
+        device = grids.device  # every transfer on the device: NCCL moves device tensors only
+        counts = torch.tensor([len(vision_items), len(audio_items)], dtype=torch.int64, device=device)
+        shapes = torch.cat([grids[torch.as_tensor(vision_items, dtype=torch.long, device=device)].reshape(-1),
+                            lengths[torch.as_tensor(audio_items, dtype=torch.long, device=device)]]).to(torch.int64)
         self._isend(counts, server, _tag(m, _COUNTS))
         if shapes.numel():
             self._isend(shapes, server, _tag(m, _SHAPES))
-        patch_rows = _rows_of(grids.prod(1), vision_items)
+        patch_rows = _rows_of(grids.prod(1), vision_items).to(device)
         if patch_rows.numel():
             self._isend(batch["vision_patches"][patch_rows], server, _tag(m, _PATCHES))
             self._isend(batch["vision_positions"][patch_rows], server, _tag(m, _POSITIONS))
-        frame_rows = _rows_of(lengths, audio_items)
+        frame_rows = _rows_of(lengths, audio_items).to(device)
         if frame_rows.numel():
             self._isend(batch["audio_mels"][frame_rows], server, _tag(m, _MELS))
 
@@ -239,7 +240,8 @@ class EncoderPoolWorker:
         self.layout, self.group, self.model, self.config = layout, group, model, config
         self.device, self.dtype = device, dtype
         self.clients = layout.served_by(rank)  # LLM data-parallel ranks, in the order outputs are concatenated
-        self.leaders = [layout.consumers(d)[0] for d in self.clients]
+        self.consumers = [layout.consumers(d) for d in self.clients]
+        self.leaders = [consumers[0] for consumers in self.consumers]
         self.rank = rank
         self.peak_in_flight = 0
 
@@ -255,10 +257,10 @@ class EncoderPoolWorker:
                 vision, audio = self.model.encode_items(batch)
             for modality, (out, kind) in enumerate(((vision, _VISION_OUT), (audio, _AUDIO_OUT))):
                 pieces = out.detach().to(self.dtype).split([rows[modality] for rows in per_client_rows])
-                for client, piece in zip(self.clients, pieces, strict=True):
+                for consumers, piece in zip(self.consumers, pieces, strict=True):
                     if piece.shape[0]:
                         sends += [dist.isend(piece.contiguous(), dst=consumer, group=self.group, tag=_tag(m, kind))
-                                  for consumer in self.layout.consumers(client)]
+                                  for consumer in consumers]
             if train:
                 in_flight[m] = (vision, audio, per_client_rows)
                 self.peak_in_flight = max(self.peak_in_flight, len(in_flight))
@@ -274,18 +276,19 @@ class EncoderPoolWorker:
         vision, audio = self.config.vision, self.config.audio
         parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("grids", "lengths", "patches", "positions", "mels")}
         per_client_rows = []
+        device = self.device
         for leader in self.leaders:
-            counts = torch.empty(2, dtype=torch.int64)
+            counts = torch.empty(2, dtype=torch.int64, device=device)
             dist.recv(counts, src=leader, group=self.group, tag=_tag(m, _COUNTS))
             n_vision, n_audio = counts.tolist()
-            shapes = torch.empty(2 * n_vision + n_audio, dtype=torch.int64)
+            shapes = torch.empty(2 * n_vision + n_audio, dtype=torch.int64, device=device)
             if shapes.numel():
                 dist.recv(shapes, src=leader, group=self.group, tag=_tag(m, _SHAPES))
             grids, lengths = shapes[: 2 * n_vision].view(-1, 2), shapes[2 * n_vision:]
             patch_rows, frame_rows = int(grids.prod(1).sum()), int(lengths.sum())
-            patches = torch.empty(patch_rows, vision.patch_dim)
-            positions = torch.empty(patch_rows, 2, dtype=torch.long)
-            mels = torch.empty(frame_rows, audio.n_mels)
+            patches = torch.empty(patch_rows, vision.patch_dim, device=device)
+            positions = torch.empty(patch_rows, 2, dtype=torch.long, device=device)
+            mels = torch.empty(frame_rows, audio.n_mels, device=device)
             if patch_rows:
                 dist.recv(patches, src=leader, group=self.group, tag=_tag(m, _PATCHES))
                 dist.recv(positions, src=leader, group=self.group, tag=_tag(m, _POSITIONS))
@@ -298,16 +301,16 @@ class EncoderPoolWorker:
         batch = {"vision_grids": torch.cat(parts["grids"]), "audio_lengths": torch.cat(parts["lengths"]),
                  "vision_patches": torch.cat(parts["patches"]), "vision_positions": torch.cat(parts["positions"]),
                  "audio_mels": torch.cat(parts["mels"])}
-        return {k: v.to(self.device) for k, v in batch.items()}, per_client_rows
+        return batch, per_client_rows
 
     def _backward(self, m: int, vision: torch.Tensor, audio: torch.Tensor, per_client_rows: list[list[int]]) -> None:
         grads = []
         for modality, (out, kind) in enumerate(((vision, _VISION_GRAD), (audio, _AUDIO_GRAD))):
             pieces = []
-            for client, rows in zip(self.clients, per_client_rows, strict=True):
+            for leader, rows in zip(self.leaders, per_client_rows, strict=True):
                 piece = torch.empty(rows[modality], out.shape[1], dtype=self.dtype, device=out.device)
                 if piece.shape[0]:
-                    dist.recv(piece, src=self.layout.consumers(client)[0], group=self.group, tag=_tag(m, kind))
+                    dist.recv(piece, src=leader, group=self.group, tag=_tag(m, kind))
                 pieces.append(piece)
             grads.append(torch.cat(pieces).to(out.dtype))
         # Outputs of no item still carry their dummy encoder pass: an empty gradient keeps the FSDP hooks in line.
