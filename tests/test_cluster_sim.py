@@ -85,6 +85,29 @@ def test_figures_move_with_the_planners(sim: Simulation, monkeypatch: pytest.Mon
     assert after.step_s > before.step_s
 
 
+def test_omni_plans_group_steps_at_a_time_as_the_loader_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    planned = []
+    real_plan = reorder.plan_balance_group
+
+    def spy(*args: object, **kwargs: object) -> reorder.GroupPlan:
+        planned.append(kwargs["config"].steps)
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(reorder, "plan_balance_group", spy)
+    sim = Simulation(replace(_scenario(group_steps=2), steps=3))
+    result = sim.omni()
+    assert planned == [2, 1]  # steps 0-1 together, then step 2
+    assert len(result.per_step_s) == 3 and not result.oom
+    # Every read of steps 0-1 (the pools repeat samples: reads, not samples) trains once, in one of the two steps.
+    pieces_trained = []
+    for step in range(2):
+        micro, pieces, ids = sim._omni_micro_batches(OmniOptions(), step, 0)
+        pieces_trained += [p for rank in micro for batch in rank for p in batch]
+    assert len(pieces_trained) == len(set(pieces_trained)) == len(pieces)
+    assert {pieces[p][0] for p in pieces_trained} == set(range(ids.size))
+    assert ids.size == sum(d.samples[r].size for d in sim.draws[:2] for r in range(sim.group))
+
+
 def test_joint_pipeline_without_encoders_is_1f1b() -> None:
     stages, micro = 4, 8
     forward = [[1.0] * micro for _ in range(stages)]

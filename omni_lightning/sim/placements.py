@@ -14,8 +14,9 @@ there moves the figures here:
   items go whole to the least-loaded encoder rank (:func:`~omni_lightning.balance.reshard.plan_encoder_work` without
   SP); the pools stream micro-batches to each other, so the step is the slower pool plus one micro-batch of encoder
   latency.
-* **omni** (OmniStrategy): grouped reordering in balance groups of data-parallel ranks (``plan_balance_group`` on the
-  LLM cost: the encoder work is placed by the encoder plan, not by the loader), long sequences split by context
+* **omni** (OmniStrategy): grouped reordering in balance groups of data-parallel ranks, ``group_steps`` steps planned
+  together as the loader does (``plan_balance_group`` on the LLM cost: the encoder work is placed by the encoder
+  plan, not by the loader; the steps' mean is what compares), long sequences split by context
   parallelism where one would exceed a micro-batch's fair share, encoder items (images, frames, clips) planned over
   *every* GPU of the balance group with long-short SP (``plan_encoder_work``) and run in the joint pipeline's
   insertions.
@@ -61,6 +62,9 @@ from omni_lightning.sim.schedules import joint_pipeline, one_f_one_b
 __all__ = ["OmniOptions", "PlacementResult", "Scenario", "Simulation"]
 
 _SELECTIVE_BYTES = 34  # bytes per token, layer and hidden unit of a layer's full activations
+# One step of a balance group's loader plan: each rank's micro-batches of pieces, the pieces (read, LLM share), and
+# the reads (pool indices).
+_LoaderPlan = tuple[list[list[list[int]]], list[tuple[int, float]], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,7 @@ class Simulation:
         self.encoder_params = encoder_params(config, "vision") + encoder_params(config, "audio")
         self.llm_params = llm_params(config)
         # The loader plan of a (step, balance group) is the same for omni and the ablations that keep balancing.
-        self._loader_plans: dict[tuple[int, int], tuple[list[list[list[int]]], list[tuple[int, float]]]] = {}
+        self._loader_plans: dict[tuple[int, int], _LoaderPlan] = {}
 
     # ------------------------------------------------------------------------------------------------ helpers
     @property
@@ -167,8 +171,9 @@ class Simulation:
     def sampling_note(self) -> str:
         """How much of the job the figures come from."""
         return (f"simulated {self.ranks} of {self.dp} data-parallel ranks ({self.ranks // self.group} balance "
-                f"group(s) of {self.group}) x {len(self.draws)} steps; step time = slowest simulated rank, mean over "
-                f"the steps")
+                f"group(s) of {self.group}) x {len(self.draws)} steps, omni's loader planning "
+                f"{self.scenario.layout.group_steps} at a time; step time = slowest simulated rank, mean over the "
+                "steps")
 
     def _llm_durations(self, cost: float, tokens: float, layout: Layout, fraction: float) -> tuple[float, float]:
         """Forward and backward seconds of one micro-batch on a pipeline stage holding ``fraction`` of the LLM's
@@ -313,25 +318,26 @@ class Simulation:
         fractions = self.stage_fractions(layout, encoders_on_first=not options.multiplex)
         llm_memory = self._llm_memory(layout, self.dp, fractions)
         window = min(2 * layout.pp if options.multiplex else layout.pp, micro) / micro  # share of a step in flight
-        steps, imbalance, memory = [], [], 0.0
+        makespans_of_steps, syncs, imbalance, memory, placed, drawn = [], [], [], 0.0, 0.0, 0.0
         for step, draw in enumerate(self.draws):
-            makespans, gpu_busy, placed, drawn = [], [], 0.0, 0.0
+            makespans, gpu_busy = [], []
             for g in range(self.ranks // self.group):
-                ranks = range(g * self.group, (g + 1) * self.group)
-                ids = np.concatenate([draw.samples[r] for r in ranks])
-                owners = np.concatenate([np.full(draw.samples[r].size, i) for i, r in enumerate(ranks)])
-                drawn += float(pool.llm[ids].sum() + pool.encoder[ids].sum())
-                micro_batches, pieces = self._omni_micro_batches(draw, ranks, ids, owners, options, step, g)
+                read = np.concatenate([draw.samples[r] for r in range(g * self.group, (g + 1) * self.group)])
+                drawn += float(pool.llm[read].sum() + pool.encoder[read].sum())
+                micro_batches, pieces, ids = self._omni_micro_batches(options, step, g)
                 llm_cost, llm_tokens = np.zeros((self.group, micro)), np.zeros((self.group, micro))
-                home: dict[int, int] = {}  # a sample's encoder outputs go to the rank of its first piece
+                # Each read of a sample (the pools repeat samples) sends its encoder outputs to the rank of its first
+                # piece.
+                home: dict[int, int] = {}
                 for i in range(self.group):
                     for m, batch in enumerate(micro_batches[i]):
                         for piece in batch:
-                            sample, share = pieces[piece]
+                            occurrence, share = pieces[piece]
+                            sample = ids[occurrence]
                             llm_cost[i, m] += pool.llm[sample] * share
                             llm_tokens[i, m] += pool.tokens[sample] * share
-                            home.setdefault(sample, i)
-                samples = np.array(list(home), dtype=np.int64)
+                            home.setdefault(occurrence, i)
+                samples = ids[np.array(list(home), dtype=np.int64)]
                 items, position = pool.items_of(samples)
                 owner_rank = np.array(list(home.values()), dtype=np.int64)[position]
                 plan = reshard.plan_encoder_work(pool.item_cost[items], owner_rank * enc_gpus,
@@ -360,52 +366,61 @@ class Simulation:
                     in_flight = enc_tokens[i * enc_gpus : (i + 1) * enc_gpus].max() * window
                     memory = max(memory, llm_memory.max() + self._encoder_state_bytes(1, self.dp * enc_gpus)
                                  + self._encoder_activations(in_flight, largest, layout, 1))
-            sync = self._sync(self.llm_params / (layout.tp * layout.pp), self.dp * layout.cp, layout.tp) + self._sync(
-                self.encoder_params, self.dp * enc_gpus, 1)
-            steps.append(max(makespans) * drawn / placed + sync)
+            makespans_of_steps.append(max(makespans))
+            syncs.append(self._sync(self.llm_params / (layout.tp * layout.pp), self.dp * layout.cp, layout.tp)
+                         + self._sync(self.encoder_params, self.dp * enc_gpus, 1))
             imbalance.append(max(gpu_busy) / float(np.mean(gpu_busy)))
+        # A plan moves samples between the steps it plans together, so leftovers are scaled out over all steps.
+        steps = [m * drawn / placed + sync for m, sync in zip(makespans_of_steps, syncs, strict=True)]
         off = [label for label, on in (("multiplexing", options.multiplex), ("balancing", options.balance),
                                        ("LSSP", options.lssp)) if not on]
         name = "omni" + "".join(f", no {label}" for label in off)
         return self._result(name, steps, memory, imbalance,
                             f"{self.group * enc_gpus} encoder ranks per balance group, enc_sp {enc_sp}")
 
-    def _omni_micro_batches(self, draw: StepDraw, ranks: range, ids: np.ndarray, owners: np.ndarray,
-                            options: OmniOptions, step: int, group: int
-                            ) -> tuple[list[list[list[int]]], list[tuple[int, float]]]:
-        """Micro-batches of every rank of a balance group as lists of *pieces* ``(sample, share of its LLM work)``.
+    def _omni_micro_batches(self, options: OmniOptions, step: int, group: int) -> _LoaderPlan:
+        """Micro-batches of every rank of a balance group in one step, as lists of *pieces* ``(read, share of its
+        LLM work)``, where a read is a position in the returned array of pool indices.
 
-        Balanced: ``plan_balance_group`` over the group on the LLM cost, after splitting any sequence whose LLM cost
-        exceeds a micro-batch's fair share into context-parallel pieces (at most the balance group's size).
-        Unbalanced: what each rank read, in arrival order, whole.
+        Balanced: as the runtime's loader, each balance group plans ``layout.group_steps`` steps together (every
+        rank buffers that many steps of reads; ``OmniDataModule(group_steps=8)``), so a sample may train in another
+        step of its group than the one it was read in. ``plan_balance_group`` runs over the group on the LLM cost,
+        after splitting any sequence whose LLM cost exceeds a micro-batch's fair share into context-parallel pieces
+        (at most the balance group's size). Unbalanced: what each rank read in this step, in arrival order, whole.
         """
         layout, pool = self.scenario.layout, self.pool
+        ranks = range(group * self.group, (group + 1) * self.group)
         if not options.balance:
-            pieces = [(int(s), 1.0) for s in ids]
+            draw = self.draws[step]
+            ids = np.concatenate([draw.samples[r] for r in ranks])
             micro, offset = [], 0
             for r in ranks:
                 micro.append([[offset + j for j in batch] for batch in draw.micro_batches[r]])
                 offset += draw.samples[r].size
-            return micro, pieces
+            return micro, [(j, 1.0) for j in range(ids.size)], ids
         if (step, group) in self._loader_plans:
             return self._loader_plans[step, group]
+        first = step - step % layout.group_steps
+        planned = range(first, min(first + layout.group_steps, len(self.draws)))
+        ids = np.concatenate([self.draws[k].samples[r] for k in planned for r in ranks])
+        owners = np.concatenate([np.full(self.draws[k].samples[r].size, i) for k in planned
+                                 for i, r in enumerate(ranks)])
         cost, tokens = pool.llm[ids], pool.tokens[ids]
-        share = float(cost.sum()) / (self.group * layout.micro_batches)
+        share = float(cost.sum()) / (self.group * layout.micro_batches * len(planned))
         degree = _split(cost, tokens, share, self.group)
-        piece_sample = np.repeat(ids, degree)
+        piece_read = np.repeat(np.arange(ids.size), degree)
         piece_share = np.repeat(1.0 / degree, degree)
-        piece_owner = np.repeat(owners, degree)
         piece_tokens = np.ceil(np.repeat(tokens / degree, degree)).astype(np.int64)
         plan = reorder.plan_balance_group(
-            pool.llm[piece_sample] * piece_share, piece_tokens, piece_owner, np.zeros(piece_sample.size),
-            n_ranks=self.group,
-            config=reorder.ReorderConfig(steps=1, micro_batches=layout.micro_batches, token_budget=layout.seq_len,
-                                         pp=layout.pp),
-            seed=self.scenario.seed, epoch=step, group_index=group)
-        micro = [plan.micro_batches[i][0] for i in range(self.group)]
-        pieces = list(zip(piece_sample.tolist(), piece_share.tolist(), strict=True))
-        self._loader_plans[step, group] = micro, pieces
-        return micro, pieces
+            pool.llm[ids[piece_read]] * piece_share, piece_tokens, np.repeat(owners, degree),
+            np.zeros(piece_read.size), n_ranks=self.group,
+            config=reorder.ReorderConfig(steps=len(planned), micro_batches=layout.micro_batches,
+                                         token_budget=layout.seq_len, pp=layout.pp),
+            seed=self.scenario.seed, epoch=first // layout.group_steps, group_index=group)
+        pieces = list(zip(piece_read.tolist(), piece_share.tolist(), strict=True))
+        for k in planned:
+            self._loader_plans[k, group] = [plan.micro_batches[i][k - first] for i in range(self.group)], pieces, ids
+        return self._loader_plans[step, group]
 
     def _encoder_traffic(self, plan: reshard.EncoderPlan, items: np.ndarray, owner_rank: np.ndarray,
                          enc_gpus: int) -> tuple[np.ndarray, np.ndarray, float]:

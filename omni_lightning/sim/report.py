@@ -23,7 +23,8 @@ from omni_lightning.sim.presets import PRESETS, preset_for
 __all__ = ["format_speedups", "image_text_mix", "simulate_main"]
 
 SWEEP = ((1, 9), (3, 7), (5, 5), (7, 3), (9, 1))
-_LAYOUT_FLAGS = ("tp", "pp", "cp", "micro_batches", "seq_len", "enc_sp", "recompute", "balance_group")
+_LAYOUT_FLAGS = ("tp", "pp", "cp", "micro_batches", "seq_len", "enc_sp", "recompute", "balance_group",
+                 "group_steps")
 
 
 def image_text_mix(spec: WorkloadSpec, media: float, text: float) -> WorkloadSpec:
