@@ -11,8 +11,9 @@ fork-started CPU processes, under
   the pool solver (:func:`~omni_lightning.strategies.omni.size_encoder_pool`) for this workload, with costs fitted
   to what (a)-(c) measured in this invocation (DistTrain sizes from profiled costs too; the FLOP model misjudges
   CPU cost, e.g. 3 encoder ranks + 1 LLM rank on vlm_dynres where the measured costs give fewer), whose
-  outputs stream micro-batch by micro-batch (2 a step) to the LLM pool, with grouped reordering in the LLM pool's
-  loader and whole items balanced over the encoder pool (DistTrain's reordering; no LSSP). The same global batch:
+  outputs stream micro-batch by micro-batch (4 a step: a stream's fill and drain shrink with more) to the LLM pool,
+  with grouped reordering in the LLM pool's loader and whole items balanced over the encoder pool (DistTrain's
+  reordering; no LSSP). The same global batch:
   the LLM pool's data-parallel ranks read ``samples_per_step * ranks`` samples a step between them.
 
 This machine has 2 cores and runs more ranks than that, so wall time is not what dedicated devices would see.
@@ -79,7 +80,7 @@ CONFIGURATIONS = {
     "d": "OmniStrategy, grouped reordering + encoder resharding/LSSP",
     "e": "disaggregated pools (DistTrain), solver-sized",
 }
-STREAMED = 2  # micro-batches a step of (e) streams from the encoder pool to the LLM pool
+STREAMED = 4  # micro-batches a step of (e) streams from the encoder pool to the LLM pool
 
 
 class _ForkedModelParallel(ModelParallelStrategy):
