@@ -15,7 +15,6 @@ which keeps the exchange small.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -359,25 +358,12 @@ def _split_bin(
         loads[target] += costs[sample]
         used[target] += int(tokens[sample])
     if config.pp > 1 and config.pipeline_search:
-        batches = _search_micro_batches(batches, np.array(loads), costs, tokens, config)
+        batches = [batches[i] for i in search_1f1b_order(loads, config.pp, forward_share=config.forward_share)]
+        batches = refine_for_1f1b(batches, costs, tokens, pp=config.pp, forward_share=config.forward_share,
+                                  token_budget=config.token_budget)
     elif config.pp > 1:
         batches = [batches[i] for i in order_for_1f1b(loads, config.pp)]
     return batches, spilled
-
-
-def _search_micro_batches(batches: list[list[int]], loads: np.ndarray, costs: np.ndarray, tokens: np.ndarray,
-                          config: ReorderConfig) -> list[list[int]]:
-    """The shortest 1F1B step found by :func:`refine_for_1f1b` from each start of the order search (local searches
-    end in different optima; which is best depends on the costs)."""
-    found = []
-    for start in _order_starts(loads, config.pp) if len(batches) > 2 else [list(range(len(batches)))]:
-        _, order = _descend_order(loads, start, config.pp, config.forward_share, 64)
-        refined = refine_for_1f1b([batches[i] for i in order], costs, tokens, pp=config.pp,
-                                  forward_share=config.forward_share, token_budget=config.token_budget)
-        span = one_f_one_b_makespans(np.array([costs[b].sum() for b in refined]), config.pp,
-                                     forward_share=config.forward_share)[0]
-        found.append((float(span), refined))
-    return min(found, key=lambda f: f[0])[1]  # the first start wins ties
 
 
 def order_for_1f1b(micro_batch_costs: list[float], pp: int) -> list[int]:
@@ -440,47 +426,35 @@ def _one_f_one_b_actions(pp: int, m: int) -> list[tuple[int, int, int, int]]:
 
 
 def search_1f1b_order(micro_batch_costs: list[float], pp: int, *, forward_share: float = 1 / 3,
-                      max_rounds: int = 64, starts: Sequence[Sequence[int]] = ()) -> list[int]:
+                      max_rounds: int = 64) -> list[int]:
     """The order of a step's micro-batches whose 1F1B step (:func:`one_f_one_b_makespans`) is the shortest found.
 
     Indivisible samples leave micro-batches of unequal cost however they are grouped, and 1F1B then stalls in its
     steady state wherever a heavy micro-batch follows light ones (a stage waits for the heavy forward or backward
     further down the pipeline). Which order hides that best depends on the costs, so the order is searched:
     steepest descent over all swaps and moves of one micro-batch, from DistTrain's order, ascending and
-    descending order, the lightest first with the rest descending, and any further ``starts``, keeping the best.
-    Deterministic; returns indices into ``micro_batch_costs``.
+    descending order, keeping the best. Deterministic; returns indices into ``micro_batch_costs``.
     """
     costs = np.asarray(micro_batch_costs, dtype=np.float64)
-    if pp <= 1 or costs.size <= 2:
-        return order_for_1f1b(list(costs), pp)
-    found = [_descend_order(costs, start, pp, forward_share, max_rounds)
-             for start in (*_order_starts(costs, pp), *starts)]
-    return min(found, key=lambda f: f[0])[1]  # the first start wins ties
-
-
-def _order_starts(costs: np.ndarray, pp: int) -> list[list[int]]:
-    """Where the order searches start: DistTrain's order, ascending, descending, and the lightest first with the
-    rest descending (the heavy micro-batches early, while the pipeline fills)."""
-    ascending = sorted(range(costs.size), key=lambda i: (costs[i], i))
-    return [order_for_1f1b(list(costs), pp), ascending, ascending[::-1], [ascending[0], *ascending[:0:-1]]]
-
-
-def _descend_order(costs: np.ndarray, start: Sequence[int], pp: int, forward_share: float,
-                   max_rounds: int) -> tuple[float, list[int]]:
-    """Steepest descent on the 1F1B step time from the order ``start``: its step time and order at the end."""
     m = costs.size
+    if pp <= 1 or m <= 2:
+        return order_for_1f1b(list(costs), pp)
+    ascending = sorted(range(m), key=lambda i: (costs[i], i))
     moves = [(i, j, True) for i in range(m) for j in range(i + 1, m)]
     moves += [(i, j, False) for i in range(m) for j in range(m) if abs(i - j) > 1]
-    order = list(start)
-    now = float(one_f_one_b_makespans(costs[order], pp, forward_share=forward_share)[0])
-    for _ in range(max_rounds if moves else 0):
-        candidates = np.array([_moved(order, i, j, swap) for i, j, swap in moves])
-        spans = one_f_one_b_makespans(costs[candidates], pp, forward_share=forward_share)
-        k = int(np.argmin(spans))
-        if not spans[k] < now * (1 - 1e-9):  # no move shortens the step: a local optimum
-            break
-        now, order = float(spans[k]), candidates[k].tolist()
-    return now, order
+    found = []
+    for start in (order_for_1f1b(list(costs), pp), ascending, ascending[::-1]):
+        order = list(start)
+        now = float(one_f_one_b_makespans(costs[order], pp, forward_share=forward_share)[0])
+        for _ in range(max_rounds):
+            candidates = np.array([_moved(order, i, j, swap) for i, j, swap in moves])
+            spans = one_f_one_b_makespans(costs[candidates], pp, forward_share=forward_share)
+            k = int(np.argmin(spans))
+            if not spans[k] < now * (1 - 1e-9):  # no move shortens the step: a local optimum
+                break
+            now, order = float(spans[k]), candidates[k].tolist()
+        found.append((now, order))
+    return min(found, key=lambda f: f[0])[1]  # the first start wins ties
 
 
 def refine_for_1f1b(batches: list[list[int]], costs: np.ndarray, tokens: np.ndarray, *, pp: int,
@@ -539,7 +513,7 @@ def refine_for_1f1b(batches: list[list[int]], costs: np.ndarray, tokens: np.ndar
                     where[returning[k]] = src[k]
                 where[leaving[k]] = dst[k]
                 continue
-        order = search_1f1b_order(list(load), pp, forward_share=forward_share, starts=[list(range(m))])
+        order = search_1f1b_order(list(load), pp, forward_share=forward_share)
         span = float(one_f_one_b_makespans(load[order], pp, forward_share=forward_share)[0])
         if not span < now * (1 - 1e-9):  # neither a sample nor the order can move for the better
             break
