@@ -51,6 +51,10 @@ class BalanceSettings:
         balance: ``False`` keeps every sample on the rank that read it, in arrival order (the naive split).
         pp: pipeline stages; with ``pp > 1`` micro-batches are ordered for 1F1B and a step's micro-batches are
             yielded together, as one batch holding the list ``micro_batches``.
+        pipeline_search: with ``pp > 1``, form and order a step's micro-batches by a search on the 1F1B step time of
+            their predicted costs (``ReorderConfig.pipeline_search``), not just LPT and DistTrain's order.
+        llm_micro_batches: balance a step's micro-batches on their LLM cost alone: under the joint pipeline the
+            encoder work of a micro-batch is spread over every stage and does not shape the pipeline.
     """
 
     samples_per_step: int
@@ -61,6 +65,8 @@ class BalanceSettings:
     length_policy: LengthPolicy = "truncate"
     balance: bool = True
     pp: int = 1
+    pipeline_search: bool = False
+    llm_micro_batches: bool = False
 
     def __post_init__(self) -> None:
         if self.samples_per_step < 1 or self.group_steps < 1 or self.micro_batches < 1:
@@ -347,12 +353,16 @@ class BalancedStream:
             micro_batches=self.settings.micro_batches,
             token_budget=self.settings.token_budget,
             pp=self.settings.pp,
+            pipeline_search=self.settings.pipeline_search,
         )
         if self.settings.balance:
-            costs = gathered[valid, 1:7].astype(np.float64) @ self.cost_model.coefficients
+            features = gathered[valid, 1:7].astype(np.float64)
+            costs = features @ self.cost_model.coefficients
+            # The LLM's (tokens, pairs) are the last two features (MODULES order: vision, audio, llm).
+            llm_costs = features[:, 4:] @ self.cost_model.coefficients[4:] if self.settings.llm_micro_batches else None
             plan = plan_balance_group(
                 costs, gathered[valid, 7], gathered[valid, 8], gathered[valid, 9], n_ranks=n_ranks, config=config,
-                seed=self.seed, epoch=group_number, group_index=self.group_index,
+                seed=self.seed, epoch=group_number, group_index=self.group_index, micro_batch_costs=llm_costs,
             )
         else:
             plan = _keep_in_place(gathered[valid], n_ranks, config, self.cost_model)

@@ -143,6 +143,9 @@ class OmniDataModule(WebDataModule):
             # pipeline, planned as one.
             pipeline = self.trainer.strategy.pipeline_settings
             self._plan_for_pipeline(max(dims.pp, 2), pipeline)
+            if dims.pp > 1:  # what benchmarks/pipeline.py measures: searched 1F1B micro-batches
+                self.settings = replace(self.settings, pipeline_search=True,
+                                        llm_micro_batches=pipeline.encoders == "joint")
             if stage == "fit" and pipeline.encoders == "first_stage":
                 # Group creation is collective: every rank creates every pipeline group, in the same order.
                 self.relay_group, _ = dist.new_subgroups_by_enumeration(dims.groups("pp"), backend="gloo")
