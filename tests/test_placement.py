@@ -126,3 +126,20 @@ def test_encoder_pool_size_refuses_what_cannot_split() -> None:
         encoder_pool_size(_problem("omni_mix", 2), llm_unit=2)
     with pytest.raises(ValueError, match="multiple of tp\\*pp"):
         encoder_pool_size(_problem("omni_mix", 8), llm_unit=3, tp=2)
+
+
+def test_strategy_sizes_the_encoder_pool_with_the_solver() -> None:
+    """OmniStrategy(encoder_world_size=None) takes the solver's size for the model and workload, once it knows the
+    model; the LLM pool's degrees then cover the rest of the world."""
+    import lightning.pytorch as pl
+
+    from omni_lightning import OmniModule, OmniStrategy
+
+    trainer = pl.Trainer(accelerator="cpu", devices=8, logger=False, enable_checkpointing=False,
+                         strategy=OmniStrategy(launcher="fork", placement="disaggregated", pool_workload="vlm_dynres"))
+    config = ReferenceMLLMConfig.tiny()
+    trainer.strategy._lightning_module = OmniModule(config)
+    layout = trainer.strategy.pool_layout
+    expected = size_encoder_pool(config, "vlm_dynres", world_size=8, llm_unit=1, tp=1)
+    assert layout is not None and layout.encoder_world_size == expected
+    assert trainer.strategy.parallel_dims.world_size == 8 - expected
