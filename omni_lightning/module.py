@@ -287,18 +287,7 @@ class OmniModule(LightningModule):
         """
         runner = self._pipeline
         assert runner is not None and self.omni_meshes is not None
-        merge, downsample = self.config.vision.merge, self.config.audio.downsample
-        micro = batch.get("micro_batches") or split_micro_batches(batch, runner.n_microbatches, vision_merge=merge,
-                                                                   audio_downsample=downsample)
-        device = micro[0]["input_ids"].device
-        cp = self.omni_meshes.size("cp")  # CP peers hold the same micro-batches: each counts 1 / cp of them
-        counts = torch.tensor([float(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)),
-                               float(sum(mb["input_ids"].numel() for mb in micro)),
-                               float(sum(mb["num_samples"] for mb in micro))], dtype=torch.float64, device=device) / cp
-        loss_mesh = self.omni_meshes.get("dp_cp")
-        data_parallel = loss_mesh.size() if loss_mesh is not None else 1
-        if loss_mesh is not None:
-            dist.all_reduce(counts, group=loss_mesh.get_group())
+        micro, counts, data_parallel = self._micro_batches_and_counts(batch, runner.n_microbatches)
         tokens = float(counts[0].clamp(min=1.0))
         accumulate = self.trainer.accumulate_grad_batches if self.training else 1
         tp = self.omni_meshes.get("tp") is not None
@@ -319,6 +308,24 @@ class OmniModule(LightningModule):
         stats = {"loss": global_loss, "tokens": counts[1], "samples": counts[2],
                  "moe_aux_loss": torch.zeros(())}
         return global_loss.detach().requires_grad_(), stats
+
+    def _micro_batches_and_counts(self, batch: dict[str, Any], n: int
+                                  ) -> tuple[list[dict[str, Any]], torch.Tensor, int]:
+        """A step's micro-batches (the batch's own list, or the batch cut into ``n``), its global ``[loss tokens,
+        tokens, samples]`` and the data-parallel size the loss is scaled by (what FSDP averages over)."""
+        assert self.omni_meshes is not None
+        merge, downsample = self.config.vision.merge, self.config.audio.downsample
+        micro = batch.get("micro_batches") or split_micro_batches(batch, n, vision_merge=merge,
+                                                                   audio_downsample=downsample)
+        device = micro[0]["input_ids"].device
+        cp = self.omni_meshes.size("cp")  # CP peers hold the same micro-batches: each counts 1 / cp of them
+        counts = torch.tensor([float(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)),
+                               float(sum(mb["input_ids"].numel() for mb in micro)),
+                               float(sum(mb["num_samples"] for mb in micro))], dtype=torch.float64, device=device) / cp
+        loss_mesh = self.omni_meshes.get("dp_cp")
+        if loss_mesh is not None:
+            dist.all_reduce(counts, group=loss_mesh.get_group())
+        return micro, counts, loss_mesh.size() if loss_mesh is not None else 1
 
     def _pool_loss_and_stats(self, batch: dict[str, Any], *,
                              reduce_gradients: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -352,21 +359,12 @@ class OmniModule(LightningModule):
         """An LLM-pool rank's part of :meth:`_pool_loss_and_stats`: ``[global loss, tokens, samples, aux]``."""
         link, model, meshes = self._pool_link, self.model, self.omni_meshes
         assert link is not None and model is not None and meshes is not None
-        merge, downsample = self.config.vision.merge, self.config.audio.downsample
-        micro = batch.get("micro_batches") or split_micro_batches(batch, n, vision_merge=merge,
-                                                                   audio_downsample=downsample)
+        micro, counts, data_parallel = self._micro_batches_and_counts(batch, n)
         if len(micro) != n:
             raise ValueError(f"the batch holds {len(micro)} micro-batches but the encoder pool streams {n} a step "
                              f"(OmniStrategy(pp_microbatches={n})): plan {n} per step")
         device = micro[0]["input_ids"].device
-        cp = meshes.size("cp")  # CP peers hold the same micro-batches: each counts 1 / cp of them
-        counts = torch.tensor([float(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)),
-                               float(sum(mb["input_ids"].numel() for mb in micro)),
-                               float(sum(mb["num_samples"] for mb in micro))], dtype=torch.float64, device=device) / cp
         loss_mesh = meshes.get("dp_cp")
-        data_parallel = loss_mesh.size() if loss_mesh is not None else 1
-        if loss_mesh is not None:
-            dist.all_reduce(counts, group=loss_mesh.get_group())
         tokens = float(counts[0].clamp(min=1.0))
         accumulate = self.trainer.accumulate_grad_batches if self.training else 1
         loss_scale = data_parallel / tokens / accumulate
