@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
+
+from omni_lightning.sim.pipeline_replay import waits_for
 
 __all__ = [
     "ReorderConfig",
@@ -29,6 +32,10 @@ __all__ = [
     "search_1f1b_order",
     "refine_for_1f1b",
     "one_f_one_b_makespans",
+    "joint_1f1b_makespans",
+    "joint_1f1b_orders",
+    "assign_encoder_items",
+    "lpt_ranks",
     "lower_bound",
 ]
 
@@ -390,39 +397,238 @@ def one_f_one_b_makespans(costs: np.ndarray, pp: int, *, forward_share: float = 
     the stage after), as :func:`omni_lightning.sim.replay_pipeline` replays a step.
     """
     costs = np.atleast_2d(np.asarray(costs, dtype=np.float64)) / pp
-    durations = (costs * forward_share, costs * (1.0 - forward_share))
-    end = np.zeros((2 * pp * costs.shape[1] + 1, costs.shape[0]))  # row -1 (the last) stays 0: "no action"
-    for i, (backward, micro_batch, before, needs) in enumerate(_one_f_one_b_actions(pp, costs.shape[1])):
-        end[i] = np.maximum(end[before], end[needs]) + durations[backward][:, micro_batch]
-    return end.max(axis=0)
+    program = _program(_one_f_one_b_orders(pp, costs.shape[1]))
+    _, micro_batch, share, _ = _program_columns(program, forward_share, 0.0)
+    # Rows of a contiguous transpose: the replay reads one action's durations for every order at once.
+    return _replay(program, np.ascontiguousarray(costs.T)[micro_batch] * share[:, None]).max(axis=0)
 
 
-def _one_f_one_b_actions(pp: int, m: int) -> list[tuple[int, int, int, int]]:
-    """1F1B's actions in an order that respects their dependencies: (is backward, micro-batch, index of the action
-    before it on its stage, index of the action it waits for on another stage), -1 for none."""
+def joint_1f1b_makespans(llm_costs: np.ndarray, encoder_costs: np.ndarray, *, forward_share: float = 1 / 3,
+                         encoder_forward_share: float = 1 / 3) -> np.ndarray:
+    """Step times of the joint encoder-LLM pipeline's 1F1B for many encoder assignments at once (pure, vectorised).
+
+    ``llm_costs[k, j]`` is the LLM cost of the ``j``-th micro-batch, split evenly over the stages and into forward
+    (``forward_share``) and backward as in :func:`one_f_one_b_makespans`; ``encoder_costs[k, s, j]`` the encoder
+    work of that micro-batch that pipeline rank ``s`` does (forward ``encoder_forward_share`` of it), at the
+    insertions :class:`omni_lightning.parallel.joint_pipeline.JointEncoders` runs it at (:func:`joint_1f1b_orders`),
+    with the dependencies of :func:`omni_lightning.sim.replay_pipeline`.
+    """
+    encoder = np.asarray(encoder_costs, dtype=np.float64)
+    encoder = encoder[None] if encoder.ndim == 2 else encoder
+    llm = np.broadcast_to(np.atleast_2d(np.asarray(llm_costs, dtype=np.float64)), (encoder.shape[0], encoder.shape[2]))
+    program = _program(joint_1f1b_orders(encoder.shape[1], encoder.shape[2]))
+    return _replay(program, _joint_durations(program, llm, encoder, forward_share, encoder_forward_share)).max(axis=0)
+
+
+def joint_1f1b_orders(pp: int, m: int) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """Each rank's actions (kinds as in :class:`omni_lightning.sim.Action`) under the joint pipeline's 1F1B, in the
+    order :class:`~omni_lightning.parallel.joint_pipeline.JointEncoders` runs them: stage ``s > 0`` encodes its
+    share of the first ``s + 1`` micro-batches before the step, and before its forward of ``j`` encodes its share of
+    ``j + s + 1`` and backpropagates its share of ``j - pp``; stage 0 backpropagates its share of ``j - pp`` and
+    encodes its share of ``j`` before its forward of ``j``, and sends the gradients of ``j`` (``G``) after its
+    backward of ``j``; every rank backpropagates the shares left after the schedule."""
     orders = []
-    for stage in range(pp):  # as torch's Schedule1F1B: pp - 1 - stage warm-up forwards, alternate, drain
+    for stage, llm in enumerate(_one_f_one_b_orders(pp, m)):
+        ahead = stage + 1 if stage > 0 else 0
+        order = [("E", j) for j in range(min(ahead, m))]
+        for kind, j in llm:
+            if kind == "B":
+                order += [("B", j), ("G", j)] if stage == 0 else [("B", j)]
+                continue
+            if stage == 0:
+                order += [("EB", j - pp)] if j >= pp else []
+                order.append(("E", j))
+            else:
+                order += [("E", j + ahead)] if j + ahead < m else []
+                order += [("EB", j - pp)] if j >= pp else []
+            order.append(("F", j))
+        orders.append(tuple(order + [("EB", j) for j in range(max(m - pp, 0), m)]))
+    return tuple(orders)
+
+
+def assign_encoder_items(llm_costs: np.ndarray, micro_batch: np.ndarray, item_costs: np.ndarray, pp: int, *,
+                         forward_share: float = 1 / 3, encoder_forward_share: float = 1 / 3,
+                         small: float = 1 / 16) -> np.ndarray:
+    """The pipeline rank that encodes each item of a joint-pipeline 1F1B step, chosen on the step's time (pure).
+
+    Args:
+        llm_costs: predicted LLM cost of each micro-batch, in run order (all stages together).
+        micro_batch: the micro-batch of each item.
+        item_costs: predicted encoder cost (forward and backward) of each item.
+        pp: pipeline ranks.
+        forward_share, encoder_forward_share: the forward's share of an LLM micro-batch's and of an item's cost.
+        small: items cheaper than this share of a micro-batch's mean LLM cost on one stage cannot stall the
+            pipeline by themselves: a micro-batch's small items are first split into ``pp`` even bundles (LPT),
+            which are then placed like single items. That keeps planning fast when a step holds a thousand video
+            frames, and lets the even split of a micro-batch's many small items be chosen.
+
+    Heaviest unit first (an item, or a bundle of small ones), each goes to the rank whose insertion of it
+    (:func:`joint_1f1b_orders`) gives the shortest modelled step (:func:`joint_1f1b_makespans` with the units placed
+    so far); among equal steps, the least delay summed over all actions (while another unit sets the step, delays
+    elsewhere are hidden only for now), then the least encoder work so far this step, then the later stage. That
+    puts the encoder work into the objective: a large item goes where a stage has slack for it instead of stalling
+    1F1B, and the small ones keep off the ranks that the large ones made critical, neither of which balancing
+    encoder work alone (:func:`lpt_ranks`, what ``share_items`` does) sees. Greedy is no guarantee, so the plan is
+    compared with that LPT one in the model and the shorter kept: never worse than LPT in the model. Stage 0 gets
+    none of the last ``pp`` micro-batches' items: it would backpropagate them after its last LLM backward.
+    Deterministic, so every pipeline rank computes the same plan.
+    """
+    llm = np.asarray(llm_costs, dtype=np.float64)
+    micro_batch = np.asarray(micro_batch, dtype=np.int64)
+    costs = np.asarray(item_costs, dtype=np.float64)
+    m, loads = llm.size, np.zeros(pp)
+    if pp == 1 or costs.size == 0:
+        return np.zeros(costs.size, dtype=np.int64)
+    tail = m - pp if pp < m else m  # JointEncoders' rule: with no more micro-batches than stages, none is spared
+    program = _program(joint_1f1b_orders(pp, m))
+    index = {(stage, kind, j): i for i, (stage, kind, j, _, _) in enumerate(program)}
+    durations = _joint_durations(program, llm[None], np.zeros((1, pp, m)), forward_share, encoder_forward_share)
+    end = _replay(program, durations)
+    unit, unit_micro_batch = _bundle_small_items(micro_batch, costs, pp, small * float(llm.mean()) / pp)
+    unit_costs = np.bincount(unit, weights=costs, minlength=unit_micro_batch.size)
+    placed = np.zeros(unit_micro_batch.size, dtype=np.int64)
+    for u in np.lexsort((np.arange(unit_costs.size), unit_micro_batch, -unit_costs)).tolist():
+        j = int(unit_micro_batch[u])
+        ranks = np.arange(1 if j >= tail else 0, pp)
+        forward = [index[(int(r), "E", j)] for r in ranks]
+        backward = [index[(int(r), "EB", j)] for r in ranks]
+        trial = np.repeat(durations, ranks.size, axis=1)
+        columns = np.arange(ranks.size)
+        trial[forward, columns] += unit_costs[u] * encoder_forward_share
+        trial[backward, columns] += unit_costs[u] * (1.0 - encoder_forward_share)
+        # Actions before the unit's first possible insertion keep their times: replay from there on.
+        first = min(forward)
+        ends = _replay(program, trial, np.repeat(end, ranks.size, axis=1), first=first)
+        spans = ends.max(axis=0)
+        fastest = spans <= spans.min() * (1 + 1e-9)
+        # Among equal steps the least delay to all actions (the step is flat while another unit sets it, and
+        # the delays pile up into it later), then the least encoder work so far, as LPT.
+        delay = ends[first:].sum(axis=0)
+        pick = int(np.lexsort((-ranks, loads[ranks], delay, ~fastest))[0])
+        placed[u] = ranks[pick]
+        loads[ranks[pick]] += unit_costs[u]
+        durations, end = trial[:, pick : pick + 1].copy(), ends[:, pick : pick + 1].copy()
+    # Greedy is no guarantee: keep LPT's plan over the step where the model finds it no longer.
+    lpt = np.zeros(costs.size, dtype=np.int64)
+    step_loads = np.zeros(pp)
+    for j in range(m):
+        items = np.flatnonzero(micro_batch == j)
+        lpt[items] = lpt_ranks(costs[items], step_loads, np.arange(1 if j >= tail else 0, pp))
+    plans = np.stack([placed[unit], lpt])
+    work = np.zeros((2, pp, m))
+    np.add.at(work, (np.arange(2)[:, None], plans, micro_batch[None]), costs[None])
+    spans = joint_1f1b_makespans(llm, work, forward_share=forward_share, encoder_forward_share=encoder_forward_share)
+    return plans[0] if spans[0] <= spans[1] * (1 + 1e-9) else plans[1]
+
+
+def _bundle_small_items(micro_batch: np.ndarray, costs: np.ndarray, pp: int,
+                        threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    """The unit each item is placed with (:func:`assign_encoder_items`) and each unit's micro-batch: an item of its
+    own if it costs ``threshold`` or more, else one of ``pp`` LPT bundles of its micro-batch's small items."""
+    unit = np.full(costs.size, -1, dtype=np.int64)
+    large = np.flatnonzero(costs >= threshold)
+    unit[large] = np.arange(large.size)
+    unit_micro_batch = [micro_batch[large]]
+    for j in np.unique(micro_batch[costs < threshold]).tolist():
+        items = np.flatnonzero((micro_batch == j) & (costs < threshold))
+        bundle = lpt_ranks(costs[items], np.zeros(pp), np.arange(pp))
+        used = np.unique(bundle)  # fewer small items than ranks leave bundles empty
+        unit[items] = large.size + sum(map(len, unit_micro_batch[1:])) + np.searchsorted(used, bundle)
+        unit_micro_batch.append(np.full(used.size, j))
+    return unit, np.concatenate(unit_micro_batch).astype(np.int64)
+
+
+def lpt_ranks(costs: np.ndarray, loads: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """Longest item first onto the rank of ``ranks`` with the least work so far (``loads``, updated in place);
+    on ties the higher rank (pure). Returns each item's rank."""
+    owner = np.zeros(costs.size, dtype=np.int64)
+    for item in np.lexsort((np.arange(costs.size), -costs)).tolist():
+        rank = int(ranks[np.lexsort((-ranks, loads[ranks]))[0]])
+        owner[item] = rank
+        loads[rank] += costs[item]
+    return owner
+
+
+def _joint_durations(program: tuple[tuple[int, str, int, int, tuple[int, ...]], ...], llm: np.ndarray,
+                     encoder: np.ndarray, forward_share: float, encoder_forward_share: float) -> np.ndarray:
+    """Durations ``[action, k]`` of the joint pipeline's ``program`` for ``k`` assignments (see
+    :func:`joint_1f1b_makespans` for the arguments)."""
+    stage, micro_batch, share, is_encoder = _program_columns(program, forward_share, encoder_forward_share)
+    pp = encoder.shape[1]
+    durations = np.where(is_encoder[:, None], encoder[:, stage, micro_batch].T, llm.T[micro_batch] / pp)
+    return np.ascontiguousarray(durations * share[:, None])
+
+
+@lru_cache(maxsize=64)
+def _program_columns(program: tuple[tuple[int, str, int, int, tuple[int, ...]], ...], forward_share: float,
+                     encoder_forward_share: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Stage, micro-batch, share of the micro-batch's cost and whether it is encoder work, of each action."""
+    shares = {"F": forward_share, "B": 1.0 - forward_share, "E": encoder_forward_share,
+              "EB": 1.0 - encoder_forward_share, "G": 0.0}
+    stage = np.array([a[0] for a in program], dtype=np.int64)
+    micro_batch = np.array([a[2] for a in program], dtype=np.int64)
+    share = np.array([shares[a[1]] for a in program])
+    is_encoder = np.array([a[1] in ("E", "EB") for a in program])
+    return stage, micro_batch, share, is_encoder
+
+
+def _replay(program: tuple[tuple[int, str, int, int, tuple[int, ...]], ...], durations: np.ndarray,
+            end: np.ndarray | None = None, first: int = 0) -> np.ndarray:
+    """End times ``[action + 1, k]`` of ``program``'s actions with ``durations[action, k]``: each starts when its
+    rank is free and what it waits for has ended. With ``end`` (whose rows before ``first`` hold the end times of
+    actions no duration of which changed) only the actions from ``first`` on are replayed, in place. The last row
+    stays 0: it stands for "no action"."""
+    if end is None:
+        end = np.zeros((len(program) + 1, durations.shape[1]))
+    for i in range(first, len(program)):
+        _, _, _, before, needs = program[i]
+        start = end[before]
+        for need in needs:
+            start = np.maximum(start, end[need])
+        end[i] = start + durations[i]
+    return end
+
+
+@lru_cache(maxsize=64)
+def _one_f_one_b_orders(pp: int, m: int) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """Each stage's ``("F" | "B", micro-batch)`` under 1F1B, as torch's Schedule1F1B runs them: ``pp - 1 - stage``
+    warm-up forwards, then alternating, then the drain."""
+    orders = []
+    for stage in range(pp):
         warmup = min(pp - 1 - stage, m)
-        order = [(0, j) for j in range(warmup)]
+        order = [("F", j) for j in range(warmup)]
         for j in range(m - warmup):
-            order += [(0, warmup + j), (1, j)]
-        orders.append(order + [(1, j) for j in range(m - warmup, m)])
-    index: dict[tuple[int, int, int], int] = {}
-    actions: list[tuple[int, int, int, int]] = []
+            order += [("F", warmup + j), ("B", j)]
+        orders.append(tuple(order + [("B", j) for j in range(m - warmup, m)]))
+    return tuple(orders)
+
+
+@lru_cache(maxsize=64)
+def _program(orders: tuple[tuple[tuple[str, int], ...], ...]) -> tuple[tuple[int, str, int, int, tuple[int, ...]], ...]:
+    """Every rank's actions merged into one order that respects their dependencies
+    (:func:`omni_lightning.sim.pipeline_replay.waits_for`): ``(stage, kind, micro-batch, index of the action
+    before it on its rank, indices of the actions it waits for)``, -1 for none."""
+    pp = len(orders)
+    encoded = {(stage, j) for stage, order in enumerate(orders) for kind, j in order if kind == "E"}
+    index: dict[tuple[int, str, int], int] = {}
+    program: list[tuple[int, str, int, int, tuple[int, ...]]] = []
     position = [0] * pp
-    while len(actions) < 2 * pp * m:
+    while len(program) < sum(map(len, orders)):
+        progressed = False
         for stage in range(pp):
-            while position[stage] < 2 * m:
-                backward, j = orders[stage][position[stage]]
-                other = stage + 1 if backward else stage - 1
-                needs = (other, backward, j) if 0 <= other < pp else None
-                if needs is not None and needs not in index:
+            while position[stage] < len(orders[stage]):
+                kind, j = orders[stage][position[stage]]
+                needs = waits_for(stage, kind, j, pp, encoded)
+                if any(need not in index for need in needs):
                     break
                 before = index[(stage, *orders[stage][position[stage] - 1])] if position[stage] else -1
-                index[(stage, backward, j)] = len(actions)
-                actions.append((backward, j, before, -1 if needs is None else index[needs]))
+                index[(stage, kind, j)] = len(program)
+                program.append((stage, kind, j, before, tuple(index[need] for need in needs)))
                 position[stage] += 1
-    return actions
+                progressed = True
+        if not progressed:
+            raise ValueError("the action orders deadlock: some action waits on one that never runs")
+    return tuple(program)
 
 
 def search_1f1b_order(micro_batch_costs: list[float], pp: int, *, forward_share: float = 1 / 3,

@@ -3,8 +3,11 @@
 With encoders on the first stage only (torchtitan's way), stage 0 runs every micro-batch's encoders on top of its
 layers, so it is the slowest stage and every other stage waits on it; an encoder-heavy step stretches the whole
 pipeline. Here every pipeline rank keeps the encoders, holds the step's micro-batches (so inputs need not travel),
-and encodes a share of each micro-batch's items, planned identically everywhere (:func:`share_items`: LPT over the
-pipeline ranks with the encoder cost model, balanced over the step). Shares travel to stage 0, and their
+and encodes a share of each micro-batch's items, planned identically everywhere from the cost model. Under 1F1B the
+plan models the step with the insertions below and puts each item, heaviest first, on the rank where the modelled
+step is shortest (:func:`~omni_lightning.balance.reorder.assign_encoder_items`): an image too large to hide in one
+stage's slack goes where the schedule has room for it (a later stage's warm-up idle, say), not merely where there is
+least encoder work so far. Shares travel to stage 0, and their
 gradients back, point to point and asynchronously, so no stage waits for another's encoder work unless stage 0
 would otherwise have it late.
 
@@ -35,7 +38,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from omni_lightning.balance.cost import ModuleCost
+from omni_lightning.balance.cost import CostModel, ModuleCost
+from omni_lightning.balance.reorder import assign_encoder_items, lpt_ranks
 
 __all__ = ["JointEncoders", "share_items"]
 
@@ -51,23 +55,20 @@ def share_items(token_counts: np.ndarray, cost: ModuleCost, loads: np.ndarray, *
     pipeline's critical path (it also embeds and waits for everyone's shares). With ``off_first_stage`` stage 0
     gets none of the items (the micro-batches whose encoder backward would otherwise run after its last backward).
     """
-    tokens = np.asarray(token_counts, dtype=np.float64)
-    costs = cost.linear * tokens + cost.quadratic * tokens**2
-    owner = np.zeros(tokens.size, dtype=np.int64)
     candidates = np.arange(1 if off_first_stage and loads.size > 1 else 0, loads.size)
-    for item in np.lexsort((np.arange(tokens.size), -costs)):
-        # least loaded, then highest rank
-        rank = int(candidates[np.lexsort((-candidates, loads[candidates]))[0]])
-        owner[item] = rank
-        loads[rank] += costs[item]
-    return owner
+    return lpt_ranks(_item_costs(token_counts, cost), loads, candidates)
+
+
+def _item_costs(token_counts: np.ndarray, cost: ModuleCost) -> np.ndarray:
+    """Predicted cost of each item: its tokens, and their pairs within the item (bidirectional attention)."""
+    tokens = np.asarray(token_counts, dtype=np.float64)
+    return cost.linear * tokens + cost.quadratic * tokens**2
 
 
 class _Items:
     """One modality's items of a micro-batch: their input rows, output rows, and which rank encodes each."""
 
-    def __init__(self, name: str, batch: dict[str, Any], encoder: nn.Module, cost: ModuleCost,
-                 loads: np.ndarray, off_first_stage: bool) -> None:
+    def __init__(self, name: str, batch: dict[str, Any], encoder: nn.Module, cost: ModuleCost) -> None:
         self.name, self.encoder = name, encoder
         if name == "vision":
             self.grids = batch["vision_grids"]
@@ -80,7 +81,8 @@ class _Items:
             self.tokens = np.array(self.input_rows, dtype=np.int64) // encoder.config.downsample
             self.sources = (batch["audio_mels"],)
         self.output_rows = (self.tokens // encoder.tokens_per_output).astype(np.int64)
-        self.owner = share_items(self.tokens, cost, loads, off_first_stage=off_first_stage)
+        self.costs = _item_costs(self.tokens, cost)
+        self.owner = np.zeros(self.tokens.size, dtype=np.int64)  # set by JointEncoders' plan of the step
 
     def rows_of(self, rank: int) -> int:
         return int(self.output_rows[self.owner == rank].sum())
@@ -118,6 +120,8 @@ class JointEncoders:
                  n_microbatches: int, lag: int, dtype: torch.dtype = torch.float32,
                  dp_group: dist.ProcessGroup | None = None) -> None:
         self.model, self.group, self.costs = model, p2p_group, costs
+        # Predicted LLM cost of each micro-batch, in the unit of the encoders' FLOP costs, for the plan of a 1F1B step
+        self.llm_cost = CostModel.from_config(model.config).llm
         self.pp, self.rank = dist.get_world_size(p2p_group), dist.get_rank(p2p_group)
         self.n_microbatches, self.lag, self.dtype, self.dp_group = n_microbatches, lag, dtype, dp_group
         self._runs: np.ndarray = np.zeros(0, dtype=bool)  # [micro-batch, modality]: this rank runs the encoder
@@ -140,13 +144,9 @@ class JointEncoders:
     def start(self, micro_batches: list[dict[str, Any]], *, train: bool) -> None:
         """Before the schedule: plan every micro-batch, post the receives, encode the first shares."""
         self.micro_batches, self.train, self.done, self.peak_in_flight = micro_batches, train, [], 0
-        loads = np.zeros(self.pp)  # encoder work given to each rank so far this step, in micro-batch order
-        n = len(micro_batches)
-        # Stage 0 runs its encoder backward of the last `lag` micro-batches after its last LLM backward, where it
-        # would lengthen the step; the other stages are done with their LLM work by then and absorb it.
-        tail = n - self.lag if self.lag < n else n
-        self._items = {m: [_Items(name, batch, getattr(self.model, name), self.costs[name], loads, m >= tail)
-                           for name in _MODALITIES] for m, batch in enumerate(micro_batches)}
+        self._items = {m: [_Items(name, batch, getattr(self.model, name), self.costs[name]) for name in _MODALITIES]
+                       for m, batch in enumerate(micro_batches)}
+        self._plan(micro_batches)
         mine = np.array([[items.rows_of(self.rank) > 0 for items in self._items[m]]
                          for m in range(len(micro_batches))], dtype=np.int64).reshape(len(micro_batches), -1)
         if self.dp_group is not None:  # a dummy is needed wherever a data-parallel peer runs the encoder
@@ -158,6 +158,30 @@ class JointEncoders:
             self._post_receives(m)
         for m in range(min(self.ahead, self.n_microbatches)):
             self._encode(m)
+
+    def _plan(self, micro_batches: list[dict[str, Any]]) -> None:
+        """Which rank encodes each item of the step, identically on every pipeline rank (a pure function of the
+        micro-batches). Under 1F1B the items go where the modelled step is shortest
+        (:func:`~omni_lightning.balance.reorder.assign_encoder_items`); under GPipe, whose encoder backward all waits
+        for the end of the step, longest first onto the least-loaded rank over the step. Either way stage 0 gets
+        none of the last ``lag`` micro-batches' items, whose encoder backward would follow its last LLM backward
+        and lengthen the step, while the other stages are done with their LLM work by then and absorb it."""
+        n = len(micro_batches)
+        if self.lag == self.pp:  # 1F1B: stage 0 has finished m - pp's backward when it starts m's forward
+            lengths = [np.diff(batch["cu_seqlens"].cpu().numpy().astype(np.float64)) for batch in micro_batches]
+            llm = np.array([self.llm_cost(tokens.sum(), (tokens * (tokens + 1) / 2).sum()) for tokens in lengths])
+            everything = [items for m in range(n) for items in self._items[m]]
+            micro_batch = np.repeat(np.arange(n), [sum(i.costs.size for i in self._items[m]) for m in range(n)])
+            owner = assign_encoder_items(llm, micro_batch, np.concatenate([i.costs for i in everything]), self.pp)
+            for items, share in zip(everything, np.split(owner, np.cumsum([i.costs.size for i in everything])[:-1]),
+                                    strict=True):
+                items.owner = share
+            return
+        loads = np.zeros(self.pp)  # encoder work given to each rank so far this step, in micro-batch order
+        tail = n - self.lag if self.lag < n else n
+        for m in range(n):
+            for items in self._items[m]:
+                items.owner = lpt_ranks(items.costs, loads, np.arange(1 if m >= tail and self.pp > 1 else 0, self.pp))
 
     def before_forward(self, micro_batch: int) -> None:
         """Called by this rank's stage before its forward of ``micro_batch``."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Action", "ReplayResult", "one_f_one_b_bubble", "replay_pipeline"]
+__all__ = ["Action", "ReplayResult", "one_f_one_b_bubble", "replay_pipeline", "waits_for"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,23 @@ def one_f_one_b_bubble(stages: int, micro_batches: int) -> float:
     return (stages - 1) / (micro_batches + stages - 1)
 
 
+def waits_for(stage: int, kind: str, index: int, stages: int,
+              encoded: set[tuple[int, int]]) -> list[tuple[int, str, int]]:
+    """The ``(stage, kind, micro-batch)`` actions that action ``kind`` of micro-batch ``index`` on ``stage`` waits
+    for (the module docstring's rules); ``encoded`` holds the ``(rank, micro-batch)`` pairs that have an ``E``.
+    Shared with the vectorised step-time models of :mod:`omni_lightning.balance.reorder`, so that they and this
+    replay cannot drift apart."""
+    if kind == "F" and stage > 0:
+        return [(stage - 1, "F", index)]
+    if kind == "F":
+        return [(r, "E", index) for r in range(stages) if (r, index) in encoded]
+    if kind == "B" and stage < stages - 1:
+        return [(stage + 1, "B", index)]
+    if kind == "EB" and stage > 0:
+        return [(0, "G", index)]
+    return []
+
+
 def replay_pipeline(actions: list[list[Action]]) -> ReplayResult:
     """Start every action as soon as its rank is free and its dependencies are met (stage order = list order)."""
     stages = len(actions)
@@ -59,24 +76,13 @@ def replay_pipeline(actions: list[list[Action]]) -> ReplayResult:
     position = [0] * stages
     busy = [sum(a.seconds for a in rank) for rank in actions]
 
-    def waits_for(s: int, action: Action) -> list[tuple[int, str, int]]:
-        if action.kind == "F" and s > 0:
-            return [(s - 1, "F", action.index)]
-        if action.kind == "F":
-            return [(r, "E", action.index) for r in range(stages) if (r, action.index) in encoded]
-        if action.kind == "B" and s < stages - 1:
-            return [(s + 1, "B", action.index)]
-        if action.kind == "EB" and s > 0:
-            return [(0, "G", action.index)]
-        return []
-
     while any(position[s] < len(actions[s]) for s in range(stages)):
         progressed = False
         for s in range(stages):
             if position[s] >= len(actions[s]):
                 continue
             action = actions[s][position[s]]
-            needed = waits_for(s, action)
+            needed = waits_for(s, action.kind, action.index, stages, encoded)
             if any(key not in end for key in needed):
                 continue
             start = max([clock[s], *(end[key] for key in needed)])
