@@ -447,8 +447,8 @@ def joint_1f1b_orders(pp: int, m: int) -> tuple[tuple[tuple[str, int], ...], ...
 
 
 def assign_encoder_items(llm_costs: np.ndarray, micro_batch: np.ndarray, item_costs: np.ndarray, pp: int, *,
-                         forward_share: float = 1 / 3, encoder_forward_share: float = 1 / 3,
-                         small: float = 1 / 16) -> np.ndarray:
+                         forward_share: float = 1 / 3, encoder_forward_share: float = 1 / 3, large: float = 1 / 16,
+                         max_rounds: int = 64) -> np.ndarray:
     """The pipeline rank that encodes each item of a joint-pipeline 1F1B step, chosen on the step's time (pure).
 
     Args:
@@ -457,85 +457,55 @@ def assign_encoder_items(llm_costs: np.ndarray, micro_batch: np.ndarray, item_co
         item_costs: predicted encoder cost (forward and backward) of each item.
         pp: pipeline ranks.
         forward_share, encoder_forward_share: the forward's share of an LLM micro-batch's and of an item's cost.
-        small: items cheaper than this share of a micro-batch's mean LLM cost on one stage cannot stall the
-            pipeline by themselves: a micro-batch's small items are first split into ``pp`` even bundles (LPT),
-            which are then placed like single items. That keeps planning fast when a step holds a thousand video
-            frames, and lets the even split of a micro-batch's many small items be chosen.
+        large: items costing at least this share of a micro-batch's mean LLM cost on one stage may move.
+        max_rounds: most moves.
 
-    Heaviest unit first (an item, or a bundle of small ones), each goes to the rank whose insertion of it
-    (:func:`joint_1f1b_orders`) gives the shortest modelled step (:func:`joint_1f1b_makespans` with the units placed
-    so far); among equal steps, the least delay summed over all actions (while another unit sets the step, delays
-    elsewhere are hidden only for now), then the least encoder work so far this step, then the later stage. That
-    puts the encoder work into the objective: a large item goes where a stage has slack for it instead of stalling
-    1F1B, and the small ones keep off the ranks that the large ones made critical, neither of which balancing
-    encoder work alone (:func:`lpt_ranks`, what ``share_items`` does) sees. Greedy is no guarantee, so the plan is
-    compared with that LPT one in the model and the shorter kept: never worse than LPT in the model. Stage 0 gets
-    none of the last ``pp`` micro-batches' items: it would backpropagate them after its last LLM backward.
-    Deterministic, so every pipeline rank computes the same plan.
+    Starts from LPT over the step (each micro-batch in run order, its longest item first onto the rank with the
+    least encoder work so far: :func:`lpt_ranks`), which spreads the many small items evenly and so holds up
+    whatever the real costs are. Then steepest descent on the modelled step time (:func:`joint_1f1b_makespans`:
+    1F1B with the encoder insertions of :func:`joint_1f1b_orders`) over moving one large item to another rank,
+    while a move shortens the step: an image too large for the slack of the stage LPT gave it goes where the
+    schedule has room for it. That puts the encoder insertions into the objective, which balancing encoder work
+    alone does not see; a step is never longer in the model than LPT's. Small items stay where LPT put them: their
+    moves would chase the model's error, not stalls. Stage 0 gets none of the last ``pp`` micro-batches' items (it
+    would backpropagate them after its last LLM backward). Deterministic, so every pipeline rank computes the same
+    plan from the same micro-batches.
     """
     llm = np.asarray(llm_costs, dtype=np.float64)
     micro_batch = np.asarray(micro_batch, dtype=np.int64)
     costs = np.asarray(item_costs, dtype=np.float64)
-    m, loads = llm.size, np.zeros(pp)
-    if pp == 1 or costs.size == 0:
-        return np.zeros(costs.size, dtype=np.int64)
+    m = llm.size
     tail = m - pp if pp < m else m  # JointEncoders' rule: with no more micro-batches than stages, none is spared
-    program = _program(joint_1f1b_orders(pp, m))
-    index = {(stage, kind, j): i for i, (stage, kind, j, _, _) in enumerate(program)}
-    durations = _joint_durations(program, llm[None], np.zeros((1, pp, m)), forward_share, encoder_forward_share)
-    end = _replay(program, durations)
-    unit, unit_micro_batch = _bundle_small_items(micro_batch, costs, pp, small * float(llm.mean()) / pp)
-    unit_costs = np.bincount(unit, weights=costs, minlength=unit_micro_batch.size)
-    placed = np.zeros(unit_micro_batch.size, dtype=np.int64)
-    for u in np.lexsort((np.arange(unit_costs.size), unit_micro_batch, -unit_costs)).tolist():
-        j = int(unit_micro_batch[u])
-        ranks = np.arange(1 if j >= tail else 0, pp)
-        forward = [index[(int(r), "E", j)] for r in ranks]
-        backward = [index[(int(r), "EB", j)] for r in ranks]
-        trial = np.repeat(durations, ranks.size, axis=1)
-        columns = np.arange(ranks.size)
-        trial[forward, columns] += unit_costs[u] * encoder_forward_share
-        trial[backward, columns] += unit_costs[u] * (1.0 - encoder_forward_share)
-        # Actions before the unit's first possible insertion keep their times: replay from there on.
-        first = min(forward)
-        ends = _replay(program, trial, np.repeat(end, ranks.size, axis=1), first=first)
-        spans = ends.max(axis=0)
-        fastest = spans <= spans.min() * (1 + 1e-9)
-        # Among equal steps the least delay to all actions (the step is flat while another unit sets it, and
-        # the delays pile up into it later), then the least encoder work so far, as LPT.
-        delay = ends[first:].sum(axis=0)
-        pick = int(np.lexsort((-ranks, loads[ranks], delay, ~fastest))[0])
-        placed[u] = ranks[pick]
-        loads[ranks[pick]] += unit_costs[u]
-        durations, end = trial[:, pick : pick + 1].copy(), ends[:, pick : pick + 1].copy()
-    # Greedy is no guarantee: keep LPT's plan over the step where the model finds it no longer.
-    lpt = np.zeros(costs.size, dtype=np.int64)
-    step_loads = np.zeros(pp)
+    owner = np.zeros(costs.size, dtype=np.int64)
+    loads = np.zeros(pp)
     for j in range(m):
         items = np.flatnonzero(micro_batch == j)
-        lpt[items] = lpt_ranks(costs[items], step_loads, np.arange(1 if j >= tail else 0, pp))
-    plans = np.stack([placed[unit], lpt])
-    work = np.zeros((2, pp, m))
-    np.add.at(work, (np.arange(2)[:, None], plans, micro_batch[None]), costs[None])
-    spans = joint_1f1b_makespans(llm, work, forward_share=forward_share, encoder_forward_share=encoder_forward_share)
-    return plans[0] if spans[0] <= spans[1] * (1 + 1e-9) else plans[1]
-
-
-def _bundle_small_items(micro_batch: np.ndarray, costs: np.ndarray, pp: int,
-                        threshold: float) -> tuple[np.ndarray, np.ndarray]:
-    """The unit each item is placed with (:func:`assign_encoder_items`) and each unit's micro-batch: an item of its
-    own if it costs ``threshold`` or more, else one of ``pp`` LPT bundles of its micro-batch's small items."""
-    unit = np.full(costs.size, -1, dtype=np.int64)
-    large = np.flatnonzero(costs >= threshold)
-    unit[large] = np.arange(large.size)
-    unit_micro_batch = [micro_batch[large]]
-    for j in np.unique(micro_batch[costs < threshold]).tolist():
-        items = np.flatnonzero((micro_batch == j) & (costs < threshold))
-        bundle = lpt_ranks(costs[items], np.zeros(pp), np.arange(pp))
-        used = np.unique(bundle)  # fewer small items than ranks leave bundles empty
-        unit[items] = large.size + sum(map(len, unit_micro_batch[1:])) + np.searchsorted(used, bundle)
-        unit_micro_batch.append(np.full(used.size, j))
-    return unit, np.concatenate(unit_micro_batch).astype(np.int64)
+        owner[items] = lpt_ranks(costs[items], loads, np.arange(1 if j >= tail and pp > 1 else 0, pp))
+    if pp == 1 or costs.size == 0:
+        return owner
+    movable = np.flatnonzero(costs >= large * float(llm.mean()) / pp)
+    movable = movable[np.lexsort((movable, -costs[movable]))]  # heaviest first: it wins ties between moves
+    # Every (large item, other rank) pair, stage 0 left out of the tail's items.
+    item, rank = np.repeat(movable, pp), np.tile(np.arange(pp), movable.size)
+    item, rank = item[(rank > 0) | (micro_batch[item] < tail)], rank[(rank > 0) | (micro_batch[item] < tail)]
+    work = np.zeros((pp, m))
+    np.add.at(work, (owner, micro_batch), costs)
+    now = float(joint_1f1b_makespans(llm, work, forward_share=forward_share,
+                                     encoder_forward_share=encoder_forward_share)[0])
+    for _ in range(max_rounds):
+        moves = np.flatnonzero(rank != owner[item])
+        candidates = np.repeat(work[None], moves.size, axis=0)
+        rows, j = np.arange(moves.size), micro_batch[item[moves]]
+        candidates[rows, owner[item[moves]], j] -= costs[item[moves]]
+        candidates[rows, rank[moves], j] += costs[item[moves]]
+        spans = joint_1f1b_makespans(llm, candidates, forward_share=forward_share,
+                                     encoder_forward_share=encoder_forward_share)
+        best = int(np.argmin(spans))  # the first of equals: heaviest item, lowest rank, as listed
+        if not spans[best] < now * (1 - 1e-9):  # no move shortens the step
+            break
+        now, work = float(spans[best]), candidates[best]
+        owner[item[moves[best]]] = rank[moves[best]]
+    return owner
 
 
 def lpt_ranks(costs: np.ndarray, loads: np.ndarray, ranks: np.ndarray) -> np.ndarray:
