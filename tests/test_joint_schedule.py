@@ -71,6 +71,13 @@ def test_large_images_move_to_where_the_schedule_has_room(seed: int) -> None:
     assert planned - llm_only < 0.9 * (lpt - llm_only)
 
 
+def test_nothing_to_move() -> None:
+    """No large item, or none with a choice of rank (stage 0 is spared the last micro-batches): LPT's plan."""
+    assert assign_encoder_items(np.ones(8), np.arange(8), np.full(8, 1e-4), 4).tolist() == [3, 2, 1, 0, 3, 2, 1, 3]
+    assert assign_encoder_items(np.ones(3), np.array([1, 2]), np.array([5.0, 5.0]), 2).tolist() == [1, 1]
+    assert assign_encoder_items(np.ones(3), np.zeros(0, dtype=np.int64), np.zeros(0), 2).size == 0
+
+
 @settings(max_examples=40, deadline=None)
 @given(pp=st.integers(1, 4), m=st.integers(1, 12), seed=st.integers(0, 2**16), items=st.integers(0, 30))
 def test_plan_is_complete_deterministic_spares_stage0_and_no_slower_than_lpt(pp: int, m: int, seed: int,

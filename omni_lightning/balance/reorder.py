@@ -494,6 +494,8 @@ def assign_encoder_items(llm_costs: np.ndarray, micro_batch: np.ndarray, item_co
                                      encoder_forward_share=encoder_forward_share)[0])
     for _ in range(max_rounds):
         moves = np.flatnonzero(rank != owner[item])
+        if moves.size == 0:  # no large item, or each has a single rank it may go to
+            break
         candidates = np.repeat(work[None], moves.size, axis=0)
         rows, j = np.arange(moves.size), micro_batch[item[moves]]
         candidates[rows, owner[item[moves]], j] -= costs[item[moves]]
