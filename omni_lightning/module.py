@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import IGNORE_INDEX, ReferenceMLLM, next_token_loss_sum, vocab_parallel_loss
+from omni_lightning.monitor import loggers_write_this_step
 from omni_lightning.parallel.activation_checkpoint import apply_ac, apply_compile
 from omni_lightning.parallel.disaggregated import EncoderPoolLink, EncoderPoolWorker
 from omni_lightning.parallel.fsdp import set_gradient_sync
@@ -225,11 +226,13 @@ class OmniModule(LightningModule):
         self.log("train/loss", stats["loss"], prog_bar=True, batch_size=samples)
         if self.config.llm.moe_every:
             self.log("train/moe_aux_loss", stats["moe_aux_loss"], batch_size=samples)
-        if "balance" in batch:  # loader-side plan statistics of OmniDataModule (this rank's view)
-            self.log_dict({f"balance/{k}": float(v) for k, v in batch["balance"].items()}, batch_size=samples)
-        if self.model is not None and self.model.encoder_balancer is not None:
-            plan = self.model.encoder_balancer.stats  # this step's encoder plan (group-wide) and this rank's bytes
-            self.log_dict({f"encoder/{k}": float(v) for k, v in plan.items()}, batch_size=samples)
+        # Plan statistics only loggers read: logged on the steps they are written (each log call costs).
+        if loggers_write_this_step(self.trainer):
+            if "balance" in batch:  # loader-side plan statistics of OmniDataModule (this rank's view)
+                self.log_dict({f"balance/{k}": float(v) for k, v in batch["balance"].items()}, batch_size=samples)
+            if self.model is not None and self.model.encoder_balancer is not None:
+                plan = self.model.encoder_balancer.stats  # this step's encoder plan (group-wide), this rank's bytes
+                self.log_dict({f"encoder/{k}": float(v) for k, v in plan.items()}, batch_size=samples)
         return {"loss": loss, "global_loss": stats["loss"]}
 
     @override

@@ -18,7 +18,7 @@ from omni_lightning.balance.cost import CostModel
 from omni_lightning.datamodules.collate import DecodedSample, pack_samples
 from omni_lightning.datamodules.workload import SampleMeta
 from omni_lightning.models.config import FIRST_TEXT_ID, ReferenceMLLMConfig
-from omni_lightning.monitor import BalanceMonitor, ThroughputMonitor, batch_training_flops
+from omni_lightning.monitor import BalanceMonitor, ThroughputMonitor, batch_training_flops, loggers_write_this_step
 
 
 def mixed_samples() -> tuple[list[DecodedSample], list[SampleMeta]]:
@@ -96,3 +96,36 @@ def test_loggers_progress_bar_and_validate_across_ranks(tmp_path: Path, tiny_sha
     os.environ["MASTER_PORT"] = str(free_port())
     (result,) = trainer.validate(module, datamodule=data)
     assert torch.isfinite(torch.tensor(result["val/loss"]))
+
+
+class _LogsWhenWritten(pl.LightningModule):
+    """Logs ``every`` on each step and ``sparse`` only when the loggers write, as OmniModule logs plan statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+        self.written: list[int] = []
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.layer(batch[0]).sum()
+        self.log("every", float(batch_idx))
+        if loggers_write_this_step(self.trainer):
+            self.written.append(batch_idx)
+            self.log("sparse", float(batch_idx))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_statistics_logged_only_when_written_reach_the_loggers_at_the_same_steps(tmp_path: Path) -> None:
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(7, 2)), batch_size=1)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=7, log_every_n_steps=3, logger=CSVLogger(tmp_path, name="csv"),
+                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+    module = _LogsWhenWritten()
+    trainer.fit(module, data)
+    rows = list(csv.DictReader((tmp_path / "csv" / "version_0" / "metrics.csv").open()))
+    every = [row["step"] for row in rows if row.get("every")]
+    assert every == ["2", "5"]  # Lightning writes every third step
+    assert [row["step"] for row in rows if row.get("sparse")] == every
+    assert module.written == [2, 5]  # and logged nowhere else

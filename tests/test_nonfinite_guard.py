@@ -34,6 +34,7 @@ from omni_lightning.module import initial_state_dict
 from omni_lightning.parallel.dims import ParallelDims
 from omni_lightning.parallel.mesh import build_meshes
 from omni_lightning.parallel.parallelize import parallelize_mllm
+from omni_lightning.strategies.omni import _any_nonfinite_grad
 
 pytestmark = pytest.mark.distributed
 
@@ -199,3 +200,14 @@ def test_a_rank_without_media_joins_the_encoders_collectives() -> None:
     """FSDP over 2 ranks, no encoder balancing, rank 1 text-only: the step completes (no rank waits in a collective
     the other skipped) and every gradient, encoders' included, equals one process running both ranks' samples."""
     run_distributed(_step_with_an_empty_encoder_batch, 2)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None], ids=["nan", "inf", "-inf", "finite"])
+def test_gradient_check_finds_any_non_finite_value(bad: float | None) -> None:
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 0, 5)]  # an empty shard, as an FSDP rank may hold
+    for p in params:
+        p.grad = torch.ones_like(p)
+    if bad is not None:
+        params[2].grad[4] = bad
+    assert int(_any_nonfinite_grad(params, torch.device("cpu"))) == (bad is not None)
+    assert int(_any_nonfinite_grad([params[1]], torch.device("cpu"))) == 0

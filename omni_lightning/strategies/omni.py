@@ -608,11 +608,13 @@ def _nonfinite(value: Any, device: torch.device) -> Tensor:
 
 def _any_nonfinite_grad(params: list[Tensor], device: torch.device) -> Tensor:
     """1 if this rank's part of any gradient holds a NaN or an infinity, else 0 (an int32 scalar on ``device``)."""
-    if not params:
+    local = [g for g in (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params) if g.numel()]
+    if not local:  # an FSDP rank may hold an empty shard of every gradient
         return torch.zeros((), dtype=torch.int32, device=device)
-    local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-    finite = torch.stack([torch.isfinite(g).all().to(device) for g in local]).all()
-    return (~finite).to(torch.int32)
+    # One fused kernel per device and dtype instead of a Python loop over every gradient: a NaN anywhere makes
+    # that tensor's max-norm NaN, an infinity makes it infinite.
+    largest = torch.stack([n.to(device) for n in torch._foreach_norm(local, float("inf"))])
+    return (~torch.isfinite(largest).all()).to(torch.int32)
 
 
 def _check_placement(placement: str, encoder_world_size: int | None, pool_workload: str | None, *, pp: int,
