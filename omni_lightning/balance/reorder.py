@@ -457,57 +457,128 @@ def assign_encoder_items(llm_costs: np.ndarray, micro_batch: np.ndarray, item_co
         item_costs: predicted encoder cost (forward and backward) of each item.
         pp: pipeline ranks.
         forward_share, encoder_forward_share: the forward's share of an LLM micro-batch's and of an item's cost.
-        large: items costing at least this share of a micro-batch's mean LLM cost on one stage may move.
-        max_rounds: most moves.
+        large: items costing at least this share of a micro-batch's mean LLM cost on one stage are placed on the
+            modelled step; the others by LPT.
+        max_rounds: most moves of the descent.
 
-    Starts from LPT over the step (each micro-batch in run order, its longest item first onto the rank with the
-    least encoder work so far: :func:`lpt_ranks`), which spreads the many small items evenly and so holds up
-    whatever the real costs are. Then steepest descent on the modelled step time (:func:`joint_1f1b_makespans`:
-    1F1B with the encoder insertions of :func:`joint_1f1b_orders`) over moving one large item to another rank,
-    while a move shortens the step: an image too large for the slack of the stage LPT gave it goes where the
-    schedule has room for it. That puts the encoder insertions into the objective, which balancing encoder work
-    alone does not see; a step is never longer in the model than LPT's. Small items stay where LPT put them: their
-    moves would chase the model's error, not stalls. Stage 0 gets none of the last ``pp`` micro-batches' items (it
-    would backpropagate them after its last LLM backward). Deterministic, so every pipeline rank computes the same
-    plan from the same micro-batches.
+    The step is modelled by :func:`joint_1f1b_makespans` (1F1B with the encoder insertions of
+    :func:`joint_1f1b_orders`), which puts the insertions into the objective: an image too large for the slack of
+    one stage goes where the schedule has room for it, which balancing encoder work alone does not see. Two plans
+    are made, and the one with the shorter modelled step kept (LPT's on equal steps):
+
+    * LPT over the step (each micro-batch in run order, its longest item first onto the rank with the least encoder
+      work so far, :func:`lpt_ranks`: what ``share_items`` does);
+    * the small items by LPT among themselves, then the large ones, heaviest first, each onto the rank where the
+      modelled step is shortest (among equal steps, the least delay summed over all actions, as the step is flat
+      while another item sets it; then the least encoder work, then the later stage).
+
+    Each is then improved by steepest descent over moving one large item to another rank, while that shortens
+    the modelled step. So the plan is never longer in the model than LPT's. Small items never move on the model's
+    word: LPT spreads them evenly, which holds whatever the real costs are, while fitting them to the model would
+    chase its error. Stage 0 gets none of the last ``pp`` micro-batches' items (it would backpropagate them after
+    its last LLM backward). Deterministic, so every pipeline rank computes the same plan from the same batch.
     """
     llm = np.asarray(llm_costs, dtype=np.float64)
     micro_batch = np.asarray(micro_batch, dtype=np.int64)
     costs = np.asarray(item_costs, dtype=np.float64)
-    m = llm.size
-    tail = m - pp if pp < m else m  # JointEncoders' rule: with no more micro-batches than stages, none is spared
-    owner = np.zeros(costs.size, dtype=np.int64)
-    loads = np.zeros(pp)
-    for j in range(m):
-        items = np.flatnonzero(micro_batch == j)
-        owner[items] = lpt_ranks(costs[items], loads, np.arange(1 if j >= tail and pp > 1 else 0, pp))
     if pp == 1 or costs.size == 0:
+        return np.zeros(costs.size, dtype=np.int64)
+    model = _JointModel(llm, micro_batch, costs, pp, forward_share, encoder_forward_share)
+    big = costs >= large * float(llm.mean()) / pp
+    plans = [model.descend(model.lpt(np.ones(costs.size, dtype=bool)), big, max_rounds),
+             model.descend(model.greedy(model.lpt(~big), big), big, max_rounds)]
+    spans = model.makespans(np.stack(plans))
+    return plans[1] if spans[1] < spans[0] * (1 - 1e-9) else plans[0]
+
+
+class _JointModel:
+    """One step's costs under :func:`joint_1f1b_makespans`, and the plans :func:`assign_encoder_items` makes."""
+
+    def __init__(self, llm: np.ndarray, micro_batch: np.ndarray, costs: np.ndarray, pp: int, forward_share: float,
+                 encoder_forward_share: float) -> None:
+        self.llm, self.micro_batch, self.costs, self.pp = llm, micro_batch, costs, pp
+        self.shares = {"forward_share": forward_share, "encoder_forward_share": encoder_forward_share}
+        m = llm.size
+        self.tail = m - pp if pp < m else m  # JointEncoders' rule: with no more micro-batches than stages, none
+        self.program = _program(joint_1f1b_orders(pp, m))
+
+    def ranks(self, j: int) -> np.ndarray:
+        """The ranks that may encode items of micro-batch ``j``."""
+        return np.arange(1 if j >= self.tail else 0, self.pp)
+
+    def work(self, owners: np.ndarray, items: np.ndarray | None = None) -> np.ndarray:
+        """Encoder work ``[plan, rank, micro-batch]`` of plans ``owners[plan, item]`` (only ``items``, a mask)."""
+        owners = np.atleast_2d(owners)
+        keep = np.ones(self.costs.size, dtype=bool) if items is None else items
+        work = np.zeros((owners.shape[0], self.pp, self.llm.size))
+        np.add.at(work, (np.arange(owners.shape[0])[:, None], owners[:, keep], self.micro_batch[keep][None]),
+                  self.costs[keep][None])
+        return work
+
+    def makespans(self, owners: np.ndarray) -> np.ndarray:
+        return joint_1f1b_makespans(self.llm, self.work(owners), **self.shares)
+
+    def lpt(self, items: np.ndarray) -> np.ndarray:
+        """``items`` (a mask) by LPT over the step, micro-batch by micro-batch in run order; the rest on rank 0."""
+        owner, loads = np.zeros(self.costs.size, dtype=np.int64), np.zeros(self.pp)
+        for j in range(self.llm.size):
+            mine = np.flatnonzero((self.micro_batch == j) & items)
+            owner[mine] = lpt_ranks(self.costs[mine], loads, self.ranks(j))
         return owner
-    movable = np.flatnonzero(costs >= large * float(llm.mean()) / pp)
-    movable = movable[np.lexsort((movable, -costs[movable]))]  # heaviest first: it wins ties between moves
-    # Every (large item, other rank) pair, stage 0 left out of the tail's items.
-    item, rank = np.repeat(movable, pp), np.tile(np.arange(pp), movable.size)
-    item, rank = item[(rank > 0) | (micro_batch[item] < tail)], rank[(rank > 0) | (micro_batch[item] < tail)]
-    work = np.zeros((pp, m))
-    np.add.at(work, (owner, micro_batch), costs)
-    now = float(joint_1f1b_makespans(llm, work, forward_share=forward_share,
-                                     encoder_forward_share=encoder_forward_share)[0])
-    for _ in range(max_rounds):
-        moves = np.flatnonzero(rank != owner[item])
-        if moves.size == 0:  # no large item, or each has a single rank it may go to
-            break
-        candidates = np.repeat(work[None], moves.size, axis=0)
-        rows, j = np.arange(moves.size), micro_batch[item[moves]]
-        candidates[rows, owner[item[moves]], j] -= costs[item[moves]]
-        candidates[rows, rank[moves], j] += costs[item[moves]]
-        spans = joint_1f1b_makespans(llm, candidates, forward_share=forward_share,
-                                     encoder_forward_share=encoder_forward_share)
-        best = int(np.argmin(spans))  # the first of equals: heaviest item, lowest rank, as listed
-        if not spans[best] < now * (1 - 1e-9):  # no move shortens the step
-            break
-        now, work = float(spans[best]), candidates[best]
-        owner[item[moves[best]]] = rank[moves[best]]
-    return owner
+
+    def greedy(self, owner: np.ndarray, items: np.ndarray) -> np.ndarray:
+        """``owner`` with ``items`` (a mask), heaviest first, each where the modelled step is shortest."""
+        owner = owner.copy()
+        program, share = self.program, self.shares["encoder_forward_share"]
+        index = {(stage, kind, j): i for i, (stage, kind, j, _, _) in enumerate(program)}
+        durations = _joint_durations(program, self.llm[None], self.work(owner, ~items), **self.shares)
+        end = _replay(program, durations)
+        loads = np.bincount(owner[~items], weights=self.costs[~items], minlength=self.pp)
+        placing = np.flatnonzero(items)
+        for item in placing[np.lexsort((placing, -self.costs[placing]))].tolist():
+            j = int(self.micro_batch[item])
+            ranks = self.ranks(j)
+            forward = [index[(int(r), "E", j)] for r in ranks]
+            trial = np.repeat(durations, ranks.size, axis=1)
+            trial[forward, np.arange(ranks.size)] += self.costs[item] * share
+            trial[[index[(int(r), "EB", j)] for r in ranks], np.arange(ranks.size)] += self.costs[item] * (1 - share)
+            # Actions before the item's first possible insertion keep their times: replay from there on.
+            first = min(forward)
+            ends = _replay(program, trial, np.repeat(end, ranks.size, axis=1), first=first)
+            spans = ends.max(axis=0)
+            slower = spans > spans.min() * (1 + 1e-9)
+            pick = int(np.lexsort((-ranks, loads[ranks], ends[first:].sum(axis=0), slower))[0])
+            owner[item] = ranks[pick]
+            loads[ranks[pick]] += self.costs[item]
+            durations, end = trial[:, pick : pick + 1].copy(), ends[:, pick : pick + 1].copy()
+        return owner
+
+    def descend(self, owner: np.ndarray, items: np.ndarray, max_rounds: int) -> np.ndarray:
+        """``owner`` improved by moving one of ``items`` (a mask) at a time while the modelled step shortens."""
+        owner, micro_batch, costs = owner.copy(), self.micro_batch, self.costs
+        movable = np.flatnonzero(items)
+        movable = movable[np.lexsort((movable, -costs[movable]))]  # heaviest first: it wins ties between moves
+        # Every (item, rank) pair, stage 0 left out of the tail's items.
+        item, rank = np.repeat(movable, self.pp), np.tile(np.arange(self.pp), movable.size)
+        allowed = (rank > 0) | (micro_batch[item] < self.tail)
+        item, rank = item[allowed], rank[allowed]
+        work = self.work(owner)[0]
+        now = float(joint_1f1b_makespans(self.llm, work, **self.shares)[0])
+        for _ in range(max_rounds):
+            moves = np.flatnonzero(rank != owner[item])
+            if moves.size == 0:  # no large item, or each has a single rank it may go to
+                break
+            candidates = np.repeat(work[None], moves.size, axis=0)
+            rows, j = np.arange(moves.size), micro_batch[item[moves]]
+            candidates[rows, owner[item[moves]], j] -= costs[item[moves]]
+            candidates[rows, rank[moves], j] += costs[item[moves]]
+            spans = joint_1f1b_makespans(self.llm, candidates, **self.shares)
+            best = int(np.argmin(spans))  # the first of equals: heaviest item, lowest rank, as listed
+            if not spans[best] < now * (1 - 1e-9):  # no move shortens the step
+                break
+            now, work = float(spans[best]), candidates[best]
+            owner[item[moves[best]]] = rank[moves[best]]
+        return owner
 
 
 def lpt_ranks(costs: np.ndarray, loads: np.ndarray, ranks: np.ndarray) -> np.ndarray:
