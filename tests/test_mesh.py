@@ -6,9 +6,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import parallelize_module
 
 from omni_lightning.parallel.dims import ParallelDims
 from omni_lightning.parallel.mesh import build_meshes
+from omni_lightning.parallel.tensor_parallel import ColwiseLinear, RowwiseLinear
 
 pytestmark = pytest.mark.distributed
 
@@ -58,3 +62,33 @@ def _check_world_size_mismatch(rank: int, world_size: int) -> None:
 
 def test_world_size_mismatch_is_reported() -> None:
     run_distributed(_check_world_size_mismatch, 2)
+
+
+def _split_linear_layers(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)  # the same weights and input on both ranks
+    colwise, rowwise, x = torch.nn.Linear(4, 6), torch.nn.Linear(6, 4), torch.randn(5, 4, requires_grad=True)
+    expected = rowwise(colwise(x))
+    expected.square().sum().backward()
+    input_grad, x.grad = x.grad, None
+    reference = {name: p.grad.clone() for name, p in [*colwise.named_parameters("col"), *rowwise.named_parameters(
+        "row")]}
+    colwise.zero_grad(), rowwise.zero_grad()
+    parallelize_module(colwise, mesh, ColwiseLinear())
+    parallelize_module(rowwise, mesh, RowwiseLinear())
+    assert [p.placements for p in colwise.parameters()] == [(Shard(0),), (Shard(0),)]
+    assert [p.placements for p in rowwise.parameters()] == [(Shard(1),), (Replicate(),)]
+    out = rowwise(colwise(x))
+    assert not isinstance(out, DTensor)
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    torch.testing.assert_close(x.grad, input_grad)  # each rank's columns gave a part: summed over TP
+    for name, p in [*colwise.named_parameters("col"), *rowwise.named_parameters("row")]:
+        torch.testing.assert_close(p.grad.full_tensor(), reference[name], msg=name)
+    with pytest.raises(ValueError, match="ColwiseLinear splits an nn.Linear, not a Embedding"):
+        parallelize_module(torch.nn.Embedding(4, 2), mesh, ColwiseLinear())
+
+
+def test_split_linear_layers_match_the_unsplit_ones() -> None:
+    """Megatron-style column then row split on local tensors: the unsplit output and gradients, DTensor weights."""
+    run_distributed(_split_linear_layers, 2)

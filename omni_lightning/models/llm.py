@@ -19,6 +19,7 @@ from omni_lightning.models.config import LLMConfig, ReferenceMLLMConfig
 from omni_lightning.models.layers import RMSNorm
 from omni_lightning.models.moe import MoEFeedForward
 from omni_lightning.parallel.context_parallel import ContextShard, cp_attention
+from omni_lightning.parallel.tensor_parallel import ColwiseLinear, RowwiseLinear
 
 __all__ = ["Attention", "FeedForward", "MoEFeedForward", "DecoderBlock", "Decoder", "rotary_embedding"]
 
@@ -142,16 +143,16 @@ class Decoder(nn.Module):
     def layer_tp_plan(self, layer: nn.Module) -> dict[str, ParallelStyle]:
         """Heads and SwiGLU hidden units split over TP; MoE feed-forwards stay replicated (EP shards them)."""
         plan: dict[str, ParallelStyle] = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(),
+            "attention.wq": ColwiseLinear(),
+            "attention.wk": ColwiseLinear(),
+            "attention.wv": ColwiseLinear(),
+            "attention.wo": RowwiseLinear(),
         }
         if isinstance(layer.feed_forward, FeedForward):
             plan |= {
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(),
+                "feed_forward.w1": ColwiseLinear(),
+                "feed_forward.w3": ColwiseLinear(),
+                "feed_forward.w2": RowwiseLinear(),
             }
         return plan
 

@@ -11,12 +11,13 @@ from transformers import PreTrainedModel
 from omni_lightning.balance.cost import ModuleCost
 from omni_lightning.models.adapters.flops import TRAIN, attention_pair_flops, matmul_flops
 from omni_lightning.models.adapters.masks import packed_attention_mask
+from omni_lightning.parallel.tensor_parallel import ColwiseLinear, RowwiseLinear
 
 __all__ = ["HFCausalLMAdapter"]
 
 # HF's per-layer TP plan vocabulary (``config.base_model_tp_plan``) -> DTensor styles. Only the two plain styles:
 # others (packed, local, gather) change activation layouts in ways this adapter's forward does not expect.
-_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+_STYLES = {"colwise": ColwiseLinear, "rowwise": RowwiseLinear}
 _ATTENTION = ("sdpa", "eager")  # implementations that take a dense 4-D mask (flash-attn wants position ids)
 
 
