@@ -19,7 +19,11 @@ fork-started CPU processes, under
 This machine has 2 cores and runs more ranks than that, so wall time is not what dedicated devices would see.
 Each rank's compute per step is its training thread's CPU time (a rank blocked in a collective uses none); the
 *modeled step time* is the slowest rank's, i.e. the step time on dedicated devices when communication overlaps
-or is small (the CPU a rank spends inside collectives is included). For (e) the pools run side by side, but the
+or is small (the CPU a rank spends inside collectives is included). The timed steps are whole balance groups after a
+warm-up of whole groups: grouped reordering spreads a group's samples over its steps, so a window that cut a group
+would time (c)-(e) on other samples than (a) and (b). Every configuration runs ``--repeats`` times, interleaved with
+the others, and each (step, rank) keeps its least CPU time over the repeats (the same samples and plans each time):
+one slow spell of this shared machine then moves no configuration's figure. For (e) the pools run side by side, but the
 LLM pool cannot start before the encoder pool's first micro-batch and the encoder pool's last backward follows the
 LLM's: its modeled step adds that fill and drain, the encoder pool's slowest rank divided by the micro-batches of a
 step (as the pool solver models it). Reported per configuration: samples/s and
@@ -27,7 +31,7 @@ tokens/s (wall, for reference), the modeled step time, its max/mean imbalance ov
 Results go to ``benchmarks/results/e2e.json`` and a plot of per-rank time per step to ``e2e.png`` (needs the
 ``bench`` extra: matplotlib).
 
-    python benchmarks/e2e.py [--workload FILE] [--ranks 4] [--steps 16] [--quick]
+    python benchmarks/e2e.py [--workload FILE] [--ranks 4] [--steps 16] [--group-steps 4] [--repeats 2] [--quick]
 
 Its last two lines are ``modeled speedup (d)/(e): Y`` and ``modeled speedup (d)/(a): X``.
 """
@@ -197,21 +201,29 @@ def run(name: str, shards: str, args: argparse.Namespace, out: Path, pool: int =
     return json.loads(record.read_text())
 
 
-def summarize(record: dict[str, Any], args: argparse.Namespace, encoder_ranks: int = 0) -> dict[str, Any]:
-    """Per-configuration figures; ``encoder_ranks`` (the last ranks, for (e)) adds the pools' fill and drain."""
-    cpu = np.array(record["cpu"][args.warmup:])
-    wall = np.array(record["wall"])
-    seconds = float(wall[-1] - wall[args.warmup - 1]) if args.warmup > 0 else float(wall[-1] - wall[0])
-    steps = len(record["wall"]) - max(args.warmup, 1)
+def summarize(records: list[dict[str, Any]], args: argparse.Namespace, encoder_ranks: int = 0) -> dict[str, Any]:
+    """Per-configuration figures over its repeats; ``encoder_ranks`` (the last ranks, for (e)) adds the pools' fill
+    and drain.
+
+    A repeat trains the same samples with the same plans, so each (step, rank) keeps its least CPU time over the
+    repeats: what the rank's work costs, without the spikes other processes on this shared machine add to one run.
+    """
+    samples = records[0]["samples"][args.warmup:]  # [step][rank] -> SampleMeta.to_json() dicts
+    if any(record["samples"][args.warmup:] != samples for record in records[1:]):
+        raise SystemExit("a repeat trained other samples than the first: the runs are not deterministic")
+    cpu = np.min([record["cpu"][args.warmup:] for record in records], axis=0)
+    # Wall-clock rates (for reference) from the fastest repeat, timed from the end of the warm-up.
+    seconds = min(float(record["wall"][-1] - record["wall"][args.warmup - 1]) for record in records)
+    steps = args.steps - args.warmup
     fill = cpu[:, -encoder_ranks:].max(axis=1) / STREAMED if encoder_ranks else 0.0
     return {
         "modeled_step_s": float((cpu.max(axis=1) + fill).mean()),
         "encoder_ranks": encoder_ranks,
         "imbalance": float((cpu.max(axis=1) / cpu.mean(axis=1)).mean()),
         "samples_per_s": steps * args.samples_per_step * args.ranks / seconds,
-        "tokens_per_s": float(sum(record["tokens"][args.warmup:])) / seconds,
+        "tokens_per_s": float(sum(records[0]["tokens"][args.warmup:])) / seconds,
         "per_rank_step_s": cpu.tolist(),
-        "per_rank_samples": record["samples"][args.warmup:],  # [step][rank] -> SampleMeta.to_json() dicts
+        "per_rank_samples": samples,
     }
 
 
@@ -242,18 +254,26 @@ def main() -> None:
     default_workload = SHARED_WORKLOADS / "vlm_dynres.yaml"
     parser.add_argument("--workload", default=str(default_workload) if default_workload.exists() else "vlm_dynres")
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--quick", action="store_true", help="fewer steps (about 5 minutes here)")
+    parser.add_argument("--steps", type=int, default=16, help="steps trained, warm-up included")
+    parser.add_argument("--quick", action="store_true", help="12 steps (about 5 minutes here)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each configuration, interleaved")
     parser.add_argument("--samples-per-step", type=int, default=4)
-    parser.add_argument("--group-steps", type=int, default=8)
+    parser.add_argument("--group-steps", type=int, default=4)
     parser.add_argument("--enc-sp", type=int, default=2)
     parser.add_argument("--length-scale", type=float, default=0.08)
     parser.add_argument("--max-llm-tokens", type=int, default=512)
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out (allocator and import warm-up)")
+    parser.add_argument("--warmup", type=int, default=4, help="first steps left out (allocator and import warm-up)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.quick:
-        args.steps = 10
+        args.steps = 12
+    measured_steps = args.steps - args.warmup
+    if args.warmup < 1 or args.warmup % args.group_steps or measured_steps < 1 or measured_steps % args.group_steps:
+        # A balance group's samples are spread over its steps: a window that cuts a group would time (c)-(e) on
+        # other samples than (a) and (b).
+        raise SystemExit(f"--warmup {args.warmup} and the measured steps (--steps {args.steps} minus the warm-up) "
+                         f"must be positive multiples of --group-steps {args.group_steps}, so that every "
+                         "configuration is timed on the same samples")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as scratch:
         shard_count = 2 * args.ranks
@@ -261,16 +281,22 @@ def main() -> None:
         make_synthetic_shards(scratch, workload=args.workload, num_shards=shard_count, samples_per_shard=per_shard,
                               seed=args.seed, length_scale=args.length_scale, max_llm_tokens=args.max_llm_tokens)
         shards = f"{scratch}/train-{{000000..{shard_count - 1:06d}}}.tar"
-        results = {name: summarize(run(name, shards, args, Path(scratch)), args) for name in "abcd"}
+        # Repeats interleave the configurations, so that a slow spell of this shared machine hits all of them.
+        records: dict[str, list[dict[str, Any]]] = {name: [] for name in "abcd"}
+        for _ in range(args.repeats):
+            for name in records:
+                records[name].append(run(name, shards, args, Path(scratch)))
+        results = {name: summarize(runs, args) for name, runs in records.items()}
         measured, _ = fit_to_runs(results, ("a", "b", "c"), slice(None))
         pool = encoder_pool(args, measured)
-        results["e"] = summarize(run("e", shards, args, Path(scratch), pool), args, pool)
+        results["e"] = summarize([run("e", shards, args, Path(scratch), pool) for _ in range(args.repeats)], args,
+                                 pool)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "e2e.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
     plot(results, RESULTS / "e2e.png")
     base = results["a"]["modeled_step_s"]
     print(f"{Path(args.workload).stem}: {args.ranks} ranks, {args.steps} steps, {args.samples_per_step} samples per "
-          f"rank and step (first {args.warmup} steps left out)")
+          f"rank and step (first {args.warmup} steps left out), least CPU time of {args.repeats} repeats")
     for name, label in CONFIGURATIONS.items():
         r = results[name]
         print(f"({name}) {label:<58} modeled step {r['modeled_step_s'] * 1e3:7.1f} ms, max/mean {r['imbalance']:.3f}, "
