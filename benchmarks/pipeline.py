@@ -24,8 +24,8 @@ not the other processes' interference. The theoretical bubble of 1F1B with unifo
 
     python benchmarks/pipeline.py [--workload FILE ...] [--micro-batches 8 16 32] [--stages 4]
 
-The joint pipeline plans which rank encodes each item as the real runtime does (``JointEncoders``: LPT over the
-step, then large items moved on a model of the 1F1B step with its encoder insertions, FLOP costs; see
+The joint pipeline plans which rank encodes each item as the real runtime does (``JointEncoders``: small items by
+LPT, large ones placed on a model of the 1F1B step with its encoder insertions, FLOP costs; see
 :func:`omni_lightning.balance.reorder.assign_encoder_items`). The last column replays the joint pipeline's step
 with each micro-batch's encoder work shared evenly by the stages (what splitting items over the pipeline ranks
 would give), separating the cost of indivisible large items from the schedule's. Its last line is

@@ -4,10 +4,10 @@ With encoders on the first stage only (torchtitan's way), stage 0 runs every mic
 layers, so it is the slowest stage and every other stage waits on it; an encoder-heavy step stretches the whole
 pipeline. Here every pipeline rank keeps the encoders, holds the step's micro-batches (so inputs need not travel),
 and encodes a share of each micro-batch's items, planned identically everywhere from the cost model: LPT over the
-pipeline ranks, balanced over the step; under 1F1B the plan then models the step with the insertions below and
-moves large items to other ranks while that shortens it (:func:`~omni_lightning.balance.reorder.assign_encoder_items`),
-so that an image too large for one stage's slack goes where the schedule has room for it, not merely where there
-was least encoder work so far. Shares travel to stage 0, and their gradients back, point to point and
+pipeline ranks, balanced over the step; under 1F1B the plan models the step with the insertions below and places
+the large items where it is shortest (:func:`~omni_lightning.balance.reorder.assign_encoder_items`), so that an
+image too large for one stage's slack goes where the schedule has room for it, not merely where there was least
+encoder work so far. Shares travel to stage 0, and their gradients back, point to point and
 asynchronously, so no stage waits for another's encoder work unless stage 0 would otherwise have it late.
 
 *When* (uniform on-demand insertion), for 1F1B with ``p`` stages: just before its forward of micro-batch ``m``,
@@ -160,8 +160,8 @@ class JointEncoders:
 
     def _plan(self, micro_batches: list[dict[str, Any]]) -> None:
         """Which rank encodes each item of the step, identically on every pipeline rank (a pure function of the
-        micro-batches): longest item first onto the rank with the least encoder work so far this step, and under
-        1F1B large items then moved where the modelled step is shortest
+        micro-batches): longest item first onto the rank with the least encoder work so far this step, except that
+        under 1F1B the large items go where the modelled step is shortest
         (:func:`~omni_lightning.balance.reorder.assign_encoder_items`); GPipe's encoder backward all waits for the
         end of the step, so there balancing the work is all there is to it. Either way stage 0 gets
         none of the last ``lag`` micro-batches' items, whose encoder backward would follow its last LLM backward
