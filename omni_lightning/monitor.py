@@ -36,7 +36,7 @@ class BalanceMonitor(pl.Callback):
     Compute is the training thread's CPU time (``time.thread_time``): a rank blocked in a collective uses none,
     so the figure is what each rank would take on dedicated hardware even when ranks share cores. Costs one small
     all-gather per step. ``history`` keeps every step's per-rank seconds for benchmarks. The progress bar shows
-    the imbalance as ``imbalance``.
+    the imbalance as ``imbalance`` every step; loggers get the figures on the steps they write.
     """
 
     def __init__(self) -> None:
