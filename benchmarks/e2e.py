@@ -14,7 +14,8 @@ fork-started CPU processes, under
   outputs stream micro-batch by micro-batch (4 a step: a stream's fill and drain shrink with more) to the LLM pool,
   with grouped reordering in the LLM pool's loader and whole items balanced over the encoder pool (DistTrain's
   reordering; no LSSP). The same global batch:
-  the LLM pool's data-parallel ranks read ``samples_per_step * ranks`` samples a step between them.
+  the LLM pool's data-parallel ranks read ``samples_per_step * ranks`` samples a step between them (from the same
+  shards, split over fewer readers, so its timed steps hold other samples than (a)-(d)'s, which hold the same).
 
 This machine has 2 cores and runs more ranks than that, so wall time is not what dedicated devices would see.
 Each rank's compute per step is its training thread's CPU time (a rank blocked in a collective uses none); the
@@ -267,6 +268,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.steps = 12
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats {args.repeats}: every configuration runs at least once")
     measured_steps = args.steps - args.warmup
     if args.warmup < 1 or args.warmup % args.group_steps or measured_steps < 1 or measured_steps % args.group_steps:
         # A balance group's samples are spread over its steps: a window that cuts a group would time (c)-(e) on
@@ -287,6 +290,10 @@ def main() -> None:
             for name in records:
                 records[name].append(run(name, shards, args, Path(scratch)))
         results = {name: summarize(runs, args) for name, runs in records.items()}
+        timed = {name: sorted(json.dumps(meta, sort_keys=True) for step in result["per_rank_samples"]
+                              for rank in step for meta in rank) for name, result in results.items()}
+        if any(samples != timed["a"] for samples in timed.values()):
+            raise SystemExit("(a)-(d) timed different samples: the timed window does not cover whole balance groups")
         measured, _ = fit_to_runs(results, ("a", "b", "c"), slice(None))
         pool = encoder_pool(args, measured)
         results["e"] = summarize([run("e", shards, args, Path(scratch), pool) for _ in range(args.repeats)], args,

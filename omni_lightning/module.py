@@ -227,7 +227,7 @@ class OmniModule(LightningModule):
         if self.config.llm.moe_every:
             self.log("train/moe_aux_loss", stats["moe_aux_loss"], batch_size=samples)
         # Plan statistics only loggers read: logged on the steps they are written (each log call costs).
-        if loggers_write_this_step(self.trainer):
+        if self._trainer is not None and loggers_write_this_step(self._trainer):
             if "balance" in batch:  # loader-side plan statistics of OmniDataModule (this rank's view)
                 self.log_dict({f"balance/{k}": float(v) for k, v in batch["balance"].items()}, batch_size=samples)
             if self.model is not None and self.model.encoder_balancer is not None:

@@ -116,11 +116,13 @@ class JointEncoders:
     """
 
     def __init__(self, model: nn.Module, p2p_group: dist.ProcessGroup, costs: dict[str, ModuleCost], *,
-                 n_microbatches: int, lag: int, dtype: torch.dtype = torch.float32,
-                 dp_group: dist.ProcessGroup | None = None) -> None:
+                 n_microbatches: int, lag: int, one_f_one_b: bool = False, llm_share: float = 1.0,
+                 dtype: torch.dtype = torch.float32, dp_group: dist.ProcessGroup | None = None) -> None:
         self.model, self.group, self.costs = model, p2p_group, costs
-        # Predicted LLM cost of each micro-batch, in the unit of the encoders' FLOP costs, for the plan of a 1F1B step
-        self.llm_cost = CostModel.from_config(model.config).llm
+        # Predicted LLM cost of each micro-batch, in the unit of the encoders' FLOP costs, for the plan of a 1F1B step;
+        # a rank runs ``llm_share`` of a stage's LLM work (1 / (tp * cp)) but every item it is given whole.
+        self.llm_cost, self.llm_share = CostModel.from_config(model.config).llm, llm_share
+        self.one_f_one_b = one_f_one_b
         self.pp, self.rank = dist.get_world_size(p2p_group), dist.get_rank(p2p_group)
         self.n_microbatches, self.lag, self.dtype, self.dp_group = n_microbatches, lag, dtype, dp_group
         self._runs: np.ndarray = np.zeros(0, dtype=bool)  # [micro-batch, modality]: this rank runs the encoder
@@ -167,9 +169,10 @@ class JointEncoders:
         none of the last ``lag`` micro-batches' items, whose encoder backward would follow its last LLM backward
         and lengthen the step, while the other stages are done with their LLM work by then and absorb it."""
         n = len(micro_batches)
-        if self.lag == self.pp:  # 1F1B: stage 0 has finished m - pp's backward when it starts m's forward
+        if self.one_f_one_b:
             lengths = [np.diff(batch["cu_seqlens"].cpu().numpy().astype(np.float64)) for batch in micro_batches]
-            llm = np.array([self.llm_cost(tokens.sum(), (tokens * (tokens + 1) / 2).sum()) for tokens in lengths])
+            llm = self.llm_share * np.array([self.llm_cost(tokens.sum(), (tokens * (tokens + 1) / 2).sum())
+                                             for tokens in lengths])
             everything = [items for m in range(n) for items in self._items[m]]
             micro_batch = np.repeat(np.arange(n), [sum(i.costs.size for i in self._items[m]) for m in range(n)])
             owner = assign_encoder_items(llm, micro_batch, np.concatenate([i.costs for i in everything]), self.pp)

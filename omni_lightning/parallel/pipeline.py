@@ -286,10 +286,12 @@ class PipelineRunner:
                  virtual_stages: int, max_tokens: int, device: torch.device,
                  dtype: torch.dtype = torch.float32, encoders: str = "first_stage",
                  encoder_group: dist.ProcessGroup | None = None,
-                 data_parallel_group: dist.ProcessGroup | None = None, encoder_source: Any = None) -> None:
+                 data_parallel_group: dist.ProcessGroup | None = None, encoder_source: Any = None,
+                 llm_share: float = 1.0) -> None:
         """``encoder_source`` (with ``encoders="pool"``, on stage 0's ranks) supplies each micro-batch's encoder
         outputs as :class:`JointEncoders` does: ``start``, ``before_forward``, ``outputs``, ``finish`` and
-        ``sync_gradients`` (e.g. :class:`~omni_lightning.parallel.disaggregated.EncoderPoolLink`)."""
+        ``sync_gradients`` (e.g. :class:`~omni_lightning.parallel.disaggregated.EncoderPoolLink`). ``llm_share``:
+        the part of a stage's LLM work one rank runs (``1 / (tp * cp)``), for the joint pipeline's item plan."""
         if schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"pp_schedule={schedule!r} must be one of {sorted(PIPELINE_SCHEDULES)}")
         pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
@@ -314,7 +316,8 @@ class PipelineRunner:
             # 1F1B has finished micro-batch T - pp's backward on stage 0 when it starts T; GPipe only at the end.
             self.joint = JointEncoders(model, encoder_group, {"vision": costs.vision, "audio": costs.audio},
                                        n_microbatches=n_microbatches, lag=pp if schedule == "1F1B" else n_microbatches,
-                                       dtype=dtype, dp_group=data_parallel_group)
+                                       one_f_one_b=schedule == "1F1B", llm_share=llm_share, dtype=dtype,
+                                       dp_group=data_parallel_group)
         elif encoders == "pool":
             self.joint = encoder_source  # type: ignore[assignment]  # None off stage 0: it embeds nothing
         elif encoders != "first_stage":
