@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -85,6 +87,10 @@ def _split_linear_layers(rank: int, world_size: int) -> None:
     torch.testing.assert_close(x.grad, input_grad)  # each rank's columns gave a part: summed over TP
     for name, p in [*colwise.named_parameters("col"), *rowwise.named_parameters("row")]:
         torch.testing.assert_close(p.grad.full_tensor(), reference[name], msg=name)
+    twin = copy.deepcopy(rowwise)  # a copy multiplies its own weights, not the original's
+    with torch.no_grad():
+        twin.weight.zero_()
+    torch.testing.assert_close(twin(torch.ones(5, 3)), twin.bias.to_local().expand(5, 4))
     with pytest.raises(ValueError, match="ColwiseLinear splits an nn.Linear, not a Embedding"):
         parallelize_module(torch.nn.Embedding(4, 2), mesh, ColwiseLinear())
 

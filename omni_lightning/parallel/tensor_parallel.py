@@ -18,6 +18,8 @@ matmul itself.
 
 from __future__ import annotations
 
+from functools import partial
+from types import MethodType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -86,6 +88,23 @@ def _check_linear(module: nn.Module, style: str) -> None:
         raise ValueError(f"{style} splits an nn.Linear, not a {type(module).__name__}")
 
 
+def _colwise_forward(module: nn.Linear, x: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
+    # Read the weights at call time: FSDP swaps in its unsharded parameters around each forward.
+    bias = module.bias.to_local() if module.bias is not None else None
+    return F.linear(_CopyToTensorParallel.apply(x, group), module.weight.to_local(), bias)
+
+
+def _rowwise_forward(module: nn.Linear, x: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
+    out = _ReduceFromTensorParallel.apply(F.linear(x, module.weight.to_local()), group)
+    return out + module.bias.to_local() if module.bias is not None else out
+
+
+def _bind_forward(module: nn.Module, forward: Any, group: dist.ProcessGroup) -> None:
+    # A method bound to the module, not a closure over it: ``copy.deepcopy`` rebinds a bound method to the copy,
+    # so a copied model multiplies its own weights (the process group is shared, not copied).
+    module.forward = MethodType(partial(forward, group=group), module)
+
+
 class ColwiseLinear(ParallelStyle):
     """An ``nn.Linear`` whose output features are split over TP: replicated input, output features sharded (local)."""
 
@@ -93,14 +112,7 @@ class ColwiseLinear(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_linear(module, type(self).__name__)
         _distribute_parameters(module, device_mesh, {"weight": Shard(0), "bias": Shard(0)})
-        group = device_mesh.get_group()
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            # Read the weights at call time: FSDP swaps in its unsharded parameters around each forward.
-            bias = module.bias.to_local() if module.bias is not None else None
-            return F.linear(_CopyToTensorParallel.apply(x, group), module.weight.to_local(), bias)
-
-        module.forward = forward
+        _bind_forward(module, _colwise_forward, device_mesh.get_group())
         return module
 
 
@@ -112,11 +124,5 @@ class RowwiseLinear(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_linear(module, type(self).__name__)
         _distribute_parameters(module, device_mesh, {"weight": Shard(1), "bias": Replicate()})
-        group = device_mesh.get_group()
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            out = _ReduceFromTensorParallel.apply(F.linear(x, module.weight.to_local()), group)
-            return out + module.bias.to_local() if module.bias is not None else out
-
-        module.forward = forward
+        _bind_forward(module, _rowwise_forward, device_mesh.get_group())
         return module
