@@ -25,11 +25,13 @@ not the other processes' interference. The theoretical bubble of 1F1B with unifo
     python benchmarks/pipeline.py [--workload FILE ...] [--micro-batches 8 16 32] [--stages 4]
 
 The joint pipeline plans which rank encodes each item as the real runtime does (``JointEncoders``: small items by
-LPT, large ones placed on a model of the 1F1B step with its encoder insertions, FLOP costs; see
-:func:`omni_lightning.balance.reorder.assign_encoder_items`). The last column replays the joint pipeline's step
-with each micro-batch's encoder work shared evenly by the stages (what splitting items over the pipeline ranks
-would give), separating the cost of indivisible large items from the schedule's. Its last line is
-``joint bubble/theoretical: X``, the worst over the workloads and micro-batch counts it ran.
+LPT, large ones placed on a model of the 1F1B step with its encoder insertions; see
+:func:`omni_lightning.balance.reorder.assign_encoder_items`), with FLOP costs until the warm-up is measured and then
+with the loader planner's fitted model, the measured forward shares and each stage's measured share of the LLM
+time (``JointEncoders.calibrate``: the first stage also embeds, so it gets less encoder work). The last column
+replays the joint pipeline's step with each micro-batch's encoder work shared evenly by the stages (what splitting
+items over the pipeline ranks would give), separating the cost of indivisible large items from the schedule's.
+Its last line is ``joint bubble/theoretical: X``, the worst over the workloads and micro-batch counts it ran.
 """
 
 from __future__ import annotations
@@ -86,6 +88,14 @@ class _Planner:
 
     model: CostModel
     forward_share: float = 1 / 3  # FLOPs: the backward computes input and weight gradients
+    encoder_forward_share: float = 1 / 3
+    stage_shares: tuple[float, ...] | None = None  # each stage's share of the LLM time; None: equal
+
+    def calibrate(self, runner: pipeline.PipelineRunner) -> None:
+        """Let the joint pipeline's item plan use these figures too, as the job's calibration would."""
+        if runner.joint is not None:
+            runner.joint.calibrate(self.model, forward_share=self.forward_share,
+                                   encoder_forward_share=self.encoder_forward_share, stage_shares=self.stage_shares)
 
 
 def _micro_batches(workload: str, count: int, step: int, planner: _Planner, encoders: str,
@@ -113,12 +123,16 @@ def _micro_batches(workload: str, count: int, step: int, planner: _Planner, enco
 def _calibrated(groups: list[list[SampleMeta]], everyone: list[list[tuple[str, int, float]]]) -> _Planner:
     """The planner fitted to one measured step of the joint pipeline, as a job calibrates on its first steps: the
     LLM's coefficients (``fit_cost_model``) to each micro-batch's forward and backward CPU time over all stages,
-    the encoders' to its encoder forward and backward time over all ranks, and the forward share of the LLM time."""
+    the encoders' to its encoder forward and backward time over all ranks, the forward's share of the LLM's and
+    of the encoders' time, and each stage's share of the LLM time."""
     seconds = {kind: np.zeros(len(groups)) for kind in ("F", "B", "E", "EB")}
-    for rank in everyone:
+    stage_seconds = np.zeros(len(everyone))
+    for stage, rank in enumerate(everyone):
         for kind, m, duration in rank:
             if kind in seconds:
                 seconds[kind][m] += duration
+            if kind in ("F", "B"):
+                stage_seconds[stage] += duration
     used = feature_matrix([meta for group in groups for meta in group]).sum(axis=0)
     encoders = [name for i, name in enumerate(MODULES[:2]) if used[2 * i : 2 * i + 2].any()]
     llm = fit_cost_model(list(zip(groups, (seconds["F"] + seconds["B"]).tolist(), strict=True)), modules=["llm"])
@@ -127,7 +141,10 @@ def _calibrated(groups: list[list[SampleMeta]], everyone: list[list[tuple[str, i
         fitted = fit_cost_model(list(zip(groups, (seconds["E"] + seconds["EB"]).tolist(), strict=True)),
                                 modules=encoders)
         model = replace(model, vision=fitted.vision, audio=fitted.audio)
-    return _Planner(model, float(seconds["F"].sum() / (seconds["F"] + seconds["B"]).sum()))
+    encoder_seconds = float((seconds["E"] + seconds["EB"]).sum())
+    return _Planner(model, float(seconds["F"].sum() / (seconds["F"] + seconds["B"]).sum()),
+                    float(seconds["E"].sum()) / encoder_seconds if encoder_seconds > 0 else 1 / 3,
+                    tuple((stage_seconds / stage_seconds.sum()).tolist()))
 
 
 def _sample(meta: SampleMeta, rng: np.random.Generator) -> DecodedSample:
@@ -220,6 +237,8 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, results: 
                 settings = PipelineSettings("1F1B", count, 1, max_tokens=max_tokens, encoders=encoders)
                 runner = parallelize_mllm(model, meshes, pipeline=settings)
                 assert runner is not None
+                if calibrated:
+                    planner.calibrate(runner)
                 model.to_empty(device="cpu")
                 kept = model.state_dict().keys()
                 set_model_state_dict(model, {k: v for k, v in state.items() if k in kept},
@@ -239,6 +258,7 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, results: 
                         steps.append(everyone)
                     elif args.calibrate and not calibrated:  # every rank fits the same model from the same data
                         planner, calibrated = _calibrated(groups, everyone), True
+                        planner.calibrate(runner)
                 if rank == 0:
                     results[(Path(workload).stem, count, encoders)] = steps
     dist.destroy_process_group()

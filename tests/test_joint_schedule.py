@@ -35,18 +35,44 @@ def _lpt_plan(llm: np.ndarray, micro_batch: np.ndarray, costs: np.ndarray, pp: i
 
 
 @pytest.mark.parametrize(("pp", "m"), [(4, 8), (2, 3), (3, 2), (4, 32)])
-def test_joint_makespans_match_the_replay(pp: int, m: int) -> None:
-    """The vectorised model and the replay of the same action orders agree, assignment by assignment."""
+@pytest.mark.parametrize("uneven", [False, True])
+def test_joint_makespans_match_the_replay(pp: int, m: int, uneven: bool) -> None:
+    """The vectorised model and the replay of the same action orders agree, assignment by assignment, with the
+    LLM split evenly over the stages or by given shares."""
     rng = np.random.default_rng(m)
     llm, encoder = rng.lognormal(0.0, 1.0, (3, m)), rng.lognormal(-1.0, 1.0, (3, pp, m))
-    spans = joint_1f1b_makespans(llm, encoder, forward_share=0.4, encoder_forward_share=0.3)
+    weights = rng.uniform(0.5, 2.0, pp) if uneven else np.ones(pp)
+    shares = weights / weights.sum()
+    spans = joint_1f1b_makespans(llm, encoder, forward_share=0.4, encoder_forward_share=0.3,
+                                 stage_shares=weights if uneven else None)
     orders = joint_1f1b_orders(pp, m)
     for k in range(3):
-        seconds = {"F": llm[k] * 0.4 / pp, "B": llm[k] * 0.6 / pp}
-        actions = [[Action(kind, j, 0.0 if kind == "G" else seconds[kind][j] if kind in seconds
-                           else encoder[k, s, j] * (0.3 if kind == "E" else 0.7)) for kind, j in order]
-                   for s, order in enumerate(orders)]
+        actions = []
+        for s, order in enumerate(orders):
+            seconds = {"F": llm[k] * 0.4 * shares[s], "B": llm[k] * 0.6 * shares[s]}
+            actions.append([Action(kind, j, 0.0 if kind == "G" else seconds[kind][j] if kind in seconds
+                                   else encoder[k, s, j] * (0.3 if kind == "E" else 0.7)) for kind, j in order])
         assert spans[k] == pytest.approx(replay_pipeline(actions).makespan)
+
+
+def test_a_stage_with_more_llm_work_gets_less_encoder_work() -> None:
+    """The first stage also embeds: told so, the plan gives it less encoder work than with equal stages, and its
+    step is no longer in the model that knows."""
+    rng = np.random.default_rng(1)
+    m, pp = 32, 4
+    llm = rng.lognormal(0.0, 0.2, m)
+    micro_batch = rng.integers(0, m, 96)
+    costs = rng.pareto(1.5, 96) * 0.05
+    heavy_first = np.array([1.3, 1.0, 1.0, 1.0])
+    equal, aware = (assign_encoder_items(llm, micro_batch, costs, pp, stage_shares=shares)
+                    for shares in (None, heavy_first))
+    first_stage_work = [float(costs[plan == 0].sum()) for plan in (equal, aware)]
+    assert first_stage_work[1] < 0.8 * first_stage_work[0]
+    spans = [float(joint_1f1b_makespans(llm, _encoder_matrix(plan, micro_batch, costs, pp, m),
+                                        stage_shares=heavy_first)[0]) for plan in (equal, aware)]
+    assert spans[1] <= spans[0] * (1 + 1e-9)
+    with pytest.raises(ValueError, match="positive share for each of the 4 stages"):
+        assign_encoder_items(llm, micro_batch, costs, pp, stage_shares=np.array([1.0, 1.0, 1.0]))
 
 
 def test_without_encoder_work_the_joint_model_is_1f1b() -> None:

@@ -29,12 +29,14 @@ from lightning_runs import (
 from test_parity import STEPS, _assert_grads_match
 
 from omni_lightning import OmniDataModule, OmniModule, ReferenceMLLM
-from omni_lightning.balance.cost import CostModel
+from omni_lightning.balance.cost import CostModel, ModuleCost
+from omni_lightning.balance.reorder import assign_encoder_items
 from omni_lightning.datamodules.collate import DecodedSample, pack_samples
 from omni_lightning.datamodules.relay import PAYLOAD_KEYS
 from omni_lightning.models.config import FIRST_TEXT_ID, ReferenceMLLMConfig
 from omni_lightning.models.mllm import next_token_loss_sum
-from omni_lightning.parallel.joint_pipeline import _item_order, share_items
+from omni_lightning.parallel import joint_pipeline
+from omni_lightning.parallel.joint_pipeline import JointEncoders, _item_order, share_items
 from omni_lightning.parallel.pipeline import assign_layers, layer_costs, split_micro_batches, stage_ids_of_rank
 
 
@@ -184,6 +186,60 @@ def test_outputs_return_to_item_order() -> None:
     arrival = [1, 0, 0, 2, 2, 2]  # arrival order: item 1 (rank 0), item 0, item 2 (rank 1)
     order = _item_order(rows, owner, 2)
     assert [arrival[i] for i in order] == [0, 0, 1, 2, 2, 2]
+
+
+def _joint_step_plan(joint: JointEncoders, micro_batches: list[dict[str, object]]) -> np.ndarray:
+    """The owner of every item of the step, vision then audio per micro-batch, as ``start`` plans it."""
+    joint.start(micro_batches, train=True)
+    owners = np.concatenate([items.owner for m in range(len(micro_batches)) for items in joint._items[m]])
+    joint._items.clear()
+    return owners
+
+
+def test_calibrated_joint_plan_uses_the_measured_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``JointEncoders.calibrate`` swaps the FLOP prices of the 1F1B item plan for measured ones: the plan is then
+    exactly ``assign_encoder_items`` on the measured costs and forward shares, and differs from the FLOP plan."""
+    pp = 4
+    monkeypatch.setattr(joint_pipeline.dist, "get_world_size", lambda group=None: pp)
+    monkeypatch.setattr(joint_pipeline.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(JointEncoders, "_post_receives", lambda self, m: None)  # no peers to receive from
+    config = ReferenceMLLMConfig.tiny()
+    with torch.device("meta"):
+        model = ReferenceMLLM(config)
+    flops = CostModel.from_config(config)
+    joint = JointEncoders(model, None, {"vision": flops.vision, "audio": flops.audio},  # type: ignore[arg-type]
+                          n_microbatches=8, lag=pp, one_f_one_b=True)
+    rng = np.random.default_rng(0)
+    micro_batches = []
+    for m in range(8):
+        sides = [(2 + int(rng.integers(0, 10)) * 2, 2 + int(rng.integers(0, 10)) * 2) for _ in range(1 + m % 3)]
+        images = [rng.integers(0, 256, (h * 14, w * 14, 3), dtype=np.uint8) for h, w in sides]
+        mel = rng.standard_normal((4 * int(rng.integers(2, 16)), 80)).astype("f4")
+        micro_batches.append(pack_samples([DecodedSample(str(m), rng.integers(FIRST_TEXT_ID, 256, 40), images, mel)]))
+    flop_plan = _joint_step_plan(joint, micro_batches)
+
+    with pytest.raises(ValueError, match="forward_share=1.0"):
+        joint.calibrate(flops, forward_share=1.0, encoder_forward_share=0.5)
+    # Measured on a device where the encoders run slowly next to the LLM and forwards take more than a third.
+    measured = CostModel(ModuleCost(flops.vision.linear * 40, flops.vision.quadratic * 40),
+                         ModuleCost(flops.audio.linear * 40, 0.0), flops.llm)
+    joint.calibrate(measured, forward_share=0.45, encoder_forward_share=0.4)
+    calibrated_plan = _joint_step_plan(joint, micro_batches)
+
+    item_costs, micro_batch, llm = [], [], []
+    for m, batch in enumerate(micro_batches):
+        grids = batch["vision_grids"]
+        vision_tokens = (grids[:, 0] * grids[:, 1]).numpy().astype(np.float64)
+        audio_tokens = (batch["audio_lengths"].numpy() // config.audio.downsample).astype(np.float64)
+        for cost, tokens in ((measured.vision, vision_tokens), (measured.audio, audio_tokens)):
+            item_costs.extend((cost.linear * tokens + cost.quadratic * tokens**2).tolist())
+            micro_batch.extend([m] * tokens.size)
+        lengths = np.diff(batch["cu_seqlens"].numpy().astype(np.float64))
+        llm.append(measured.llm(lengths.sum(), (lengths * (lengths + 1) / 2).sum()))
+    expected = assign_encoder_items(np.array(llm), np.array(micro_batch), np.array(item_costs), pp,
+                                    forward_share=0.45, encoder_forward_share=0.4)
+    assert calibrated_plan.tolist() == expected.tolist()
+    assert calibrated_plan.tolist() != flop_plan.tolist()
 
 
 class _JointProbe(pl.Callback):

@@ -404,10 +404,11 @@ def one_f_one_b_makespans(costs: np.ndarray, pp: int, *, forward_share: float = 
 
 
 def joint_1f1b_makespans(llm_costs: np.ndarray, encoder_costs: np.ndarray, *, forward_share: float = 1 / 3,
-                         encoder_forward_share: float = 1 / 3) -> np.ndarray:
+                         encoder_forward_share: float = 1 / 3, stage_shares: np.ndarray | None = None) -> np.ndarray:
     """Step times of the joint encoder-LLM pipeline's 1F1B for many encoder assignments at once (pure, vectorised).
 
-    ``llm_costs[k, j]`` is the LLM cost of the ``j``-th micro-batch, split evenly over the stages and into forward
+    ``llm_costs[k, j]`` is the LLM cost of the ``j``-th micro-batch, split over the stages (evenly, or by
+    ``stage_shares``, e.g. measured: the first stage also embeds, the last computes the loss) and into forward
     (``forward_share``) and backward as in :func:`one_f_one_b_makespans`; ``encoder_costs[k, s, j]`` the encoder
     work of that micro-batch that pipeline rank ``s`` does (forward ``encoder_forward_share`` of it), at the
     insertions :class:`omni_lightning.parallel.joint_pipeline.JointEncoders` runs it at (:func:`joint_1f1b_orders`),
@@ -417,7 +418,8 @@ def joint_1f1b_makespans(llm_costs: np.ndarray, encoder_costs: np.ndarray, *, fo
     encoder = encoder[None] if encoder.ndim == 2 else encoder
     llm = np.broadcast_to(np.atleast_2d(np.asarray(llm_costs, dtype=np.float64)), (encoder.shape[0], encoder.shape[2]))
     program = _program(joint_1f1b_orders(encoder.shape[1], encoder.shape[2]))
-    return _replay(program, _joint_durations(program, llm, encoder, forward_share, encoder_forward_share)).max(axis=0)
+    durations = _joint_durations(program, llm, encoder, forward_share, encoder_forward_share, stage_shares)
+    return _replay(program, durations).max(axis=0)
 
 
 def joint_1f1b_orders(pp: int, m: int) -> tuple[tuple[tuple[str, int], ...], ...]:
@@ -447,7 +449,8 @@ def joint_1f1b_orders(pp: int, m: int) -> tuple[tuple[tuple[str, int], ...], ...
 
 
 def assign_encoder_items(llm_costs: np.ndarray, micro_batch: np.ndarray, item_costs: np.ndarray, pp: int, *,
-                         forward_share: float = 1 / 3, encoder_forward_share: float = 1 / 3, large: float = 1 / 16,
+                         forward_share: float = 1 / 3, encoder_forward_share: float = 1 / 3,
+                         stage_shares: np.ndarray | None = None, large: float = 1 / 16,
                          max_rounds: int = 64) -> np.ndarray:
     """The pipeline rank that encodes each item of a joint-pipeline 1F1B step, chosen on the step's time (pure).
 
@@ -457,6 +460,8 @@ def assign_encoder_items(llm_costs: np.ndarray, micro_batch: np.ndarray, item_co
         item_costs: predicted encoder cost (forward and backward) of each item.
         pp: pipeline ranks.
         forward_share, encoder_forward_share: the forward's share of an LLM micro-batch's and of an item's cost.
+        stage_shares: each stage's share of a micro-batch's LLM cost (``None``: equal), so that a stage with more
+            LLM work (embedding, loss) is given less encoder work.
         large: items costing at least this share of a micro-batch's mean LLM cost on one stage are placed on the
             modelled step; the others by LPT.
         max_rounds: most moves of the descent.
@@ -483,7 +488,7 @@ def assign_encoder_items(llm_costs: np.ndarray, micro_batch: np.ndarray, item_co
     costs = np.asarray(item_costs, dtype=np.float64)
     if pp == 1 or costs.size == 0:
         return np.zeros(costs.size, dtype=np.int64)
-    model = _JointModel(llm, micro_batch, costs, pp, forward_share, encoder_forward_share)
+    model = _JointModel(llm, micro_batch, costs, pp, forward_share, encoder_forward_share, stage_shares)
     big = costs >= large * float(llm.mean()) / pp
     plans = [model.descend(model.lpt(np.ones(costs.size, dtype=bool)), big, max_rounds),
              model.descend(model.greedy(model.lpt(~big), big), big, max_rounds)]
@@ -495,9 +500,10 @@ class _JointModel:
     """One step's costs under :func:`joint_1f1b_makespans`, and the plans :func:`assign_encoder_items` makes."""
 
     def __init__(self, llm: np.ndarray, micro_batch: np.ndarray, costs: np.ndarray, pp: int, forward_share: float,
-                 encoder_forward_share: float) -> None:
+                 encoder_forward_share: float, stage_shares: np.ndarray | None) -> None:
         self.llm, self.micro_batch, self.costs, self.pp = llm, micro_batch, costs, pp
-        self.shares = {"forward_share": forward_share, "encoder_forward_share": encoder_forward_share}
+        self.shares = {"forward_share": forward_share, "encoder_forward_share": encoder_forward_share,
+                       "stage_shares": stage_shares}
         m = llm.size
         self.tail = m - pp if pp < m else m  # JointEncoders' rule: with no more micro-batches than stages, none
         self.program = _program(joint_1f1b_orders(pp, m))
@@ -593,13 +599,24 @@ def lpt_ranks(costs: np.ndarray, loads: np.ndarray, ranks: np.ndarray) -> np.nda
 
 
 def _joint_durations(program: tuple[tuple[int, str, int, int, tuple[int, ...]], ...], llm: np.ndarray,
-                     encoder: np.ndarray, forward_share: float, encoder_forward_share: float) -> np.ndarray:
+                     encoder: np.ndarray, forward_share: float, encoder_forward_share: float,
+                     stage_shares: np.ndarray | None = None) -> np.ndarray:
     """Durations ``[action, k]`` of the joint pipeline's ``program`` for ``k`` assignments (see
     :func:`joint_1f1b_makespans` for the arguments)."""
     stage, micro_batch, share, is_encoder = _program_columns(program, forward_share, encoder_forward_share)
     pp = encoder.shape[1]
-    durations = np.where(is_encoder[:, None], encoder[:, stage, micro_batch].T, llm.T[micro_batch] / pp)
+    per_stage = (llm.T[micro_batch] / pp if stage_shares is None
+                 else llm.T[micro_batch] * _stage_shares(stage_shares, pp)[stage][:, None])
+    durations = np.where(is_encoder[:, None], encoder[:, stage, micro_batch].T, per_stage)
     return np.ascontiguousarray(durations * share[:, None])
+
+
+def _stage_shares(stage_shares: np.ndarray, pp: int) -> np.ndarray:
+    """Each stage's share of a micro-batch's LLM cost, checked and normalised."""
+    shares = np.asarray(stage_shares, dtype=np.float64)
+    if shares.shape != (pp,) or not (shares > 0).all():
+        raise ValueError(f"stage_shares={stage_shares!r} must hold a positive share for each of the {pp} stages")
+    return shares / shares.sum()
 
 
 @lru_cache(maxsize=64)

@@ -29,6 +29,7 @@ over the pipeline ranks: :meth:`JointEncoders.sync_gradients` sums their gradien
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -122,6 +123,8 @@ class JointEncoders:
         # Predicted LLM cost of each micro-batch, in the unit of the encoders' FLOP costs, for the plan of a 1F1B step;
         # a rank runs ``llm_share`` of a stage's LLM work (1 / (tp * cp)) but every item it is given whole.
         self.llm_cost, self.llm_share = CostModel.from_config(model.config).llm, llm_share
+        self.forward_share = self.encoder_forward_share = 1 / 3  # FLOPs: the backward computes two gradients
+        self.stage_shares: np.ndarray | None = None  # each stage's share of a micro-batch's LLM work; None: equal
         self.one_f_one_b = one_f_one_b
         self.pp, self.rank = dist.get_world_size(p2p_group), dist.get_rank(p2p_group)
         self.n_microbatches, self.lag, self.dtype, self.dp_group = n_microbatches, lag, dtype, dp_group
@@ -135,6 +138,26 @@ class JointEncoders:
         self._retained: dict[int, list[tuple[torch.Tensor | None, bool]]] = {}
         self._incoming: dict[int, list[tuple[torch.Tensor, list[dist.Work]]]] = {}
         self._sends: list[dist.Work] = []
+
+    def calibrate(self, cost_model: CostModel, *, forward_share: float, encoder_forward_share: float,
+                  stage_shares: Sequence[float] | None = None) -> None:
+        """Plan the steps that follow with measured figures instead of FLOPs: a cost model (e.g.
+        :func:`~omni_lightning.balance.cost.fit_cost_model` on profiled steps), the forward's share of an LLM
+        micro-batch's and of an item's time, and each stage's share of a micro-batch's LLM time (``None``: equal).
+        FLOPs misjudge all three on hardware whose speed depends on the shape, and the first and last stages
+        also embed and compute the loss; the 1F1B plan of large items leans on them, and gives a stage with more
+        LLM work less encoder work. Every pipeline rank must calibrate with the same figures, since each computes
+        the plan itself."""
+        for name, share in (("forward_share", forward_share), ("encoder_forward_share", encoder_forward_share)):
+            if not 0.0 < share < 1.0:
+                raise ValueError(f"{name}={share} must be strictly between 0 and 1")
+        if stage_shares is not None and (len(stage_shares) != self.pp or min(stage_shares) <= 0):
+            raise ValueError(f"stage_shares={list(stage_shares)} must hold a positive share for each of the "
+                             f"{self.pp} pipeline stages")
+        self.costs = {name: getattr(cost_model, name) for name in _MODALITIES}
+        self.llm_cost = cost_model.llm
+        self.forward_share, self.encoder_forward_share = forward_share, encoder_forward_share
+        self.stage_shares = None if stage_shares is None else np.asarray(stage_shares, dtype=np.float64)
 
     # ---------------------------------------------------------------------------------------------- schedule
     @property
@@ -175,7 +198,10 @@ class JointEncoders:
                                              for tokens in lengths])
             everything = [items for m in range(n) for items in self._items[m]]
             micro_batch = np.repeat(np.arange(n), [sum(i.costs.size for i in self._items[m]) for m in range(n)])
-            owner = assign_encoder_items(llm, micro_batch, np.concatenate([i.costs for i in everything]), self.pp)
+            owner = assign_encoder_items(llm, micro_batch, np.concatenate([i.costs for i in everything]), self.pp,
+                                         forward_share=self.forward_share,
+                                         encoder_forward_share=self.encoder_forward_share,
+                                         stage_shares=self.stage_shares)
             for items, share in zip(everything, np.split(owner, np.cumsum([i.costs.size for i in everything])[:-1]),
                                     strict=True):
                 items.owner = share
