@@ -307,8 +307,10 @@ class Simulation:
         """OmniStrategy, or one of its ablations (``options``).
 
         Encoder work is inserted uniformly: each GPU's planned encoder work of the step is spread evenly over its
-        ``micro_batches`` insertions (an encoder pass can pause between layers), and a stage's GPUs, which meet
-        at every TP collective of the LLM, move at the pace of the busiest of them.
+        insertions (an encoder pass can pause between layers), and a stage's GPUs, which meet at every TP collective
+        of the LLM, move at the pace of the busiest of them. As in the runtime, the first stage has no share of the
+        last ``pp`` micro-batches (its encoder backward of them would follow its last LLM backward), so its GPUs'
+        work goes into the insertions before.
         """
         layout, pool = self.scenario.layout, self.pool
         mp, stage_gpus, micro = layout.model_parallel, layout.tp * layout.cp, layout.micro_batches
@@ -318,6 +320,10 @@ class Simulation:
         fractions = self.stage_fractions(layout, encoders_on_first=not options.multiplex)
         llm_memory = self._llm_memory(layout, self.dp, fractions)
         window = min(2 * layout.pp if options.multiplex else layout.pp, micro) / micro  # share of a step in flight
+        slots = np.ones((layout.pp, micro))  # each stage's share of its step's encoder work, by insertion
+        if options.multiplex and layout.pp > 1 and micro > layout.pp:
+            slots[0, micro - layout.pp :] = 0.0
+        slots /= slots.sum(axis=1, keepdims=True)
         makespans_of_steps, syncs, imbalance, memory, placed, drawn = [], [], [], 0.0, 0.0, 0.0
         for step, draw in enumerate(self.draws):
             makespans, gpu_busy = [], []
@@ -351,8 +357,8 @@ class Simulation:
                     # Uniform insertion: a GPU's step of encoder work in equal slices, the stage at its busiest GPU.
                     enc_f = np.zeros((layout.pp, micro))
                     enc_b = np.zeros((layout.pp, micro))
-                    enc_f[:stages] = ((f + comm[i] / 2).max(axis=1) / micro)[:, None]
-                    enc_b[:stages] = ((b + comm[i] / 2).max(axis=1) / micro)[:, None]
+                    enc_f[:stages] = (f + comm[i] / 2).max(axis=1)[:, None] * slots[:stages]
+                    enc_b[:stages] = (b + comm[i] / 2).max(axis=1)[:, None] * slots[:stages]
                     if options.multiplex:
                         actions = self._actions(llm_cost[i].tolist(), llm_tokens[i].tolist(), layout, fractions,
                                                 enc_f, enc_b, joint=True)

@@ -7,8 +7,9 @@
   encodes its share of micro-batch ``m + s + 1`` just before its forward of ``m`` (the first ``s + 1`` shares before
   the step starts) and backpropagates its share of ``m - p``; stage 0 encodes its share of ``m`` in line, sends the
   gradients of ``m`` (``G``) as soon as its backward of ``m`` produced them, and backpropagates its own share of
-  ``m - p`` before its forward of ``m``; what is left runs after the schedule. (The runtime also keeps stage 0's
-  share of the last ``p`` micro-batches at zero; callers choose the shares.)
+  ``m - p`` before its forward of ``m``; what is left runs after the schedule. (The runtime keeps stage 0's
+  share of the last ``p`` micro-batches at zero; callers choose the shares, and the simulator's Omni placement
+  does the same.)
 """
 
 from __future__ import annotations
