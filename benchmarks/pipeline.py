@@ -28,10 +28,13 @@ The joint pipeline plans which rank encodes each item as the real runtime does (
 LPT, large ones placed on a model of the 1F1B step with its encoder insertions; see
 :func:`omni_lightning.balance.reorder.assign_encoder_items`), with FLOP costs until the warm-up is measured and then
 with the loader planner's fitted model, the measured forward shares and each stage's measured share of the LLM
-time (``JointEncoders.calibrate``: the first stage also embeds, so it gets less encoder work). The last column
-replays the joint pipeline's step with each micro-batch's encoder work shared evenly by the stages (what splitting
-items over the pipeline ranks would give), separating the cost of indivisible large items from the schedule's.
-Its last line is ``joint bubble/theoretical: X``, the worst over the workloads and micro-batch counts it ran.
+time (``JointEncoders.calibrate``: the first stage also embeds, so it gets less encoder work). The last but one
+column replays the joint pipeline's step with each micro-batch's encoder work shared evenly by the stages (what
+splitting items over the pipeline ranks would give), separating the cost of indivisible large items from the
+schedule's; the last column replays it with each stage's LLM forwards and backwards at their means over the
+micro-batches and the encoder work as it ran (the joint pipeline on uniform micro-batches: what is left once the
+uneven micro-batches, which the loader forms, are taken out). Its last line is ``joint bubble/theoretical: X``,
+the worst over the workloads and micro-batch counts it ran, on the micro-batches as they are.
 """
 
 from __future__ import annotations
@@ -219,6 +222,16 @@ def _spread(step: list[list[tuple[str, int, float]]]) -> list[list[Action]]:
              for kind, m, seconds in rank] for rank in step]
 
 
+def _even_llm(step: list[list[tuple[str, int, float]]]) -> list[list[Action]]:
+    """The step with every stage's LLM forward and backward at their means over the micro-batches, the encoder
+    work as it ran: the joint pipeline's bubble on uniform micro-batches, apart from what uneven ones add."""
+    actions = []
+    for rank in step:
+        mean = {kind: float(np.mean([a[2] for a in rank if a[0] == kind])) for kind in ("F", "B")}
+        actions.append([Action(kind, m, mean.get(kind, seconds)) for kind, m, seconds in rank])
+    return actions
+
+
 def _worker(rank: int, size: int, port: int, args: argparse.Namespace, results: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -270,7 +283,7 @@ def main() -> None:
     parser.add_argument("--micro-batches", nargs="+", type=int, default=[8, 16])
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each step; every action keeps its least time")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each step; every action keeps its least time")
     parser.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                         help="plan micro-batches with the FLOP cost model instead of one fitted to the first warm-up")
     parser.add_argument("--length-scale", type=float, default=0.05)
@@ -284,7 +297,7 @@ def main() -> None:
 
     rows, worst = [], 0.0
     print(f"{'workload':<14}{'m':>4}{'theory':>8}{'stage-0 enc':>13}{'joint':>8}{'joint/theory':>14}"
-          f"{'step ms (s0, joint)':>22}{'joint, items split':>20}")
+          f"{'step ms (s0, joint)':>22}{'joint, items split':>20}{'joint, even LLM':>17}")
     for workload, count in sorted({(w, c) for w, c, _ in dict(results)}):
         theory = one_f_one_b_bubble(args.stages, count)
         outcome = {}
@@ -294,7 +307,9 @@ def main() -> None:
             outcome[mode] = (float(np.mean([r.bubble for r in replays])), float(np.mean([r.makespan for r in replays])),
                              [float(np.mean(b)) for b in zip(*[r.bubbles for r in replays], strict=True)])
         ratio = outcome["joint"][0] / theory
-        split = float(np.mean([replay_pipeline(_spread(step)).bubble for step in results[(workload, count, "joint")]]))
+        split, even = (float(np.mean([replay_pipeline(counterfactual(step)).bubble
+                                      for step in results[(workload, count, "joint")]]))
+                       for counterfactual in (_spread, _even_llm))
         for mode in ("first_stage", "joint"):
             steps = results[(workload, count, mode)]
             seconds = {kind: [float(np.mean([a[2] for step in steps for a in step[s] if a[0] == kind] or [0.0]))
@@ -306,10 +321,10 @@ def main() -> None:
                      "first_stage_stage_bubbles": outcome["first_stage"][2], "joint_stage_bubbles": outcome["joint"][2],
                      "first_stage_step_s": outcome["first_stage"][1], "joint_step_s": outcome["joint"][1],
                      "first_stage_action_s": outcome["first_stage"][3], "joint_action_s": outcome["joint"][3],
-                     "joint_items_split_bubble": split})
+                     "joint_items_split_bubble": split, "joint_even_llm_bubble": even})
         print(f"{workload:<14}{count:>4}{theory:>8.3f}{outcome['first_stage'][0]:>13.3f}{outcome['joint'][0]:>8.3f}"
               f"{ratio:>14.3f}{outcome['first_stage'][1] * 1e3:>11.0f},{outcome['joint'][1] * 1e3:>8.0f}"
-              f"{split:>20.3f}")
+              f"{split:>20.3f}{even:>17.3f}")
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
     print(f"joint bubble/theoretical: {worst:.3f}")
