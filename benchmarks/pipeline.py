@@ -144,9 +144,9 @@ def _calibrated(groups: list[list[SampleMeta]], everyone: list[list[tuple[str, i
         fitted = fit_cost_model(list(zip(groups, (seconds["E"] + seconds["EB"]).tolist(), strict=True)),
                                 modules=encoders)
         model = replace(model, vision=fitted.vision, audio=fitted.audio)
-    encoder_seconds = float((seconds["E"] + seconds["EB"]).sum())
+    encoder_share = float(seconds["E"].sum() / max((seconds["E"] + seconds["EB"]).sum(), 1e-12))
     return _Planner(model, float(seconds["F"].sum() / (seconds["F"] + seconds["B"]).sum()),
-                    float(seconds["E"].sum()) / encoder_seconds if encoder_seconds > 0 else 1 / 3,
+                    encoder_share if 0.0 < encoder_share < 1.0 else 1 / 3,  # FLOPs where a pass went unrecorded
                     tuple((stage_seconds / stage_seconds.sum()).tolist()))
 
 

@@ -108,6 +108,28 @@ def test_omni_plans_group_steps_at_a_time_as_the_loader_does(monkeypatch: pytest
     assert ids.size == sum(d.samples[r].size for d in sim.draws[:2] for r in range(sim.group))
 
 
+def test_omni_spares_the_first_stage_the_last_micro_batches_encoder_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As JointEncoders plans it: stage 0's encoder backward of the last pp micro-batches would follow its last LLM
+    backward, so the simulated first stage has no encoder work there; its GPUs' work goes into the insertions before,
+    and the other stages keep theirs spread over every micro-batch."""
+    from omni_lightning.sim import placements
+
+    inserted = []
+    real = placements.joint_pipeline
+
+    def spy(forward: list, backward: list, encode: list, encode_backward: list) -> list:
+        inserted.append((np.array(encode), np.array(encode_backward)))
+        return real(forward, backward, encode, encode_backward)
+
+    monkeypatch.setattr(placements, "joint_pipeline", spy)
+    Simulation(_scenario(micro_batches=6)).omni()
+    assert inserted
+    for encode, encode_backward in inserted:
+        for work in (encode, encode_backward):
+            assert (work[0, -2:] == 0).all() and work[0, :-2].min() > 0 and np.ptp(work[0, :-2]) == 0
+            assert work[1].min() > 0 and np.ptp(work[1]) == 0
+
+
 def test_joint_pipeline_without_encoders_is_1f1b() -> None:
     stages, micro = 4, 8
     forward = [[1.0] * micro for _ in range(stages)]

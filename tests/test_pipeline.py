@@ -241,6 +241,18 @@ def test_calibrated_joint_plan_uses_the_measured_costs(monkeypatch: pytest.Monke
     assert calibrated_plan.tolist() == expected.tolist()
     assert calibrated_plan.tolist() != flop_plan.tolist()
 
+    # Told that the first stage runs more of the LLM (it embeds), the plan is the one for those stage shares.
+    heavy_first = (1.3, 1.0, 1.0, 1.0)
+    joint.calibrate(measured, forward_share=0.45, encoder_forward_share=0.4, stage_shares=heavy_first)
+    shared_plan = _joint_step_plan(joint, micro_batches)
+    expected = assign_encoder_items(np.array(llm), np.array(micro_batch), np.array(item_costs), pp,
+                                    forward_share=0.45, encoder_forward_share=0.4, stage_shares=np.array(heavy_first))
+    assert shared_plan.tolist() == expected.tolist()
+    assert shared_plan.tolist() != calibrated_plan.tolist()
+    for bad in ((1.0, 1.0, 1.0), (1.0, 0.0, 1.0, 1.0), (1.0, float("inf"), 1.0, 1.0)):
+        with pytest.raises(ValueError, match="positive, finite share for each of the 4 pipeline stages"):
+            joint.calibrate(measured, forward_share=0.45, encoder_forward_share=0.4, stage_shares=bad)
+
 
 class _JointProbe(pl.Callback):
     """Rank 0 records, each step, the order encoder work ran in and the most micro-batches alive at once."""

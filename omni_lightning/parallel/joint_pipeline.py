@@ -29,6 +29,7 @@ over the pipeline ranks: :meth:`JointEncoders.sync_gradients` sums their gradien
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -112,6 +113,8 @@ class JointEncoders:
         n_microbatches: micro-batches per step.
         lag: how many micro-batches after its forward an encoder backward runs (``pp`` for 1F1B; for GPipe the
             micro-batch count, i.e. after the schedule).
+        one_f_one_b: the schedule is 1F1B, so large items are placed on a model of its step.
+        llm_share: the part of a stage's LLM work this rank runs (``1 / (tp * cp)``), for that model.
         dtype: dtype of the encoders' outputs (the FSDP compute dtype).
         dp_group: the data-parallel peers whose FSDP collectives the encoders share (``None`` without them).
     """
@@ -146,13 +149,16 @@ class JointEncoders:
         micro-batch's and of an item's time, and each stage's share of a micro-batch's LLM time (``None``: equal).
         FLOPs misjudge all three on hardware whose speed depends on the shape, and the first and last stages
         also embed and compute the loss; the 1F1B plan of large items leans on them, and gives a stage with more
-        LLM work less encoder work. Every pipeline rank must calibrate with the same figures, since each computes
-        the plan itself."""
+        LLM work less encoder work. ``cost_model.llm`` prices a micro-batch's LLM work on all of a stage's ranks
+        together (the plan takes this rank's ``llm_share`` of it), its encoders an item on one rank: fit the LLM
+        to the summed time of a stage's tensor- and context-parallel ranks. Every pipeline rank must calibrate
+        with the same figures, since each computes the plan itself."""
         for name, share in (("forward_share", forward_share), ("encoder_forward_share", encoder_forward_share)):
             if not 0.0 < share < 1.0:
                 raise ValueError(f"{name}={share} must be strictly between 0 and 1")
-        if stage_shares is not None and (len(stage_shares) != self.pp or min(stage_shares) <= 0):
-            raise ValueError(f"stage_shares={list(stage_shares)} must hold a positive share for each of the "
+        if stage_shares is not None and (len(stage_shares) != self.pp
+                                         or not all(0 < share < math.inf for share in stage_shares)):
+            raise ValueError(f"stage_shares={list(stage_shares)} must hold a positive, finite share for each of the "
                              f"{self.pp} pipeline stages")
         self.costs = {name: getattr(cost_model, name) for name in _MODALITIES}
         self.llm_cost = cost_model.llm
