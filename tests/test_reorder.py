@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from omni_lightning.balance import reorder
 from omni_lightning.balance.reorder import (
     ReorderConfig,
     balance_groups,
@@ -187,6 +188,47 @@ def test_refinement_ramps_the_micro_batches_around_a_heavy_sample() -> None:
                                   config=ReorderConfig(steps=1, micro_batches=8, token_budget=320, pp=4,
                                                        pipeline_search=True), seed=0, epoch=0, group_index=0)
     assert span(searched.micro_batches[0][0]) < 0.95 * span(lpt)
+
+
+@pytest.mark.parametrize(("n", "m", "pp", "budget"), [(40, 8, 4, None), (48, 16, 4, 260), (30, 8, 2, None),
+                                                     (64, 16, 8, None)])
+def test_refinement_rules_out_candidates_without_changing_the_plan(n: int, m: int, pp: int, budget: int | None,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The descent skips the replay of candidates that a critical path already shows cannot be chosen: it must
+    reach the plan that replaying every candidate reaches, while skipping most of them."""
+    rng = np.random.default_rng(n + m + pp)
+    costs, tokens = rng.lognormal(0.0, 1.0, n), rng.integers(20, 100, n)
+    batches = [list(range(j, n, m)) for j in range(m)]
+    replayed = []
+    real_ends = reorder._OneFOneB.ends
+
+    def counting_ends(self: object, costs: np.ndarray) -> np.ndarray:
+        replayed.append(costs.shape[0])
+        return real_ends(self, costs)
+
+    monkeypatch.setattr(reorder._OneFOneB, "ends", counting_ends)
+    pruned = refine_for_1f1b(batches, costs, tokens, pp=pp, token_budget=budget)
+    pruned_replays = sum(replayed)
+    replayed.clear()
+    m_pairs = (m, m)
+    monkeypatch.setattr(reorder, "_allowed_moves", lambda paths, load, below: (
+        np.full(m_pairs, -np.inf), np.full(m_pairs, np.inf), np.zeros(0, dtype=np.int64)))
+    assert refine_for_1f1b(batches, costs, tokens, pp=pp, token_budget=budget) == pruned
+    assert pruned_replays < sum(replayed) / 2
+
+
+@pytest.mark.parametrize(("pp", "m"), [(4, 16), (2, 3), (8, 32), (3, 1)])
+def test_critical_paths_measure_the_step(pp: int, m: int) -> None:
+    """Each critical path's weights, dotted with the costs, give that step's time, and with any other costs a
+    length no greater than that step's (a path is a lower bound, which is what the pruning relies on)."""
+    rng = np.random.default_rng(pp * m)
+    steps = reorder._OneFOneB.of(pp, m, 0.4)
+    costs = rng.lognormal(0.0, 1.0, (20, m))
+    end = steps.ends(costs)
+    paths = steps.critical_paths(end)
+    assert np.allclose((paths * costs).sum(axis=1), one_f_one_b_makespans(costs, pp, forward_share=0.4))
+    others = rng.lognormal(0.0, 1.0, (20, m))
+    assert ((paths * others).sum(axis=1) <= one_f_one_b_makespans(others, pp, forward_share=0.4) + 1e-9).all()
 
 
 def test_micro_batches_balance_their_own_costs() -> None:

@@ -396,11 +396,69 @@ def one_f_one_b_makespans(costs: np.ndarray, pp: int, *, forward_share: float = 
     action starts when its stage is free and its input is there (the forward of the stage before, the backward of
     the stage after), as :func:`omni_lightning.sim.replay_pipeline` replays a step.
     """
-    costs = np.atleast_2d(np.asarray(costs, dtype=np.float64)) / pp
-    program = _program(_one_f_one_b_orders(pp, costs.shape[1]))
-    _, micro_batch, share, _ = _program_columns(program, forward_share, 0.0)
-    # Rows of a contiguous transpose: the replay reads one action's durations for every order at once.
-    return _replay(program, np.ascontiguousarray(costs.T)[micro_batch] * share[:, None]).max(axis=0)
+    costs = np.atleast_2d(np.asarray(costs, dtype=np.float64))
+    steps = _OneFOneB.of(pp, costs.shape[1], forward_share)
+    return steps.makespans(steps.ends(costs))
+
+
+class _OneFOneB:
+    """The 1F1B step of ``pp`` equal stages and ``m`` micro-batches as arrays, replayed for many cost vectors at
+    once; and its critical paths, as the weight of each micro-batch's cost on them (see :func:`refine_for_1f1b`)."""
+
+    def __init__(self, pp: int, m: int, forward_share: float) -> None:
+        program = _program(_one_f_one_b_orders(pp, m))
+        self.m = m
+        forward = np.array([a[1] == "F" for a in program])
+        self.micro_batch = np.array([a[2] for a in program], dtype=np.int64)
+        # Each action's duration per unit of its micro-batch's cost; 1F1B has one dependency at most besides the
+        # action before it on its stage (-1: none, the zero row of the end times).
+        self.weight = np.where(forward, forward_share, 1.0 - forward_share) / pp
+        self.before = np.array([a[3] for a in program], dtype=np.int64)
+        self.needs = np.array([a[4][0] if a[4] else -1 for a in program], dtype=np.int64)
+        self.last = int(max(range(len(program)), key=lambda i: (program[i][0] == 0, i)))  # stage 0's last backward
+        # Actions in waves that depend only on earlier waves (one per step of the longest chain), replayed a
+        # wave at a time: far fewer array operations than one per action.
+        level = np.zeros(len(program) + 1, dtype=np.int64)
+        for i in range(len(program)):
+            level[i] = 1 + max(level[self.before[i]], level[self.needs[i]])
+        self.waves = [np.flatnonzero(level[:-1] == k) for k in range(1, int(level.max()) + 1)]
+
+    @staticmethod
+    @lru_cache(maxsize=64)
+    def of(pp: int, m: int, forward_share: float) -> _OneFOneB:
+        return _OneFOneB(pp, m, forward_share)
+
+    def ends(self, costs: np.ndarray) -> np.ndarray:
+        """End times ``[action + 1, k]`` for the cost vectors ``costs[k]`` (the last row stays 0: no action)."""
+        # Rows of a contiguous transpose: each action reads its micro-batch's costs for every vector at once.
+        transposed = np.ascontiguousarray(costs.T)
+        end = np.zeros((self.micro_batch.size + 1, costs.shape[0]))
+        for wave in self.waves:
+            end[wave] = (np.maximum(end[self.before[wave]], end[self.needs[wave]])
+                         + transposed[self.micro_batch[wave]] * self.weight[wave, None])
+        return end
+
+    def makespans(self, end: np.ndarray) -> np.ndarray:
+        """Step times from :meth:`ends` (stage 0's last backward ends last: it waits on every stage's)."""
+        return end[self.last].copy()
+
+    def critical_paths(self, end: np.ndarray) -> np.ndarray:
+        """For each column of ``end``, a longest path through the step as the weight ``[k, j]`` of micro-batch
+        ``j``'s cost on it: the path's length is that row's dot product with the cost vector, for *any* costs."""
+        columns = np.arange(end.shape[1])
+        action = np.full(columns.size, self.last)
+        visited = []
+        while (action >= 0).any():
+            visited.append(action)
+            before, need = self.before[action], self.needs[action]
+            # Back along whichever input the action waited for last (its stage, or the stage it depends on); -1
+            # (no action) stays -1.
+            action = np.where(action < 0, -1, np.where(end[need, columns] > end[before, columns], need, before))
+        on_path = np.stack(visited)
+        hit = on_path >= 0
+        cells = columns[None].repeat(on_path.shape[0], axis=0)[hit] * self.m + self.micro_batch[on_path[hit]]
+        return np.bincount(cells, weights=self.weight[on_path[hit]], minlength=columns.size * self.m).reshape(
+            columns.size, self.m)
 
 
 def joint_1f1b_makespans(llm_costs: np.ndarray, encoder_costs: np.ndarray, *, forward_share: float = 1 / 3,
@@ -706,21 +764,31 @@ def search_1f1b_order(micro_batch_costs: list[float], pp: int, *, forward_share:
     if pp <= 1 or m <= 2:
         return order_for_1f1b(list(costs), pp)
     ascending = sorted(range(m), key=lambda i: (costs[i], i))
-    moves = [(i, j, True) for i in range(m) for j in range(i + 1, m)]
-    moves += [(i, j, False) for i in range(m) for j in range(m) if abs(i - j) > 1]
+    moves = _order_moves(m)
     found = []
     for start in (order_for_1f1b(list(costs), pp), ascending, ascending[::-1]):
-        order = list(start)
+        order = np.array(start)
         now = float(one_f_one_b_makespans(costs[order], pp, forward_share=forward_share)[0])
         for _ in range(max_rounds):
-            candidates = np.array([_moved(order, i, j, swap) for i, j, swap in moves])
+            candidates = order[moves]
             spans = one_f_one_b_makespans(costs[candidates], pp, forward_share=forward_share)
             k = int(np.argmin(spans))
             if not spans[k] < now * (1 - 1e-9):  # no move shortens the step: a local optimum
                 break
-            now, order = float(spans[k]), candidates[k].tolist()
-        found.append((now, order))
+            now, order = float(spans[k]), candidates[k]
+        found.append((now, order.tolist()))
     return min(found, key=lambda f: f[0])[1]  # the first start wins ties
+
+
+@lru_cache(maxsize=64)
+def _order_moves(m: int) -> np.ndarray:
+    """Every swap of two positions of an order of ``m``, then every move of one entry two or more places, as
+    rows of positions (``order[rows]`` are the candidate orders)."""
+    moves = [(i, j, True) for i in range(m) for j in range(i + 1, m)]
+    moves += [(i, j, False) for i in range(m) for j in range(m) if abs(i - j) > 1]
+    rows = np.array([_moved(list(range(m)), i, j, swap) for i, j, swap in moves], dtype=np.int64)
+    rows.flags.writeable = False  # cached: shared by every caller
+    return rows
 
 
 def refine_for_1f1b(batches: list[list[int]], costs: np.ndarray, tokens: np.ndarray, *, pp: int,
@@ -745,40 +813,34 @@ def refine_for_1f1b(batches: list[list[int]], costs: np.ndarray, tokens: np.ndar
     c, t = costs[ids].astype(np.float64), tokens[ids].astype(np.int64)
     where = assign[ids]
     first, second = np.triu_indices(ids.size, k=1)
+    steps = _OneFOneB.of(pp, m, forward_share)
     now = float(one_f_one_b_makespans(np.bincount(where, weights=c, minlength=m), pp, forward_share=forward_share)[0])
+    paths = np.zeros((0, m))  # critical paths of the steps replayed so far (see below)
     for _ in range(max_rounds):
         load = np.bincount(where, weights=c, minlength=m)
         count = np.bincount(where, minlength=m)
         used = np.bincount(where, weights=t, minlength=m)
-        # Every candidate moves cost `delta` (and tokens) from micro-batch `src` to `dst`: a move of sample i to
-        # micro-batch j, or a swap of samples i and k (i leaves, k comes back).
-        mover, target = np.repeat(np.arange(ids.size), m), np.tile(np.arange(m), ids.size)
-        keep = (target != where[mover]) & (count[where[mover]] > 1)
-        mover, target = mover[keep], target[keep]
-        swap = where[first] != where[second]
-        a, b = first[swap], second[swap]
-        leaving = np.concatenate([mover, a])
-        returning = np.concatenate([np.full(mover.size, -1), b])  # -1: a move, nothing comes back
-        src = where[leaving]
-        dst = np.concatenate([target, where[b]])
+        # The candidates: a move of sample i to micro-batch j (none empties its own), or a swap of samples i
+        # and k in different micro-batches (i leaves, k comes back); each moves cost `delta` from micro-batch
+        # `src` to `dst`.
+        allowed = (count[where] > 1)[:, None] & (np.arange(m)[None] != where[:, None])
+        mover, target = np.nonzero(allowed)
+        swap = np.flatnonzero(where[first] != where[second])
+        leaving = np.concatenate([mover, first[swap]])
+        returning = np.concatenate([np.full(mover.size, -1), second[swap]])  # -1: a move, nothing comes back
+        src, dst = where[leaving], np.concatenate([target, where[second[swap]]])
         delta = c[leaving] - np.where(returning >= 0, c[returning], 0.0)
         token_delta = t[leaving] - np.where(returning >= 0, t[returning], 0)
         if token_budget is not None:
             fits = (used[dst] + token_delta <= token_budget) & (used[src] - token_delta <= token_budget)
             leaving, returning, src, dst, delta = leaving[fits], returning[fits], src[fits], dst[fits], delta[fits]
-        if src.size:
-            candidates = np.tile(load, (src.size, 1))
-            rows = np.arange(src.size)
-            candidates[rows, src] -= delta
-            candidates[rows, dst] += delta
-            spans = one_f_one_b_makespans(candidates, pp, forward_share=forward_share)
-            k = int(np.argmin(spans))
-            if spans[k] < now * (1 - 1e-9):
-                now = float(spans[k])
-                if returning[k] >= 0:
-                    where[returning[k]] = src[k]
-                where[leaving[k]] = dst[k]
-                continue
+        best, span, paths = _best_candidate(steps, load, src, dst, delta, now * (1 - 1e-9), paths)
+        if best >= 0:
+            now = span
+            if returning[best] >= 0:
+                where[returning[best]] = src[best]
+            where[leaving[best]] = dst[best]
+            continue
         order = search_1f1b_order(list(load), pp, forward_share=forward_share)
         span = float(one_f_one_b_makespans(load[order], pp, forward_share=forward_share)[0])
         if not span < now * (1 - 1e-9):  # neither a sample nor the order can move for the better
@@ -789,6 +851,73 @@ def refine_for_1f1b(batches: list[list[int]], costs: np.ndarray, tokens: np.ndar
     for sample, j in zip(ids.tolist(), where.tolist(), strict=True):
         out[j].append(sample)
     return [sorted(batch, key=lambda s: -costs[s]) for batch in out]
+
+
+def _best_candidate(steps: _OneFOneB, load: np.ndarray, src: np.ndarray, dst: np.ndarray, delta: np.ndarray,
+                    below: float, paths: np.ndarray, chunk: int = 256) -> tuple[int, float, np.ndarray]:
+    """The first of the candidates (each moving cost ``delta`` from micro-batch ``src`` to ``dst`` of ``load``)
+    whose 1F1B step is the shortest, if shorter than ``below`` (-1 if none), and that step, replaying as few
+    candidates as it can; and the pool of critical paths (weights ``[path, micro-batch]``) for the next call.
+
+    Under a candidate's costs every path through the step is as long as its weights say, and the step at least as
+    long: a candidate for which some path already found is not shorter than ``below``, nor than the best replayed
+    so far, cannot be chosen, and is not replayed. Path ``P`` allows a candidate only while
+    ``length_P + delta * (w_P[dst] - w_P[src])`` is shorter: an interval of ``delta`` for each (src, dst),
+    whichever the path. The candidates are replayed a chunk at a time, in order, each chunk's critical paths joining
+    the pool before the rest are checked again, so that most are ruled out without a replay: the choice is the
+    one replaying every candidate would make.
+    """
+    best, best_span = -1, below
+    pending = np.arange(src.size)
+    while True:
+        # The tiny slack keeps rounding in the path lengths from ruling out a candidate that would be chosen.
+        low, high, setting = _allowed_moves(paths, load, best_span * (1 + 1e-12))
+        paths = paths[setting]
+        pending = pending[(low[src[pending], dst[pending]] < delta[pending])
+                          & (delta[pending] < high[src[pending], dst[pending]])]
+        if not pending.size:
+            return best, best_span, paths
+        replayed, pending = pending[:chunk], pending[chunk:]
+        candidates = np.tile(load, (replayed.size, 1))
+        rows = np.arange(replayed.size)
+        candidates[rows, src[replayed]] -= delta[replayed]
+        candidates[rows, dst[replayed]] += delta[replayed]
+        end = steps.ends(candidates)
+        spans = steps.makespans(end)
+        k = int(np.argmin(spans))
+        if spans[k] < best_span:  # later candidates only win by being strictly shorter: the first of equals stays
+            best, best_span = int(replayed[k]), float(spans[k])
+        found = steps.critical_paths(end)
+        # Many candidates share a critical path: keep one of each (told apart by a fixed projection; a rare
+        # collision only drops a path, which rules out less, never wrongly).
+        _, first_of_each = np.unique(found @ _PATH_KEY[: load.size], return_index=True)
+        paths = np.concatenate([paths, found[np.sort(first_of_each)]])
+
+
+_PATH_KEY = np.random.default_rng(0).random(4096)
+
+
+def _allowed_moves(paths: np.ndarray, load: np.ndarray, below: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each (src, dst) micro-batch pair, the open interval of ``delta`` for which moving ``delta`` of cost
+    from ``src`` to ``dst`` leaves every path of ``paths`` (weights ``[path, micro-batch]``) shorter than
+    ``below`` under ``load``: ``[src, dst]`` arrays of its ends (empty where ``low >= high``), and the paths
+    that set an end somewhere (the others rule out nothing these do not)."""
+    m = load.size
+    if not paths.size:
+        return np.full((m, m), -np.inf), np.full((m, m), np.inf), np.zeros(0, dtype=np.int64)
+    room = below - paths @ load  # [path]: how much each path may still grow
+    slope = paths[:, None, :] - paths[:, :, None]  # [path, src, dst]: growth per unit of delta
+    with np.errstate(divide="ignore", invalid="ignore"):
+        limit = room[:, None, None] / slope
+    # A path that grows with delta caps it, one that shrinks floors it, and one that stays as long as the step
+    # whatever the move (zero slope, no room) rules the pair out: an infinite floor.
+    highs = np.where(slope > 0, limit, np.inf)
+    lows = np.where(slope < 0, limit, np.where((slope == 0) & (room[:, None, None] <= 0), np.inf, -np.inf))
+    capping, flooring = highs.argmin(axis=0), lows.argmax(axis=0)
+    high = np.take_along_axis(highs, capping[None], axis=0)[0]
+    low = np.take_along_axis(lows, flooring[None], axis=0)[0]
+    setting = np.union1d(capping[high < np.inf], flooring[low > -np.inf])
+    return low, high, setting
 
 
 def _moved(order: list[int], i: int, j: int, swap: bool) -> list[int]:
