@@ -85,6 +85,28 @@ def test_figures_move_with_the_planners(sim: Simulation, monkeypatch: pytest.Mon
     assert after.step_s > before.step_s
 
 
+def test_pipeline_search_plans_omnis_loader_as_the_datamodule_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``pipeline_search`` omni's loader searches its 1F1B micro-batches as ``OmniDataModule`` under pp > 1
+    does, and the step it predicts is no longer than with DistTrain's order; disaggregated keeps its own order."""
+    searched = []
+    real_plan = reorder.plan_balance_group
+
+    def spy(*args: object, **kwargs: object) -> reorder.GroupPlan:
+        searched.append(kwargs["config"].pipeline_search)
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(reorder, "plan_balance_group", spy)
+    scenario = replace(_scenario(pp=4, micro_batches=8, seq_len=2048), steps=2)
+    plain, search = Simulation(scenario), Simulation(replace(scenario, pipeline_search=True))
+    plain_step, search_step = plain.omni().step_s, search.omni().step_s
+    assert searched == [False, True]
+    assert search_step <= plain_step * (1 + 1e-9)
+    assert "with the 1F1B search" in search.sampling_note and "search" not in plain.sampling_note
+    searched.clear()
+    search.disaggregated()
+    assert searched and not any(searched)
+
+
 def test_omni_plans_group_steps_at_a_time_as_the_loader_does(monkeypatch: pytest.MonkeyPatch) -> None:
     planned = []
     real_plan = reorder.plan_balance_group

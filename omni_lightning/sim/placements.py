@@ -16,7 +16,9 @@ there moves the figures here:
   latency.
 * **omni** (OmniStrategy): grouped reordering in balance groups of data-parallel ranks, ``group_steps`` steps planned
   together as the loader does (``plan_balance_group`` on the LLM cost: the encoder work is placed by the encoder
-  plan, not by the loader; the steps' mean is what compares), long sequences split by context
+  plan, not by the loader; the steps' mean is what compares; with ``Scenario.pipeline_search``, also as
+  ``OmniDataModule`` plans under pipeline parallelism: each rank-step's micro-batches and their order searched on
+  the 1F1B step time of their predicted costs), long sequences split by context
   parallelism where one would exceed a micro-batch's fair share, encoder items (images, frames, clips) planned over
   *every* GPU of the balance group with long-short SP (``plan_encoder_work``) and run in the joint pipeline's
   insertions.
@@ -74,7 +76,11 @@ class Scenario:
     ``concentration``: Dirichlet concentration of the per-step modality mix (``None``: the spec's fixed mix).
     ``steps``: steps drawn (the figures are means over them). ``max_groups``: balance groups simulated per step
     (``None``: all of them, every data-parallel rank; a smaller number is only a quicker, optimistic look, since
-    the ranks left out could only add stragglers).
+    the ranks left out could only add stragglers). ``pipeline_search``: omni's loader also searches each rank-step's
+    micro-batches and their order on the 1F1B step time of their predicted costs, as ``OmniDataModule`` does
+    under pipeline parallelism (``ReorderConfig.pipeline_search``); off, it uses LPT and DistTrain's order, which
+    takes a fraction of the time to simulate (the search costs about a second per rank-step at pp 8 with 32
+    micro-batches, and every rank-step of every balance group is planned).
     """
 
     model: ModelSpec
@@ -85,6 +91,7 @@ class Scenario:
     max_groups: int | None = None
     concentration: float | None = 10.0
     seed: int = 0
+    pipeline_search: bool = False
 
 
 @dataclass(frozen=True)
@@ -172,8 +179,9 @@ class Simulation:
         """How much of the job the figures come from."""
         return (f"simulated {self.ranks} of {self.dp} data-parallel ranks ({self.ranks // self.group} balance "
                 f"group(s) of {self.group}) x {len(self.draws)} steps, omni's loader planning "
-                f"{self.scenario.layout.group_steps} at a time; step time = slowest simulated rank, mean over the "
-                "steps")
+                f"{self.scenario.layout.group_steps} at a time"
+                f"{' with the 1F1B search' if self.scenario.pipeline_search else ''}; step time = slowest simulated "
+                "rank, mean over the steps")
 
     def _llm_durations(self, cost: float, tokens: float, layout: Layout, fraction: float) -> tuple[float, float]:
         """Forward and backward seconds of one micro-batch on a pipeline stage holding ``fraction`` of the LLM's
@@ -390,9 +398,10 @@ class Simulation:
 
         Balanced: as the runtime's loader, each balance group plans ``layout.group_steps`` steps together (every
         rank buffers that many steps of reads; ``OmniDataModule(group_steps=8)``), so a sample may train in another
-        step of its group than the one it was read in. ``plan_balance_group`` runs over the group on the LLM cost,
-        after splitting any sequence whose LLM cost exceeds a micro-batch's fair share into context-parallel pieces
-        (at most the balance group's size). Unbalanced: what each rank read in this step, in arrival order, whole.
+        step of its group than the one it was read in. ``plan_balance_group`` runs over the group on the LLM cost
+        (with ``Scenario.pipeline_search``, the loader's 1F1B search too), after splitting any sequence whose LLM
+        cost exceeds a micro-batch's fair share into context-parallel pieces (at most the balance group's size).
+        Unbalanced: what each rank read in this step, in arrival order, whole.
         """
         layout, pool = self.scenario.layout, self.pool
         ranks = range(group * self.group, (group + 1) * self.group)
@@ -421,7 +430,8 @@ class Simulation:
             pool.llm[ids[piece_read]] * piece_share, piece_tokens, np.repeat(owners, degree),
             np.zeros(piece_read.size), n_ranks=self.group,
             config=reorder.ReorderConfig(steps=len(planned), micro_batches=layout.micro_batches,
-                                         token_budget=layout.seq_len, pp=layout.pp),
+                                         token_budget=layout.seq_len, pp=layout.pp,
+                                         pipeline_search=self.scenario.pipeline_search),
             seed=self.scenario.seed, epoch=first // layout.group_steps, group_index=group)
         pieces = list(zip(piece_read.tolist(), piece_share.tolist(), strict=True))
         for k in planned:

@@ -70,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="simulated steps (the step times are their mean)")
     parser.add_argument("--groups", type=int, default=0, help="balance groups simulated per step (0: all, i.e. "
                         "every data-parallel rank; fewer is quicker but leaves out stragglers)")
+    parser.add_argument("--pipeline-search", action="store_true",
+                        help="omni's loader also searches each rank-step's micro-batches and order on the 1F1B step "
+                             "time, as OmniDataModule does under pipeline parallelism (slower to simulate)")
     parser.add_argument("--concentration", type=float, default=10.0,
                         help="Dirichlet concentration of the per-step modality mix (0: the spec's fixed mix)")
     parser.add_argument("--sweep", action="store_true", help="also sweep image:text from 1:9 to 9:1")
@@ -97,7 +100,8 @@ def simulate_main(argv: list[str]) -> None:
                       intra_node_gbps=args.intra_gbps, inter_node_gbps=args.inter_gbps)
     spec = load_workload(args.workload)
     scenario = Scenario(model=preset.model, cluster=cluster, layout=layout, workload=spec, steps=args.steps,
-                        max_groups=args.groups or None, concentration=args.concentration or None, seed=args.seed)
+                        max_groups=args.groups or None, concentration=args.concentration or None, seed=args.seed,
+                        pipeline_search=args.pipeline_search)
     sim = Simulation(scenario)
     print(f"workload {spec.name}; model {preset.model.name} ({preset.name} layout); {args.gpus} GPUs: tp {layout.tp}, "
           f"pp {layout.pp}, cp {layout.cp}, dp {sim.dp}, {layout.micro_batches} x {layout.seq_len} tokens per "
