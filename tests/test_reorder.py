@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from omni_lightning.balance import reorder
 from omni_lightning.balance.reorder import (
+    GroupPlan,
     ReorderConfig,
     balance_groups,
     lower_bound,
@@ -188,6 +189,48 @@ def test_refinement_ramps_the_micro_batches_around_a_heavy_sample() -> None:
                                   config=ReorderConfig(steps=1, micro_batches=8, token_budget=320, pp=4,
                                                        pipeline_search=True), seed=0, epoch=0, group_index=0)
     assert span(searched.micro_batches[0][0]) < 0.95 * span(lpt)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), n_ranks=st.integers(2, 4), micro_batches=st.integers(2, 5),
+       budget=st.one_of(st.none(), st.integers(200, 600)), pp=st.integers(2, 4))
+def test_searching_one_ranks_micro_batches_changes_nothing_the_others_use(
+    seed: int, n_ranks: int, micro_batches: int, budget: int | None, pp: int
+) -> None:
+    """A loader rank searches only its own micro-batches: it gets what the full plan gives it, and every rank's
+    samples, the leftovers, costs and movement are the full plan's, so the ranks' exchange agrees."""
+    costs, tokens, owners, nbytes = _inputs(seed, n_ranks, 6 * micro_batches)
+    config = ReorderConfig(steps=2, micro_batches=micro_batches, token_budget=budget, pp=pp, pipeline_search=True)
+
+    def plan(searched_rank: int | None) -> GroupPlan:
+        return plan_balance_group(costs, tokens, owners, nbytes, n_ranks=n_ranks, config=config, seed=seed,
+                                  epoch=0, group_index=0, searched_rank=searched_rank)
+
+    def samples(of: GroupPlan) -> list[list[list[int]]]:
+        return [[sorted(s for mb in step for s in mb) for step in rank] for rank in of.micro_batches]
+
+    full = plan(None)
+    for rank in range(n_ranks):
+        mine = plan(rank)
+        assert mine.micro_batches[rank] == full.micro_batches[rank]
+        assert samples(mine) == samples(full)
+        assert mine.leftover == full.leftover
+        assert (mine.step_cost == full.step_cost).all()
+        assert (mine.samples_moved, mine.bytes_moved) == (full.samples_moved, full.bytes_moved)
+
+
+def test_a_rank_searches_its_own_micro_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    refined = []
+    real_refine = reorder.refine_for_1f1b
+    monkeypatch.setattr(reorder, "refine_for_1f1b", lambda batches, *a, **k: refined.append(batches) or real_refine(
+        batches, *a, **k))
+    costs, tokens, owners, nbytes = _inputs(0, 4, 24)
+    config = ReorderConfig(steps=2, micro_batches=4, pp=2, pipeline_search=True)
+    for searched_rank, searches in ((None, 8), (1, 2)):
+        refined.clear()
+        plan_balance_group(costs, tokens, owners, nbytes, n_ranks=4, config=config, seed=0, epoch=0, group_index=0,
+                           searched_rank=searched_rank)
+        assert len(refined) == searches
 
 
 @pytest.mark.parametrize(("n", "m", "pp", "budget"), [(40, 8, 4, None), (48, 16, 4, 260), (30, 8, 2, None),

@@ -124,6 +124,7 @@ def plan_balance_group(
     epoch: int,
     group_index: int,
     micro_batch_costs: np.ndarray | None = None,
+    searched_rank: int | None = None,
 ) -> GroupPlan:
     """Plan one balance group; a pure function, identical on every rank given the same gathered inputs.
 
@@ -138,6 +139,11 @@ def plan_balance_group(
         micro_batch_costs: the cost of each sample that a step's micro-batches balance and are ordered by
             (default ``costs``). Under a joint encoder-LLM pipeline that is the LLM's cost: the pipeline's shape
             is set by each micro-batch's LLM work, while its encoder work is spread over all the stages.
+        searched_rank: with ``pipeline_search``, search the micro-batches of this rank only (``None``: every
+            rank's). Which samples each rank trains, and which are left over, do not depend on the search, so a
+            rank that plans its group only to train its own part need not search the others' (a rank-step's
+            search costs about a second at pp 8 with 32 micro-batches); theirs keep LPT's split in DistTrain's
+            order.
     """
     costs = np.asarray(costs, dtype=np.float64)
     split_costs = costs if micro_batch_costs is None else np.asarray(micro_batch_costs, dtype=np.float64)
@@ -158,10 +164,10 @@ def plan_balance_group(
 
     members, leftover = _assign_bins(order, costs, tokens, n_bins, capacity, np.asarray(owners), n_ranks)
 
-    micro: list[list[list[int]]] = []
+    micro: list[tuple[list[list[int]], list[float]]] = []
     for b in range(n_bins):
-        split, spilled = _split_bin(members[b], split_costs, tokens, config)
-        micro.append(split)
+        split, loads, spilled = _split_bin(members[b], split_costs, tokens, config)
+        micro.append((split, loads))
         leftover.extend(spilled)
 
     # Bins of a step are interchangeable: give each to the rank that already holds most of its payload bytes.
@@ -173,8 +179,9 @@ def plan_balance_group(
     for step in range(config.steps):
         step_bins = list(range(step * n_ranks, (step + 1) * n_ranks))
         for b, rank in zip(step_bins, _match_bins_to_ranks(step_bins, members, owners, nbytes, n_ranks), strict=True):
-            plan[rank][step] = micro[b]
-            placed = [s for mb in micro[b] for s in mb]
+            search = config.pipeline_search and searched_rank in (None, rank)
+            plan[rank][step] = _order_bin(*micro[b], split_costs, tokens, config, search)
+            placed = sorted(s for mb in micro[b][0] for s in mb)  # one order, whichever ranks were searched
             step_cost[rank, step] = costs[placed].sum() if placed else 0.0
             away = [s for s in placed if owners[s] != rank]
             moved += len(away)
@@ -343,11 +350,12 @@ def _rank_local_keys(ranks: np.ndarray, stride: int) -> np.ndarray:
 
 def _split_bin(
     samples: list[int], costs: np.ndarray, tokens: np.ndarray, config: ReorderConfig
-) -> tuple[list[list[int]], list[int]]:
-    """LPT of one (rank, step) bin over its micro-batches within the token budget; returns them and any spill."""
+) -> tuple[list[list[int]], list[float], list[int]]:
+    """LPT of one (rank, step) bin over its micro-batches within the token budget; returns them, their costs and
+    any spill."""
     m = config.micro_batches
     if m == 1:  # the bin's token capacity is the micro-batch budget: everything fits, in cost order
-        return [samples], []
+        return [samples], [float(costs[samples].sum())], []
     loads = [0.0] * m
     used = [0] * m
     batches: list[list[int]] = [[] for _ in range(m)]
@@ -364,13 +372,20 @@ def _split_bin(
         batches[target].append(sample)
         loads[target] += costs[sample]
         used[target] += int(tokens[sample])
-    if config.pp > 1 and config.pipeline_search:
-        batches = [batches[i] for i in search_1f1b_order(loads, config.pp, forward_share=config.forward_share)]
-        batches = refine_for_1f1b(batches, costs, tokens, pp=config.pp, forward_share=config.forward_share,
-                                  token_budget=config.token_budget)
-    elif config.pp > 1:
-        batches = [batches[i] for i in order_for_1f1b(loads, config.pp)]
-    return batches, spilled
+    return batches, loads, spilled
+
+
+def _order_bin(batches: list[list[int]], loads: list[float], costs: np.ndarray, tokens: np.ndarray,
+               config: ReorderConfig, search: bool) -> list[list[int]]:
+    """A bin's micro-batches (from :func:`_split_bin`) in their 1F1B order: searched, and their samples moved, on
+    the 1F1B step of their costs when ``search``, else DistTrain's."""
+    if config.pp <= 1:
+        return batches
+    if not search:
+        return [batches[i] for i in order_for_1f1b(loads, config.pp)]
+    batches = [batches[i] for i in search_1f1b_order(loads, config.pp, forward_share=config.forward_share)]
+    return refine_for_1f1b(batches, costs, tokens, pp=config.pp, forward_share=config.forward_share,
+                           token_budget=config.token_budget)
 
 
 def order_for_1f1b(micro_batch_costs: list[float], pp: int) -> list[int]:
@@ -412,7 +427,8 @@ class _OneFOneB:
         self.micro_batch = np.array([a[2] for a in program], dtype=np.int64)
         # Each action's duration per unit of its micro-batch's cost; 1F1B has one dependency at most besides the
         # action before it on its stage (-1: none, the zero row of the end times).
-        self.weight = np.where(forward, forward_share, 1.0 - forward_share) / pp
+        self.pp, self.share = pp, np.where(forward, forward_share, 1.0 - forward_share)
+        self.weight = self.share / pp
         self.before = np.array([a[3] for a in program], dtype=np.int64)
         self.needs = np.array([a[4][0] if a[4] else -1 for a in program], dtype=np.int64)
         self.last = int(max(range(len(program)), key=lambda i: (program[i][0] == 0, i)))  # stage 0's last backward
@@ -431,11 +447,13 @@ class _OneFOneB:
     def ends(self, costs: np.ndarray) -> np.ndarray:
         """End times ``[action + 1, k]`` for the cost vectors ``costs[k]`` (the last row stays 0: no action)."""
         # Rows of a contiguous transpose: each action reads its micro-batch's costs for every vector at once.
-        transposed = np.ascontiguousarray(costs.T)
+        # A stage's share of the cost, then the pass's: one fixed rounding, so near-ties between plans always break
+        # the same way.
+        per_stage = np.ascontiguousarray(costs.T) / self.pp
         end = np.zeros((self.micro_batch.size + 1, costs.shape[0]))
         for wave in self.waves:
             end[wave] = (np.maximum(end[self.before[wave]], end[self.needs[wave]])
-                         + transposed[self.micro_batch[wave]] * self.weight[wave, None])
+                         + per_stage[self.micro_batch[wave]] * self.share[wave, None])
         return end
 
     def makespans(self, end: np.ndarray) -> np.ndarray:

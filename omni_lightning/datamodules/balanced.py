@@ -363,6 +363,7 @@ class BalancedStream:
             plan = plan_balance_group(
                 costs, gathered[valid, 7], gathered[valid, 8], gathered[valid, 9], n_ranks=n_ranks, config=config,
                 seed=self.seed, epoch=group_number, group_index=self.group_index, micro_batch_costs=llm_costs,
+                searched_rank=self._rank(),  # the 1F1B search shapes this rank's micro-batches only
             )
         else:
             plan = _keep_in_place(gathered[valid], n_ranks, config, self.cost_model)
