@@ -71,7 +71,7 @@ def test_a_stage_with_more_llm_work_gets_less_encoder_work() -> None:
     spans = [float(joint_1f1b_makespans(llm, _encoder_matrix(plan, micro_batch, costs, pp, m),
                                         stage_shares=heavy_first)[0]) for plan in (equal, aware)]
     assert spans[1] <= spans[0] * (1 + 1e-9)
-    with pytest.raises(ValueError, match="positive share for each of the 4 stages"):
+    with pytest.raises(ValueError, match="positive, finite share for each of the 4 pipeline stages"):
         assign_encoder_items(llm, micro_batch, costs, pp, stage_shares=np.array([1.0, 1.0, 1.0]))
 
 

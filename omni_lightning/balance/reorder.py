@@ -15,6 +15,7 @@ which keeps the exchange small.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -37,6 +38,7 @@ __all__ = [
     "assign_encoder_items",
     "lpt_ranks",
     "lower_bound",
+    "stage_shares_of",
 ]
 
 
@@ -492,6 +494,7 @@ def joint_1f1b_makespans(llm_costs: np.ndarray, encoder_costs: np.ndarray, *, fo
     """
     encoder = np.asarray(encoder_costs, dtype=np.float64)
     encoder = encoder[None] if encoder.ndim == 2 else encoder
+    stage_shares = None if stage_shares is None else stage_shares_of(stage_shares, encoder.shape[1])
     llm = np.broadcast_to(np.atleast_2d(np.asarray(llm_costs, dtype=np.float64)), (encoder.shape[0], encoder.shape[2]))
     program = _program(joint_1f1b_orders(encoder.shape[1], encoder.shape[2]))
     durations = _joint_durations(program, llm, encoder, forward_share, encoder_forward_share, stage_shares)
@@ -579,7 +582,7 @@ class _JointModel:
                  encoder_forward_share: float, stage_shares: np.ndarray | None) -> None:
         self.llm, self.micro_batch, self.costs, self.pp = llm, micro_batch, costs, pp
         self.shares = {"forward_share": forward_share, "encoder_forward_share": encoder_forward_share,
-                       "stage_shares": stage_shares}
+                       "stage_shares": None if stage_shares is None else stage_shares_of(stage_shares, pp)}
         m = llm.size
         self.tail = m - pp if pp < m else m  # JointEncoders' rule: with no more micro-batches than stages, none
         self.program = _program(joint_1f1b_orders(pp, m))
@@ -682,16 +685,18 @@ def _joint_durations(program: tuple[tuple[int, str, int, int, tuple[int, ...]], 
     stage, micro_batch, share, is_encoder = _program_columns(program, forward_share, encoder_forward_share)
     pp = encoder.shape[1]
     per_stage = (llm.T[micro_batch] / pp if stage_shares is None
-                 else llm.T[micro_batch] * _stage_shares(stage_shares, pp)[stage][:, None])
+                 else llm.T[micro_batch] * stage_shares[stage][:, None])
     durations = np.where(is_encoder[:, None], encoder[:, stage, micro_batch].T, per_stage)
     return np.ascontiguousarray(durations * share[:, None])
 
 
-def _stage_shares(stage_shares: np.ndarray, pp: int) -> np.ndarray:
-    """Each stage's share of a micro-batch's LLM cost, checked and normalised."""
+def stage_shares_of(stage_shares: Sequence[float], pp: int) -> np.ndarray:
+    """Each stage's share of a micro-batch's LLM cost, checked (one positive, finite share per stage) and
+    normalised to sum to one."""
     shares = np.asarray(stage_shares, dtype=np.float64)
-    if shares.shape != (pp,) or not (shares > 0).all():
-        raise ValueError(f"stage_shares={stage_shares!r} must hold a positive share for each of the {pp} stages")
+    if shares.shape != (pp,) or not (np.isfinite(shares) & (shares > 0)).all():
+        raise ValueError(f"stage_shares={list(np.atleast_1d(shares))} must hold a positive, finite share for each "
+                         f"of the {pp} pipeline stages")
     return shares / shares.sum()
 
 

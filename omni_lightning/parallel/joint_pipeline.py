@@ -29,7 +29,6 @@ over the pipeline ranks: :meth:`JointEncoders.sync_gradients` sums their gradien
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,7 +39,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from omni_lightning.balance.cost import CostModel, ModuleCost
-from omni_lightning.balance.reorder import assign_encoder_items, lpt_ranks
+from omni_lightning.balance.reorder import assign_encoder_items, lpt_ranks, stage_shares_of
 
 __all__ = ["JointEncoders", "share_items"]
 
@@ -156,14 +155,11 @@ class JointEncoders:
         for name, share in (("forward_share", forward_share), ("encoder_forward_share", encoder_forward_share)):
             if not 0.0 < share < 1.0:
                 raise ValueError(f"{name}={share} must be strictly between 0 and 1")
-        if stage_shares is not None and (len(stage_shares) != self.pp
-                                         or not all(0 < share < math.inf for share in stage_shares)):
-            raise ValueError(f"stage_shares={list(stage_shares)} must hold a positive, finite share for each of the "
-                             f"{self.pp} pipeline stages")
+        shares = None if stage_shares is None else stage_shares_of(stage_shares, self.pp)
         self.costs = {name: getattr(cost_model, name) for name in _MODALITIES}
         self.llm_cost = cost_model.llm
         self.forward_share, self.encoder_forward_share = forward_share, encoder_forward_share
-        self.stage_shares = None if stage_shares is None else np.asarray(stage_shares, dtype=np.float64)
+        self.stage_shares = shares
 
     # ---------------------------------------------------------------------------------------------- schedule
     @property
