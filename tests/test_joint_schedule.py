@@ -75,6 +75,21 @@ def test_a_stage_with_more_llm_work_gets_less_encoder_work() -> None:
         assign_encoder_items(llm, micro_batch, costs, pp, stage_shares=np.array([1.0, 1.0, 1.0]))
 
 
+def test_small_items_also_go_less_to_a_stage_with_more_llm_work() -> None:
+    """Items too small to be placed on the model are spread by LPT: with stage shares a stage's LLM work above the
+    mean counts as load, micro-batch by micro-batch, so the first stage takes fewer of them all through the step."""
+    rng = np.random.default_rng(2)
+    m, pp = 16, 4
+    llm = np.full(m, 8.0)
+    micro_batch = np.repeat(np.arange(m), 8)
+    costs = rng.uniform(0.01, 0.03, micro_batch.size)  # all far below the "large" threshold
+    equal, aware = (assign_encoder_items(llm, micro_batch, costs, pp, stage_shares=shares)
+                    for shares in (None, np.array([1.2, 1.0, 1.0, 1.0])))
+    head = micro_batch < m // 2  # not only at the end: the excess is charged as each micro-batch is placed
+    for part in (head, ~head):
+        assert costs[part & (aware == 0)].sum() < 0.5 * costs[part & (equal == 0)].sum()
+
+
 def test_without_encoder_work_the_joint_model_is_1f1b() -> None:
     llm = np.random.default_rng(0).lognormal(0.0, 1.0, (2, 12))
     assert joint_1f1b_makespans(llm, np.zeros((2, 4, 12))) == pytest.approx(one_f_one_b_makespans(llm, 4))

@@ -551,7 +551,8 @@ def assign_encoder_items(llm_costs: np.ndarray, micro_batch: np.ndarray, item_co
     are made, and the one with the shorter modelled step kept (LPT's on equal steps):
 
     * LPT over the step (each micro-batch in run order, its longest item first onto the rank with the least encoder
-      work so far, :func:`lpt_ranks`: what ``share_items`` does);
+      work so far, :func:`lpt_ranks`: what ``share_items`` does; with ``stage_shares`` a stage's LLM work above
+      the mean counts as work too);
     * the small items by LPT among themselves, then the large ones, heaviest first, each onto the rank where the
       modelled step is shortest (among equal steps, the least delay summed over all actions, as the step is flat
       while another item sets it; then the least encoder work, then the later stage).
@@ -604,9 +605,14 @@ class _JointModel:
         return joint_1f1b_makespans(self.llm, self.work(owners), **self.shares)
 
     def lpt(self, items: np.ndarray) -> np.ndarray:
-        """``items`` (a mask) by LPT over the step, micro-batch by micro-batch in run order; the rest on rank 0."""
+        """``items`` (a mask) by LPT over the step, micro-batch by micro-batch in run order; the rest on rank 0.
+        A rank's load is its encoder work so far and, with stage shares, its stage's LLM work above the mean: a
+        stage that also embeds or computes the loss takes fewer items, micro-batch by micro-batch."""
         owner, loads = np.zeros(self.costs.size, dtype=np.int64), np.zeros(self.pp)
+        shares = self.shares["stage_shares"]
+        excess = np.zeros(self.pp) if shares is None else shares - 1.0 / self.pp
         for j in range(self.llm.size):
+            loads += excess * self.llm[j]
             mine = np.flatnonzero((self.micro_batch == j) & items)
             owner[mine] = lpt_ranks(self.costs[mine], loads, self.ranks(j))
         return owner
