@@ -830,7 +830,9 @@ def refine_for_1f1b(batches: list[list[int]], costs: np.ndarray, tokens: np.ndar
     growing towards the heavy ones and shrinking after them, the lightest at the ends where the pipeline fills and
     drains. This finds one by steepest descent on :func:`one_f_one_b_makespans` over moving one sample to another
     micro-batch and swapping two, re-searching the order (:func:`search_1f1b_order`) whenever no such move helps.
-    Micro-batches never exceed ``token_budget`` and none is emptied.
+    Micro-batches never exceed ``token_budget`` and none is emptied. A move that a critical path of a step already
+    replayed shows cannot win is not replayed (:func:`_best_candidate`): the choices stay the same, and a round
+    gets cheap as the descent nears a local optimum.
     """
     m = len(batches)
     assign = np.full(costs.size, -1, dtype=np.int64)
@@ -919,11 +921,14 @@ def _best_candidate(steps: _OneFOneB, load: np.ndarray, src: np.ndarray, dst: np
         found = steps.critical_paths(end)
         # Many candidates share a critical path: keep one of each (told apart by a fixed projection; a rare
         # collision only drops a path, which rules out less, never wrongly).
-        _, first_of_each = np.unique(found @ _PATH_KEY[: load.size], return_index=True)
+        _, first_of_each = np.unique(found @ _path_key(load.size), return_index=True)
         paths = np.concatenate([paths, found[np.sort(first_of_each)]])
 
 
-_PATH_KEY = np.random.default_rng(0).random(4096)
+@lru_cache(maxsize=64)
+def _path_key(m: int) -> np.ndarray:
+    """A fixed projection that tells critical paths over ``m`` micro-batches apart (see :func:`_best_candidate`)."""
+    return np.random.default_rng(m).random(m)
 
 
 def _allowed_moves(paths: np.ndarray, load: np.ndarray, below: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
