@@ -231,6 +231,9 @@ def test_a_rank_searches_its_own_micro_batches_only(monkeypatch: pytest.MonkeyPa
         plan_balance_group(costs, tokens, owners, nbytes, n_ranks=4, config=config, seed=0, epoch=0, group_index=0,
                            searched_rank=searched_rank)
         assert len(refined) == searches
+    with pytest.raises(ValueError, match="searched_rank=4 is not a rank of the balance group"):
+        plan_balance_group(costs, tokens, owners, nbytes, n_ranks=4, config=config, seed=0, epoch=0, group_index=0,
+                           searched_rank=4)
 
 
 @pytest.mark.parametrize(("n", "m", "pp", "budget"), [(40, 8, 4, None), (48, 16, 4, 260), (30, 8, 2, None),

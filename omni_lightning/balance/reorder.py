@@ -15,11 +15,11 @@ which keeps the exchange small.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from omni_lightning.sim.pipeline_replay import waits_for
 
@@ -80,7 +80,8 @@ class GroupPlan:
     """Where every buffered sample goes.
 
     ``micro_batches[rank][step][m]`` lists sample ids (positions in the gathered metadata arrays) in the order to
-    pack them; ``step_cost[rank, step]`` is the predicted cost of that rank's step; ``leftover`` are ids that did
+    pack them (planned with ``searched_rank``, the other ranks' micro-batches hold the right samples but were not
+    searched); ``step_cost[rank, step]`` is the predicted cost of that rank's step; ``leftover`` are ids that did
     not fit any micro-batch's token budget and wait for the next group.
     """
 
@@ -152,6 +153,8 @@ def plan_balance_group(
     if split_costs.shape != costs.shape:
         raise ValueError(f"micro_batch_costs has shape {split_costs.shape}, costs {costs.shape}: one per sample")
     tokens = np.asarray(tokens, dtype=np.int64)
+    if searched_rank is not None and not 0 <= searched_rank < n_ranks:
+        raise ValueError(f"searched_rank={searched_rank} is not a rank of the balance group (0..{n_ranks - 1})")
     budget = config.token_budget
     if budget is not None and tokens.size and int(tokens.max()) > budget:
         raise ValueError(
@@ -432,8 +435,8 @@ class _OneFOneB:
         self.pp, self.share = pp, np.where(forward, forward_share, 1.0 - forward_share)
         self.weight = self.share / pp
         self.before = np.array([a[3] for a in program], dtype=np.int64)
+        assert all(len(a[4]) <= 1 for a in program), "1F1B waits on one other stage at most"
         self.needs = np.array([a[4][0] if a[4] else -1 for a in program], dtype=np.int64)
-        self.last = int(max(range(len(program)), key=lambda i: (program[i][0] == 0, i)))  # stage 0's last backward
         # Actions in waves that depend only on earlier waves (one per step of the longest chain), replayed a
         # wave at a time: far fewer array operations than one per action.
         level = np.zeros(len(program) + 1, dtype=np.int64)
@@ -458,15 +461,16 @@ class _OneFOneB:
                          + per_stage[self.micro_batch[wave]] * self.share[wave, None])
         return end
 
-    def makespans(self, end: np.ndarray) -> np.ndarray:
-        """Step times from :meth:`ends` (stage 0's last backward ends last: it waits on every stage's)."""
-        return end[self.last].copy()
+    @staticmethod
+    def makespans(end: np.ndarray) -> np.ndarray:
+        """Step times from :meth:`ends`."""
+        return end.max(axis=0)
 
     def critical_paths(self, end: np.ndarray) -> np.ndarray:
         """For each column of ``end``, a longest path through the step as the weight ``[k, j]`` of micro-batch
         ``j``'s cost on it: the path's length is that row's dot product with the cost vector, for *any* costs."""
         columns = np.arange(end.shape[1])
-        action = np.full(columns.size, self.last)
+        action = end[:-1].argmax(axis=0)  # the action that ends the step
         visited = []
         while (action >= 0).any():
             visited.append(action)
@@ -602,7 +606,12 @@ class _JointModel:
         return work
 
     def makespans(self, owners: np.ndarray) -> np.ndarray:
-        return joint_1f1b_makespans(self.llm, self.work(owners), **self.shares)
+        return self.spans(self.work(owners))
+
+    def spans(self, work: np.ndarray) -> np.ndarray:
+        """:func:`joint_1f1b_makespans` of encoder work ``[plan, rank, micro-batch]``, shares normalised already."""
+        llm = np.broadcast_to(self.llm, (work.shape[0], self.llm.size))
+        return _replay(self.program, _joint_durations(self.program, llm, work, **self.shares)).max(axis=0)
 
     def lpt(self, items: np.ndarray) -> np.ndarray:
         """``items`` (a mask) by LPT over the step, micro-batch by micro-batch in run order; the rest on rank 0.
@@ -654,7 +663,7 @@ class _JointModel:
         allowed = (rank > 0) | (micro_batch[item] < self.tail)
         item, rank = item[allowed], rank[allowed]
         work = self.work(owner)[0]
-        now = float(joint_1f1b_makespans(self.llm, work, **self.shares)[0])
+        now = float(self.spans(work[None])[0])
         for _ in range(max_rounds):
             moves = np.flatnonzero(rank != owner[item])
             if moves.size == 0:  # no large item, or each has a single rank it may go to
@@ -663,7 +672,7 @@ class _JointModel:
             rows, j = np.arange(moves.size), micro_batch[item[moves]]
             candidates[rows, owner[item[moves]], j] -= costs[item[moves]]
             candidates[rows, rank[moves], j] += costs[item[moves]]
-            spans = joint_1f1b_makespans(self.llm, candidates, **self.shares)
+            spans = self.spans(candidates)
             best = int(np.argmin(spans))  # the first of equals: heaviest item, lowest rank, as listed
             if not spans[best] < now * (1 - 1e-9):  # no move shortens the step
                 break
@@ -687,7 +696,8 @@ def _joint_durations(program: tuple[tuple[int, str, int, int, tuple[int, ...]], 
                      encoder: np.ndarray, forward_share: float, encoder_forward_share: float,
                      stage_shares: np.ndarray | None = None) -> np.ndarray:
     """Durations ``[action, k]`` of the joint pipeline's ``program`` for ``k`` assignments (see
-    :func:`joint_1f1b_makespans` for the arguments)."""
+    :func:`joint_1f1b_makespans` for the arguments; ``stage_shares`` here already normalised by
+    :func:`stage_shares_of`)."""
     stage, micro_batch, share, is_encoder = _program_columns(program, forward_share, encoder_forward_share)
     pp = encoder.shape[1]
     per_stage = (llm.T[micro_batch] / pp if stage_shares is None
@@ -696,7 +706,7 @@ def _joint_durations(program: tuple[tuple[int, str, int, int, tuple[int, ...]], 
     return np.ascontiguousarray(durations * share[:, None])
 
 
-def stage_shares_of(stage_shares: Sequence[float], pp: int) -> np.ndarray:
+def stage_shares_of(stage_shares: ArrayLike, pp: int) -> np.ndarray:
     """Each stage's share of a micro-batch's LLM cost, checked (one positive, finite share per stage) and
     normalised to sum to one."""
     shares = np.asarray(stage_shares, dtype=np.float64)
@@ -902,7 +912,7 @@ def _best_candidate(steps: _OneFOneB, load: np.ndarray, src: np.ndarray, dst: np
     pending = np.arange(src.size)
     while True:
         # The tiny slack keeps rounding in the path lengths from ruling out a candidate that would be chosen.
-        low, high, setting = _allowed_moves(paths, load, best_span * (1 + 1e-12))
+        low, high, setting = _allowed_moves(paths, load, best_span + 1e-12 * abs(best_span))
         paths = paths[setting]
         pending = pending[(low[src[pending], dst[pending]] < delta[pending])
                           & (delta[pending] < high[src[pending], dst[pending]])]
