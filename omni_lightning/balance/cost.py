@@ -48,6 +48,7 @@ __all__ = [
     "CostModel",
     "feature_matrix",
     "fit_cost_model",
+    "fit_cost_model_to_features",
 ]
 
 logger = logging.getLogger(__name__)
@@ -330,10 +331,9 @@ def fit_cost_model(
 
     Each measurement is ``(samples, seconds)``: the samples one rank processed in one step and that step's
     measured compute time. The model predicts a step as the sum of its samples' costs, so the fit solves a
-    non-negative least-squares problem on the per-step sums of the six features. Only the coefficients of
-    ``modules`` are fitted (the times must then cover exactly those modules' work); the others are zero.
-    Columns are scaled to a common range before solving: summed pairs (~1e8 and up) and tokens (~1e3) would
-    otherwise make the least-squares sub-problems badly conditioned.
+    non-negative least-squares problem on the per-step sums of the six features
+    (:func:`fit_cost_model_to_features`). Only the coefficients of ``modules`` are fitted (the times must then
+    cover exactly those modules' work); the others are zero.
 
     Raises ``ValueError`` for an unknown or repeated module, a malformed measurement, an empty sample list, a
     negative or non-finite time, fewer measurements than fitted coefficients, all-zero times, or a fitted module
@@ -341,34 +341,69 @@ def fit_cost_model(
     If the features do not determine every coefficient (e.g. every image has the same size, so patches and
     pairs are proportional), the fit still predicts the measured shapes but a warning is logged.
     """
-    modules = tuple(modules)
-    if not modules or len(set(modules)) != len(modules) or not set(modules) <= set(MODULES):
-        raise ValueError(f"modules={list(modules)} must be distinct names among {list(MODULES)}")
-    columns = [2 * MODULES.index(m) + k for m in modules for k in (0, 1)]
-    needed = len(columns)
-    if len(measurements) < needed:
-        raise ValueError(
-            f"fitting {list(modules)} needs at least {needed} measurements (one per coefficient), got "
-            f"{len(measurements)}"
-        )
-
+    modules = _checked_modules(modules)
+    _check_enough(len(measurements), modules)
     sums = np.empty((len(measurements), len(FEATURES)))
     times = np.empty(len(measurements))
     for i, measurement in enumerate(measurements):
         if not (isinstance(measurement, (tuple, list)) and len(measurement) == 2):
             raise ValueError(f"measurement {i} must be a (samples, seconds) pair, got {measurement!r}")
         samples, seconds = measurement
-        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not math.isfinite(seconds):
-            raise ValueError(f"measurement {i}: time {seconds!r} must be a finite number of seconds")
-        if seconds < 0:
-            raise ValueError(f"measurement {i}: time {seconds!r} is negative")
         if len(samples) == 0:
             raise ValueError(f"measurement {i} has no samples: a step's time needs the samples it processed")
         sums[i] = feature_matrix(samples).sum(axis=0)
-        times[i] = float(seconds)
+        times[i] = _checked_seconds(seconds, i)
+    return _fit(sums, times, modules)
+
+
+def fit_cost_model_to_features(features: np.ndarray, seconds: Sequence[float], *,
+                               modules: Sequence[str] = MODULES) -> CostModel:
+    """Calibrate a :class:`CostModel` (in seconds) from measured work described by its features.
+
+    ``features[i]`` holds the six features (``FEATURES`` order) of what measurement ``i`` timed, e.g. a packed
+    micro-batch's, which are the sums of its samples' features, and ``seconds[i]`` its measured time. Otherwise as
+    :func:`fit_cost_model`, which this solves for: non-negative least squares on the columns of ``modules``, with
+    the same checks.
+    """
+    modules = _checked_modules(modules)
+    sums = np.asarray(features, dtype=np.float64)
+    if sums.ndim != 2 or sums.shape[1] != len(FEATURES) or sums.shape[0] != len(seconds):
+        raise ValueError(f"features of shape {list(sums.shape)} must be [measurements={len(seconds)}, "
+                         f"{len(FEATURES)}] ({', '.join(FEATURES)})")
+    if not (np.isfinite(sums) & (sums >= 0)).all():
+        raise ValueError("features must be finite and non-negative (token and attention-pair counts)")
+    _check_enough(len(seconds), modules)
+    return _fit(sums, np.array([_checked_seconds(t, i) for i, t in enumerate(seconds)]), modules)
+
+
+def _checked_modules(modules: Sequence[str]) -> tuple[str, ...]:
+    modules = tuple(modules)
+    if not modules or len(set(modules)) != len(modules) or not set(modules) <= set(MODULES):
+        raise ValueError(f"modules={list(modules)} must be distinct names among {list(MODULES)}")
+    return modules
+
+
+def _check_enough(measurements: int, modules: tuple[str, ...]) -> None:
+    needed = 2 * len(modules)
+    if measurements < needed:
+        raise ValueError(
+            f"fitting {list(modules)} needs at least {needed} measurements (one per coefficient), got {measurements}"
+        )
+
+
+def _checked_seconds(seconds: object, i: int) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not math.isfinite(seconds):
+        raise ValueError(f"measurement {i}: time {seconds!r} must be a finite number of seconds")
+    if seconds < 0:
+        raise ValueError(f"measurement {i}: time {seconds!r} is negative")
+    return float(seconds)
+
+
+def _fit(sums: np.ndarray, times: np.ndarray, modules: tuple[str, ...]) -> CostModel:
+    """Non-negative least squares of ``times`` on the ``modules`` columns of ``sums`` (both checked already)."""
     if not times.any():
         raise ValueError("every measured time is zero: nothing to calibrate the cost model against")
-
+    columns = [2 * MODULES.index(m) + k for m in modules for k in (0, 1)]
     a = sums[:, columns]
     scale = np.abs(a).max(axis=0)
     if unused := [m for i, m in enumerate(modules) if not scale[2 * i : 2 * i + 2].any()]:
@@ -376,13 +411,15 @@ def fit_cost_model(
             f"no measured sample has {' or '.join(unused)} work, so its coefficients cannot be fitted; "
             f"pass modules= without {unused}"
         )
+    # Columns scaled to a common range: summed pairs (~1e8 and up) and tokens (~1e3) would otherwise make the
+    # least-squares sub-problems badly conditioned.
     a_scaled = a / scale
     t_scale = times.max()
-    if np.linalg.matrix_rank(a_scaled) < needed:
+    if np.linalg.matrix_rank(a_scaled) < len(columns):
         logger.warning(
             "cost model fit: the measured features do not determine all %d coefficients (e.g. tokens and "
             "attention pairs proportional); predictions away from the measured shapes may be off",
-            needed,
+            len(columns),
         )
     x = _nnls(a_scaled, times / t_scale) * t_scale / scale
 

@@ -1,0 +1,105 @@
+"""Calibrating the joint pipeline's item plan from the actions a pipeline step ran (pure numpy).
+
+The joint pipeline (:class:`omni_lightning.parallel.joint_pipeline.JointEncoders`) decides which pipeline rank
+encodes each image or clip on a model of the 1F1B step, and that model needs four figures that FLOPs get wrong on
+real hardware, whose speed depends on shapes: the cost of an item against the cost of an LLM micro-batch, the
+forward's share of each, and each stage's share of the LLM work (the first stage also embeds, the last computes the
+loss). :func:`fit_joint_calibration` derives all four from measured steps: every rank's recorded actions
+(:class:`omni_lightning.sim.Action` kinds: ``F``, ``B`` for a stage's forward and backward of a micro-batch,
+``E``, ``EB`` for its encoder share's forward and backward) and the features of each micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from omni_lightning.balance.cost import FEATURES, MODULES, CostModel, ModuleCost, fit_cost_model_to_features
+
+__all__ = ["JointCalibration", "fit_joint_calibration"]
+
+_ENCODERS = MODULES[:2]
+
+
+@dataclass(frozen=True)
+class JointCalibration:
+    """What :meth:`~omni_lightning.parallel.joint_pipeline.JointEncoders.calibrate` takes, in seconds.
+
+    ``cost_model.llm`` prices a micro-batch's LLM work on all of a stage's ranks, over every stage; its encoders an
+    item on one rank. ``forward_share`` and ``encoder_forward_share`` are the forward's share of the LLM's and of
+    the encoders' time, ``stage_shares`` each stage's share of the LLM time.
+    """
+
+    cost_model: CostModel
+    forward_share: float
+    encoder_forward_share: float
+    stage_shares: tuple[float, ...]
+
+
+def fit_joint_calibration(features: np.ndarray, actions: Sequence[Sequence[tuple[str, int, float]]], *,
+                          flops: CostModel, llm_share: float = 1.0) -> JointCalibration:
+    """The figures of :class:`JointCalibration`, fitted to measured pipeline steps.
+
+    Args:
+        features: ``[micro-batches, 6]``, the features (:data:`~omni_lightning.balance.cost.FEATURES`) of every
+            measured micro-batch, the steps' micro-batches one after another.
+        actions: for each pipeline rank, in stage order, its ``(kind, micro-batch, seconds)``, the micro-batch
+            indexing ``features``. Other kinds (``G``) are ignored.
+        flops: the FLOP model, for an encoder the measured steps did not exercise: its coefficients are scaled
+            by the LLM's measured seconds per FLOP.
+        llm_share: the part of a stage's LLM work one measured rank ran (``1 / (tp * cp)``).
+
+    The LLM's coefficients are fitted (:func:`~omni_lightning.balance.cost.fit_cost_model_to_features`) to each
+    micro-batch's forward and backward time summed over the stages, the encoders' to its encoder forward and
+    backward time summed over the ranks. Raises ``ValueError`` on malformed input or where the steps cannot
+    determine the LLM's coefficients (fewer than two micro-batches, no LLM time).
+    """
+    table = np.asarray(features, dtype=np.float64)
+    if table.ndim != 2 or table.shape[1] != len(FEATURES):
+        raise ValueError(f"features of shape {list(table.shape)} must be [micro-batches, {len(FEATURES)}]")
+    if not 0.0 < llm_share <= 1.0:
+        raise ValueError(f"llm_share={llm_share} must be in (0, 1]: the part of a stage's LLM work one rank runs")
+    n = table.shape[0]
+    seconds = {kind: np.zeros(n) for kind in ("F", "B", "E", "EB")}
+    stage_seconds = np.zeros(len(actions))
+    for stage, rank in enumerate(actions):
+        for kind, micro_batch, duration in rank:
+            if kind not in seconds:
+                continue
+            if not 0 <= micro_batch < n:
+                raise ValueError(f"rank {stage} recorded {kind} of micro-batch {micro_batch}, but features describe "
+                                 f"{n} micro-batches")
+            seconds[kind][micro_batch] += duration
+            if kind in ("F", "B"):
+                stage_seconds[stage] += duration
+    llm_seconds = (seconds["F"] + seconds["B"]) / llm_share
+    if not stage_seconds.all():
+        raise ValueError(f"every stage must have recorded LLM time to calibrate from; seconds per stage: "
+                         f"{stage_seconds.tolist()}")
+    fitted = fit_cost_model_to_features(table, llm_seconds.tolist(), modules=["llm"])
+    measured = [name for i, name in enumerate(_ENCODERS) if table[:, 2 * i : 2 * i + 2].any()]
+    encoder_seconds = seconds["E"] + seconds["EB"]
+    if measured and encoder_seconds.any():
+        encoders = fit_cost_model_to_features(table, encoder_seconds.tolist(), modules=measured)
+    else:
+        measured, encoders = [], fitted
+    llm = FEATURES.index("llm_tokens")
+    llm_flops = float(flops.llm(table[:, llm].sum(), table[:, llm + 1].sum()))
+    per_flop = float(llm_seconds.sum()) / llm_flops if llm_flops > 0 else 0.0
+    model = replace(fitted, **{name: getattr(encoders, name) if name in measured
+                               else _scaled(getattr(flops, name), per_flop) for name in _ENCODERS})
+    return JointCalibration(model, _share(seconds["F"], seconds["B"]), _share(seconds["E"], seconds["EB"]),
+                            tuple((stage_seconds / stage_seconds.sum()).tolist()))
+
+
+def _scaled(cost: ModuleCost, factor: float) -> ModuleCost:
+    return ModuleCost(cost.linear * factor, cost.quadratic * factor)
+
+
+def _share(forward: np.ndarray, backward: np.ndarray) -> float:
+    """The forward's share of forward plus backward time; FLOPs' 1/3 where a pass went unrecorded."""
+    total = float(forward.sum() + backward.sum())
+    share = float(forward.sum()) / total if total > 0 else 0.0
+    return share if 0.0 < share < 1.0 else 1 / 3

@@ -1,0 +1,145 @@
+"""Timing a pipeline rank's actions, and calibrating the joint pipeline's item plan from them during training.
+
+The joint pipeline places large encoder items on a model of the 1F1B step
+(:func:`~omni_lightning.balance.reorder.assign_encoder_items`), priced in FLOPs until it is told better. FLOPs
+misjudge encoders against the LLM wherever speed depends on shapes (attention over a large patch grid, small
+matmuls), so :class:`JointCalibrator` times the first steps of a job, fits the figures the plan needs
+(:func:`~omni_lightning.balance.calibration.fit_joint_calibration`) and hands them to
+:meth:`~omni_lightning.parallel.joint_pipeline.JointEncoders.calibrate`: every pipeline rank gathers the same
+records, so every rank computes the same figures and the same plans.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from omni_lightning.balance.calibration import fit_joint_calibration
+from omni_lightning.balance.cost import CostModel
+
+if TYPE_CHECKING:
+    from omni_lightning.parallel.joint_pipeline import JointEncoders
+
+__all__ = ["ActionLog", "JointCalibrator", "action_clock", "micro_batch_features", "timed", "waiting"]
+
+
+def action_clock(device: torch.device) -> Callable[[], float]:
+    """Seconds of this rank's own work: thread CPU time on a CPU (a rank blocked in a collective or waiting for a
+    core uses none, which matters where ranks outnumber cores), wall time after a synchronize on an accelerator."""
+    if device.type == "cuda":
+        def synchronized() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+
+        return synchronized
+    return time.thread_time
+
+
+class ActionLog:
+    """The actions one pipeline rank ran in a step, in order: ``(kind, micro-batch, seconds)`` with the kinds of
+    :class:`omni_lightning.sim.Action`. An action's seconds exclude the actions timed inside it and its waits."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.actions: list[tuple[str, int, float]] = []
+        self._nested = [0.0]  # per open action: seconds of what was timed inside it
+
+    @contextmanager
+    def timed(self, kind: str, micro_batch: int, *, after_nested: bool = True) -> Iterator[None]:
+        """Time the block as action ``kind`` of ``micro_batch``. ``after_nested``: the actions timed inside it ran
+        before its own work (a forward that first encodes), so they come first in the order; otherwise after it
+        (a backward whose hook sends the gradients it produced)."""
+        mark, started = len(self.actions), self.clock()
+        self._nested.append(0.0)
+        try:
+            yield
+        finally:
+            elapsed = self.clock() - started
+            own = elapsed - self._nested.pop()
+            self._nested[-1] += elapsed
+            self.actions.insert(len(self.actions) if after_nested else mark, (kind, micro_batch, own))
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Time spent waiting for a transfer: taken out of the enclosing action, recorded as nothing."""
+        started = self.clock()
+        try:
+            yield
+        finally:
+            self._nested[-1] += self.clock() - started
+
+
+def timed(log: ActionLog | None, kind: str, micro_batch: int, *, after_nested: bool = True
+          ) -> AbstractContextManager[None]:
+    """:meth:`ActionLog.timed` where there is a log, nothing otherwise."""
+    return nullcontext() if log is None else log.timed(kind, micro_batch, after_nested=after_nested)
+
+
+def waiting(log: ActionLog | None) -> AbstractContextManager[None]:
+    """:meth:`ActionLog.waiting` where there is a log, nothing otherwise."""
+    return nullcontext() if log is None else log.waiting()
+
+
+def micro_batch_features(batch: dict[str, Any], *, audio_downsample: int) -> np.ndarray:
+    """The six cost features (:data:`~omni_lightning.balance.cost.FEATURES` order) of a packed micro-batch: the sums
+    of its samples' (:func:`~omni_lightning.balance.cost.feature_matrix`)."""
+    sequences = np.diff(batch["cu_seqlens"].cpu().numpy().astype(np.float64))
+    patches = batch["vision_grids"].cpu().numpy().astype(np.float64).reshape(-1, 2).prod(axis=1)
+    clips = batch["audio_lengths"].cpu().numpy().astype(np.float64) / audio_downsample
+    return np.array([patches.sum(), (patches**2).sum(), clips.sum(), (clips**2).sum(), sequences.sum(),
+                     (sequences * (sequences + 1) / 2).sum()])
+
+
+class JointCalibrator:
+    """Times training steps ``skip`` to ``skip + steps - 1`` of the joint pipeline on this rank, then calibrates
+    its item plan from every pipeline rank's records (one ``all_gather_object`` over ``group``, the pipeline's
+    ranks in stage order). The first ``skip`` steps are left out: they include one-off work (allocations, caches).
+
+    ``llm_share``: the part of a stage's LLM work this rank runs (``1 / (tp * cp)``).
+    """
+
+    def __init__(self, joint: JointEncoders, group: dist.ProcessGroup, *, steps: int, clock: Callable[[], float],
+                 flops: CostModel, llm_share: float = 1.0, skip: int = 1) -> None:
+        if steps < 1:
+            raise ValueError(f"calibration steps={steps} must be at least 1 (0 turns calibration off)")
+        self.joint, self.group, self.steps, self.skip = joint, group, steps, skip
+        self.flops, self.llm_share, self.clock = flops, llm_share, clock
+        self.seen = 0
+        self.calibrated = False
+        self.log: ActionLog | None = None  # while a measured step runs
+        self._features: list[np.ndarray] = []
+        self._actions: list[tuple[str, int, float]] = []
+
+    def begin_step(self) -> ActionLog | None:
+        """Before a training step: the log to time it with, if it is one of the measured ones."""
+        if not self.calibrated and self.seen >= self.skip:
+            self.log = ActionLog(self.clock)
+        return self.log
+
+    def end_step(self, micro_batches: list[dict[str, Any]]) -> None:
+        """After a training step: keep its records and, after the last measured step, calibrate."""
+        self.seen += 1
+        if self.log is None:
+            return
+        offset = sum(f.shape[0] for f in self._features)
+        downsample = self.joint.model.audio.config.downsample
+        self._features.append(np.stack([micro_batch_features(b, audio_downsample=downsample) for b in micro_batches]))
+        self._actions += [(kind, offset + m, seconds) for kind, m, seconds in self.log.actions]
+        self.log = None
+        if self.seen == self.skip + self.steps:
+            self._calibrate()
+
+    def _calibrate(self) -> None:
+        everyone: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, self._actions, group=self.group)
+        figures = fit_joint_calibration(np.concatenate(self._features), everyone, flops=self.flops,
+                                        llm_share=self.llm_share)
+        self.joint.calibrate(figures.cost_model, forward_share=figures.forward_share,
+                             encoder_forward_share=figures.encoder_forward_share, stage_shares=figures.stage_shares)
+        self.calibrated, self._features, self._actions = True, [], []

@@ -1,0 +1,149 @@
+"""Calibrating the joint pipeline's item plan from timed actions: the fit (pure), the action log, the features."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from omni_lightning.balance.calibration import fit_joint_calibration
+from omni_lightning.balance.cost import (
+    CostModel,
+    ModuleCost,
+    feature_matrix,
+    fit_cost_model,
+    fit_cost_model_to_features,
+)
+from omni_lightning.datamodules.collate import DecodedSample, pack_samples
+from omni_lightning.datamodules.workload import SampleMeta
+from omni_lightning.models.config import FIRST_TEXT_ID, ReferenceMLLMConfig
+from omni_lightning.parallel.pipeline_profile import ActionLog, micro_batch_features
+
+MERGE = (("audio", 4), ("image", 4), ("video", 4))
+FLOPS = CostModel.from_config(ReferenceMLLMConfig.tiny())
+# "Measured" prices: encoders far slower next to the LLM than FLOPs say, and attention dearer per pair.
+TRUE = CostModel(ModuleCost(2e-6, 4e-9), ModuleCost(3e-6, 1e-8), ModuleCost(1e-6, 2e-10))
+
+
+def _metas(rng: np.random.Generator, n: int) -> list[list[SampleMeta]]:
+    """``n`` micro-batches of two samples each: an image sample and a text or audio one, of random sizes."""
+    groups = []
+    for _ in range(n):
+        side = 2 * int(rng.integers(1, 12))
+        image = SampleMeta("image", int(rng.integers(4, 200)), images=((side, 2 * int(rng.integers(1, 12))),),
+                           merge=MERGE)
+        other = (SampleMeta("audio", int(rng.integers(4, 50)), audio_frames=4 * int(rng.integers(2, 60)), merge=MERGE)
+                 if rng.random() < 0.5 else SampleMeta("text", int(rng.integers(4, 400)), merge=MERGE))
+        groups.append([image, other])
+    return groups
+
+
+def _actions(features: np.ndarray, stage_shares: np.ndarray, owner: np.ndarray, *, forward: float,
+             encoder_forward: float, llm_share: float = 1.0) -> list[list[tuple[str, int, float]]]:
+    """What ranks priced by ``TRUE`` would record: each stage its share of every micro-batch's LLM work (a rank
+    ``llm_share`` of it), the encoder work of micro-batch ``m`` on rank ``owner[m]``, and some G actions."""
+    coefficients = TRUE.coefficients
+    llm = features[:, 4:] @ coefficients[4:] * llm_share
+    encoder = features[:, :4] @ coefficients[:4]
+    ranks = []
+    for s, share in enumerate(stage_shares):
+        rank = []
+        for m in range(features.shape[0]):
+            rank += [("F", m, llm[m] * share * forward), ("B", m, llm[m] * share * (1 - forward)), ("G", m, 5.0)]
+            if owner[m] == s:
+                rank += [("E", m, encoder[m] * encoder_forward), ("EB", m, encoder[m] * (1 - encoder_forward))]
+        ranks.append(rank)
+    return ranks
+
+
+def test_fit_to_features_equals_the_fit_to_samples() -> None:
+    rng = np.random.default_rng(0)
+    groups = _metas(rng, 12)
+    seconds = [float(TRUE.costs(g).sum()) for g in groups]
+    by_samples = fit_cost_model(list(zip(groups, seconds, strict=True)))
+    by_features = fit_cost_model_to_features(np.stack([feature_matrix(g).sum(axis=0) for g in groups]), seconds)
+    assert by_features == by_samples
+    np.testing.assert_allclose(by_features.coefficients, TRUE.coefficients, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"must be \[measurements=3, 6\]"):
+        fit_cost_model_to_features(np.ones((3, 5)), [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        fit_cost_model_to_features(-np.ones((6, 6)), [1.0] * 6)
+    with pytest.raises(ValueError, match="at least 6 measurements"):
+        fit_cost_model_to_features(np.ones((3, 6)), [1.0] * 3)
+
+
+@pytest.mark.parametrize("llm_share", [1.0, 0.25])
+def test_joint_calibration_recovers_the_measured_figures(llm_share: float) -> None:
+    """Actions priced by a known model give back that model, the forward shares and each stage's share; a rank that
+    runs a quarter of its stage (tp x cp = 4) is scaled up to the whole stage's work."""
+    rng = np.random.default_rng(1)
+    features = np.stack([feature_matrix(g).sum(axis=0) for g in _metas(rng, 16)])
+    shares = np.array([0.3, 0.25, 0.2, 0.25])
+    actions = _actions(features, shares, rng.integers(0, 4, 16), forward=0.4, encoder_forward=0.3,
+                       llm_share=llm_share)
+    figures = fit_joint_calibration(features, actions, flops=FLOPS, llm_share=llm_share)
+    np.testing.assert_allclose(figures.cost_model.coefficients, TRUE.coefficients, rtol=1e-6)
+    assert figures.forward_share == pytest.approx(0.4)
+    assert figures.encoder_forward_share == pytest.approx(0.3)
+    np.testing.assert_allclose(figures.stage_shares, shares)
+
+
+def test_an_encoder_the_steps_did_not_run_is_priced_from_flops_at_the_measured_rate() -> None:
+    """Text-only steps fit the LLM; the encoders keep their FLOP ratios to it, in the LLM's seconds per FLOP, so
+    the plan's units stay one; with no encoder pass timed, the encoders' forward share is FLOPs' third."""
+    rng = np.random.default_rng(2)
+    features = np.stack([feature_matrix([SampleMeta("text", int(rng.integers(4, 400)), merge=MERGE)]).sum(axis=0)
+                         for _ in range(8)])
+    figures = fit_joint_calibration(features, _actions(features, np.full(2, 0.5), np.zeros(8, dtype=int),
+                                                       forward=0.4, encoder_forward=0.3), flops=FLOPS)
+    model = figures.cost_model
+    rate = (features[:, 4:] @ TRUE.coefficients[4:]).sum() / (features[:, 4:] @ FLOPS.coefficients[4:]).sum()
+    np.testing.assert_allclose(model.coefficients[:4], FLOPS.coefficients[:4] * rate, rtol=1e-9)
+    assert figures.encoder_forward_share == pytest.approx(1 / 3)
+
+
+def test_joint_calibration_rejects_malformed_records() -> None:
+    features = np.ones((4, 6))
+    with pytest.raises(ValueError, match=r"must be \[micro-batches, 6\]"):
+        fit_joint_calibration(np.ones((4, 5)), [[("F", 0, 1.0)]], flops=FLOPS)
+    with pytest.raises(ValueError, match="recorded F of micro-batch 4, but features describe 4"):
+        fit_joint_calibration(features, [[("F", 4, 1.0)]], flops=FLOPS)
+    with pytest.raises(ValueError, match="every stage must have recorded LLM time"):
+        fit_joint_calibration(features, [[("F", 0, 1.0)], [("E", 0, 1.0)]], flops=FLOPS)
+    with pytest.raises(ValueError, match=r"llm_share=0 must be in \(0, 1\]"):
+        fit_joint_calibration(features, [[("F", 0, 1.0)]], flops=FLOPS, llm_share=0)
+
+
+def test_action_log_takes_nested_actions_and_waits_out_of_the_enclosing_one() -> None:
+    """A forward that first encodes lists the encoding before itself; a backward whose hook sends gradients lists
+    them after itself; each action's seconds are its own, without what ran or waited inside it."""
+    now = [0.0]
+
+    def advance(seconds: float) -> None:
+        now[0] += seconds
+
+    log = ActionLog(lambda: now[0])
+    with log.timed("F", 3):
+        with log.timed("E", 5):
+            advance(2.0)
+            with log.waiting():
+                advance(7.0)
+        advance(1.0)
+    with log.timed("B", 3, after_nested=False):
+        advance(4.0)
+        with log.timed("G", 3):
+            advance(0.5)
+    assert log.actions == [("E", 5, 2.0), ("F", 3, 1.0), ("B", 3, 4.0), ("G", 3, 0.5)]
+
+
+def test_micro_batch_features_are_the_sums_of_its_samples() -> None:
+    rng = np.random.default_rng(3)
+    metas = [SampleMeta("image", 30, images=((4, 6), (2, 2)), merge=MERGE),
+             SampleMeta("audio", 12, audio_frames=4 * 25, merge=MERGE), SampleMeta("text", 77, merge=MERGE)]
+    samples = [DecodedSample(str(i), rng.integers(FIRST_TEXT_ID, 256, meta.text_tokens),
+                             [rng.integers(0, 256, (h * 14, w * 14, 3), dtype=np.uint8) for h, w in meta.images],
+                             rng.standard_normal((meta.audio_frames, 80)).astype(np.float32) if meta.audio_frames
+                             else None) for i, meta in enumerate(metas)]
+    features = micro_batch_features(pack_samples(samples), audio_downsample=4)
+    np.testing.assert_array_equal(features, feature_matrix(metas).sum(axis=0))
+    text_only = micro_batch_features(pack_samples(samples[2:]), audio_downsample=4)
+    np.testing.assert_array_equal(text_only, feature_matrix(metas[2:]).sum(axis=0))
