@@ -279,6 +279,43 @@ def test_joint_pipeline_bounds_encoder_activations(tmp_path: Path, tiny_shards: 
     assert all(s["peak"] <= 3 for s in steps), steps
 
 
+class _CalibrationProbe(pl.Callback):
+    """Every rank records, after each step, the figures its joint pipeline plans items with."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir, self.steps = out_dir, []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: object) -> None:
+        joint = module.pipeline.joint
+        self.steps.append({"vision": [joint.costs["vision"].linear, joint.costs["vision"].quadratic],
+                           "llm": [joint.llm_cost.linear, joint.llm_cost.quadratic],
+                           "forward_share": joint.forward_share, "stage_shares": joint.stage_shares is not None
+                           and joint.stage_shares.tolist()})
+        (self.out_dir / f"figures_rank{trainer.global_rank}.json").write_text(json.dumps(self.steps))
+
+
+@pytest.mark.distributed
+def test_joint_pipeline_calibrates_its_item_plan_from_its_first_steps(tmp_path: Path, tiny_shards: str,
+                                                                      seed_checkpoint: Path) -> None:
+    """With ``pp_calibration_steps=2`` the joint pipeline plans in FLOPs through step 2 (step 0 is not timed), then
+    from step 3 on with figures fitted to the timed steps 1 and 2: in seconds, the same on both pipeline ranks (each
+    computes the plan itself), each stage's share of the LLM time summing to one."""
+    layout = {"pp": 2, "dp_shard": 1, "pp_microbatches": 4, "pp_calibration_steps": 2}
+    fit(tmp_path, tiny_shards, seed_checkpoint, layout=layout, devices=2, max_steps=4,
+        callbacks=[_CalibrationProbe(tmp_path)])
+    ranks = [json.loads((tmp_path / f"figures_rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    flops = CostModel.from_config(ReferenceMLLMConfig.tiny())
+    steps = ranks[0]
+    assert [s["stage_shares"] for s in steps[:2]] == [False, False]
+    assert all(s["llm"] == [flops.llm.linear, flops.llm.quadratic] for s in steps[:2])
+    for calibrated in steps[2:]:
+        assert sum(calibrated["stage_shares"]) == pytest.approx(1.0)
+        assert 0 < calibrated["llm"][0] < 1e-3 * flops.llm.linear  # seconds per token, not FLOPs
+        assert 0 < calibrated["forward_share"] < 1
+    assert steps[2] == steps[3]  # calibrated once
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("encoders", ["joint", "first_stage"])
 def test_balanced_data_module_feeds_whole_steps_to_the_pipeline(encoders: str, tmp_path: Path, tiny_shards: str,

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from omni_lightning.balance.cost import CostModel, ModuleCost
 from omni_lightning.balance.reorder import assign_encoder_items, lpt_ranks, stage_shares_of
+from omni_lightning.parallel.pipeline_profile import ActionLog, timed, waiting
 
 __all__ = ["JointEncoders", "share_items"]
 
@@ -140,11 +141,13 @@ class JointEncoders:
         self._retained: dict[int, list[tuple[torch.Tensor | None, bool]]] = {}
         self._incoming: dict[int, list[tuple[torch.Tensor, list[dist.Work]]]] = {}
         self._sends: list[dist.Work] = []
+        self.log: ActionLog | None = None  # times this rank's encoder actions while set (a measured step)
 
     def calibrate(self, cost_model: CostModel, *, forward_share: float, encoder_forward_share: float,
                   stage_shares: Sequence[float] | None = None) -> None:
-        """Plan the steps that follow with measured figures instead of FLOPs: a cost model (e.g.
-        :func:`~omni_lightning.balance.cost.fit_cost_model` on profiled steps), the forward's share of an LLM
+        """Plan the steps that follow with measured figures instead of FLOPs (what
+        ``OmniStrategy(pp_calibration_steps=...)`` does after timing a job's first steps, with
+        :class:`~omni_lightning.parallel.pipeline_profile.JointCalibrator`): a cost model, the forward's share of an LLM
         micro-batch's and of an item's time, and each stage's share of a micro-batch's LLM time (``None``: equal).
         FLOPs misjudge all three on hardware whose speed depends on the shape, and the first and last stages
         also embed and compute the loss; the 1F1B plan of large items leans on them, and gives a stage with more
@@ -274,6 +277,10 @@ class JointEncoders:
         self._incoming[m] = posted  # type: ignore[assignment]
 
     def _encode(self, m: int) -> None:
+        with timed(self.log, "E", m):
+            self._encode_share(m)
+
+    def _encode_share(self, m: int) -> None:
         retained = []
         for modality, items in enumerate(self._items[m]):
             inputs, encoder = items.inputs_of(self.rank), items.encoder
@@ -301,8 +308,9 @@ class JointEncoders:
         leaves = []
         for modality, items in enumerate(self._items[m]):
             buffers, works = self._incoming[m][modality]
-            for work in works:
-                work.wait()
+            with waiting(self.log):
+                for work in works:
+                    work.wait()
             leaf = torch.cat(buffers)[items.item_order(self.pp)].requires_grad_(self.train)
             if self.train:
                 leaf.register_post_accumulate_grad_hook(lambda _, m=m: self._gradient_ready(m))
@@ -318,6 +326,10 @@ class JointEncoders:
 
     def _send_gradients(self, m: int) -> None:
         """Stage 0: each rank's share of ``m``'s output gradients."""
+        with timed(self.log, "G", m):
+            self._send_gradient_shares(m)
+
+    def _send_gradient_shares(self, m: int) -> None:
         for modality, items in enumerate(self._items[m]):
             leaf = self.encoded[m][modality]
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
@@ -331,6 +343,10 @@ class JointEncoders:
         del self.encoded[m]
 
     def _backward(self, m: int) -> None:
+        with timed(self.log, "EB", m):
+            self._backward_share(m)
+
+    def _backward_share(self, m: int) -> None:
         outputs, grads = [], []
         for modality, (out, dummy) in enumerate(self._retained.pop(m)):
             if out is None:
@@ -340,8 +356,9 @@ class JointEncoders:
                 grads.append(torch.ones((), device=out.device))
                 continue
             grad, works = self._incoming[m][modality]
-            for work in works:
-                work.wait()
+            with waiting(self.log):
+                for work in works:
+                    work.wait()
             outputs.append(out)
             grads.append(grad)
         if outputs:

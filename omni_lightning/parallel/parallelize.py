@@ -95,7 +95,8 @@ def parallelize_mllm(
                                 encoders=settings.encoders, encoder_group=encoder_group,
                                 data_parallel_group=dp_cp.get_group() if (dp_cp := meshes.get("dp_cp")) else None,
                                 encoder_source=encoder_source,
-                                llm_share=1 / (meshes.parallel_dims.tp * meshes.parallel_dims.cp))
+                                llm_share=1 / (meshes.parallel_dims.tp * meshes.parallel_dims.cp),
+                                calibration_steps=settings.calibration_steps)
     if (cp_mesh := meshes.get("cp")) is not None:
         model.cp_group = cp_mesh.get_group()
     first_stage_encoders = runner is None or (runner.joint is None and runner.has_first_stage)

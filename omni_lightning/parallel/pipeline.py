@@ -37,6 +37,7 @@ from omni_lightning.models.mllm import IGNORE_INDEX, ReferenceMLLM, next_token_l
 from omni_lightning.models.moe import MoEFeedForward
 from omni_lightning.parallel.context_parallel import shard_for_context_parallel
 from omni_lightning.parallel.joint_pipeline import JointEncoders
+from omni_lightning.parallel.pipeline_profile import ActionLog, JointCalibrator, action_clock, timed
 
 __all__ = [
     "PIPELINE_SCHEDULES",
@@ -65,13 +66,16 @@ class PipelineSettings:
     ``"joint"`` (inserted into the schedule on every stage's rank; 1F1B and GPipe, see
     :mod:`omni_lightning.parallel.joint_pipeline`), ``"first_stage"`` (inside stage 0, torchtitan's way) or
     ``"pool"`` (another pool of ranks encodes and stage 0 receives the outputs: the disaggregated placement, see
-    :mod:`omni_lightning.parallel.disaggregated`)."""
+    :mod:`omni_lightning.parallel.disaggregated`). ``calibration_steps``: with the joint pipeline under 1F1B, how many
+    training steps (after the first) are timed to calibrate its item plan (:class:`~omni_lightning.parallel.
+    pipeline_profile.JointCalibrator`); 0 keeps the FLOP model."""
 
     schedule: str = "1F1B"
     microbatches: int | None = None
     virtual_stages: int = 1
     max_tokens: int = 4096
     encoders: str = "joint"
+    calibration_steps: int = 0
 
 
 # ------------------------------------------------------------------------------------------------- planning
@@ -221,9 +225,14 @@ class _StageModule(nn.Module):
         Every pipeline rank holds the step's micro-batches, so positions, sample boundaries and labels are read
         here rather than sent. Under context parallelism each stage works on this rank's head-tail token share.
         """
+        (runner,) = self._runner
+        index = int(inputs[-1].reshape(-1)[0])
+        with timed(runner.action_log, "F", index):
+            return self._forward(index, *inputs)
+
+    def _forward(self, index: int, *inputs: torch.Tensor) -> Any:
         (model,), (runner,) = self._model, self._runner
         number = inputs[-1]
-        index = int(number.reshape(-1)[0])
         batch = runner.micro_batches[index]
         if runner.joint is not None:
             runner.joint.before_forward(index)
@@ -265,6 +274,17 @@ class _StageModule(nn.Module):
         return inputs, outputs
 
 
+class _TimedStage(PipelineStage):
+    """A pipeline stage whose backward of a micro-batch is timed while its runner has an action log (its forward
+    is timed by :class:`_StageModule`)."""
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        (runner,) = self.submod._runner
+        # The joint pipeline's hook sends the gradients from inside the backward, once it has made them.
+        with timed(runner.action_log, "B", bwd_chunk_id, after_nested=False):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+
 class _AddAuxGradient(torch.autograd.Function):
     """Identity on a stage's hidden states whose backward also feeds ``scale`` as the gradient of the stage's MoE
     load-balance share, so that loss term trains the routers although only the last stage produces a loss."""
@@ -287,11 +307,12 @@ class PipelineRunner:
                  dtype: torch.dtype = torch.float32, encoders: str = "first_stage",
                  encoder_group: dist.ProcessGroup | None = None,
                  data_parallel_group: dist.ProcessGroup | None = None, encoder_source: Any = None,
-                 llm_share: float = 1.0) -> None:
+                 llm_share: float = 1.0, calibration_steps: int = 0) -> None:
         """``encoder_source`` (with ``encoders="pool"``, on stage 0's ranks) supplies each micro-batch's encoder
         outputs as :class:`JointEncoders` does: ``start``, ``before_forward``, ``outputs``, ``finish`` and
         ``sync_gradients`` (e.g. :class:`~omni_lightning.parallel.disaggregated.EncoderPoolLink`). ``llm_share``:
-        the part of a stage's LLM work one rank runs (``1 / (tp * cp)``), for the joint pipeline's item plan."""
+        the part of a stage's LLM work one rank runs (``1 / (tp * cp)``), for the joint pipeline's item plan.
+        ``calibration_steps``: see :class:`PipelineSettings`."""
         if schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"pp_schedule={schedule!r} must be one of {sorted(PIPELINE_SCHEDULES)}")
         pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
@@ -306,6 +327,9 @@ class PipelineRunner:
         self.layers_by_stage = assign_layers(costs, n_stages, last_cost=head)
         self.stage_ids = stage_ids_of_rank(pp_rank, pp, virtual_stages)
         self.joint: JointEncoders | None = None
+        self.calibrator: JointCalibrator | None = None
+        # While set, every stage forward and backward and every joint-pipeline action of a step is timed into it.
+        self.action_log: ActionLog | None = None
         if encoders == "joint":
             if schedule not in ("1F1B", "GPipe"):
                 raise ValueError(f"pp_encoders='joint' inserts encoder work into 1F1B or GPipe, not {schedule}: use "
@@ -318,6 +342,9 @@ class PipelineRunner:
                                        n_microbatches=n_microbatches, lag=pp if schedule == "1F1B" else n_microbatches,
                                        one_f_one_b=schedule == "1F1B", llm_share=llm_share, dtype=dtype,
                                        dp_group=data_parallel_group)
+            if calibration_steps and schedule == "1F1B":  # GPipe's plan is plain LPT: nothing to calibrate
+                self.calibrator = JointCalibrator(self.joint, encoder_group, steps=calibration_steps,
+                                                  clock=action_clock(device), flops=costs, llm_share=llm_share)
         elif encoders == "pool":
             self.joint = encoder_source  # type: ignore[assignment]  # None off stage 0: it embeds nothing
         elif encoders != "first_stage":
@@ -359,8 +386,8 @@ class PipelineRunner:
         stages = []
         for index, module in zip(self.stage_ids, self.stage_modules, strict=True):
             inputs, outputs = module.example_io(self.max_tokens, self._dtype, self._device)
-            stages.append(PipelineStage(module, index, self._n_stages, self._device, input_args=inputs,
-                                        output_args=outputs, group=self._group))
+            stages.append(_TimedStage(module, index, self._n_stages, self._device, input_args=inputs,
+                                      output_args=outputs, group=self._group))
         schedule_class = PIPELINE_SCHEDULES[self._schedule_name]
         first = stages if self._schedule_name in _MULTI_STAGE else stages[0]
         # Loss scaling is ours (tokens of the whole step), so the schedule must not average over micro-batches.
@@ -404,6 +431,11 @@ class PipelineRunner:
             raise ValueError(f"the pipeline schedule runs {self._n_microbatches} micro-batches a step, got "
                              f"{len(micro_batches)}: set OmniStrategy(pp_microbatches=...) to match the data")
         self.micro_batches, self._loss_scale, self._loss_sums = micro_batches, loss_scale, []
+        calibrator = self.calibrator if train else None
+        if calibrator is not None:
+            self.action_log = calibrator.begin_step()
+        if isinstance(self.joint, JointEncoders):
+            self.joint.log = self.action_log
         device = micro_batches[0]["input_ids"].device
         args = (torch.arange(len(micro_batches), device=device)[:, None],) if self.has_first_stage else ()
         kwargs: dict[str, Any] = {}
@@ -415,6 +447,10 @@ class PipelineRunner:
             (self.schedule.step if train else self.schedule.eval)(*args, return_outputs=False, **kwargs)
             if self.joint is not None:
                 self.joint.finish()
+            if calibrator is not None:
+                calibrator.end_step(micro_batches)
         finally:
             self.micro_batches = []
+            if calibrator is not None:
+                self.action_log = None
         return torch.stack(self._loss_sums).sum() if self._loss_sums else torch.zeros((), device=device)

@@ -92,6 +92,10 @@ class OmniStrategy(ModelParallelStrategy):
         pp_encoders: ``"joint"`` (default for 1F1B and GPipe) inserts each micro-batch's encoder work into the
             schedule, shared by every stage's rank; ``"first_stage"`` runs encoders inside stage 0 (torchtitan's
             way; what the interleaved schedules use).
+        pp_calibration_steps: with the joint pipeline under 1F1B, how many training steps after the first are timed
+            (each stage's forward and backward, each rank's encoder work) to price its plan of which rank encodes each
+            item with measured costs instead of FLOPs (see :mod:`omni_lightning.parallel.pipeline_profile`); ``0``
+            keeps FLOPs.
         launcher: how Lightning starts local processes when no cluster environment does: ``"subprocess"``
             (default; re-runs the script, for scripts and the CLI), ``"fork"`` (tests and notebooks) or
             ``"spawn"``. Under torchrun or SLURM the cluster starts the processes and this is ignored.
@@ -143,6 +147,7 @@ class OmniStrategy(ModelParallelStrategy):
         pp_virtual_stages: int = 1,
         pp_max_tokens: int = 4096,
         pp_encoders: str = "joint",
+        pp_calibration_steps: int = 2,
         launcher: LauncherName = "subprocess",
         timeout: float = 1800.0,
         process_group_backend: str | None = None,
@@ -188,6 +193,10 @@ class OmniStrategy(ModelParallelStrategy):
                 raise ValueError(f"{name}={value} must be at least 1")
         if pp_encoders not in ("joint", "first_stage"):
             raise ValueError(f"pp_encoders={pp_encoders!r} must be 'joint' or 'first_stage'")
+        if isinstance(pp_calibration_steps, bool) or not isinstance(pp_calibration_steps, int) \
+                or pp_calibration_steps < 0:
+            raise ValueError(f"pp_calibration_steps={pp_calibration_steps!r} must be a non-negative integer (0: no "
+                             "calibration)")
         if pp_schedule in _SINGLE_STAGE_SCHEDULES and pp_virtual_stages != 1:
             raise ValueError(f"pp_schedule={pp_schedule!r} runs one stage per rank but pp_virtual_stages="
                              f"{pp_virtual_stages}: use pp_virtual_stages=1 or pp_schedule='Interleaved1F1B'")
@@ -200,7 +209,7 @@ class OmniStrategy(ModelParallelStrategy):
         if placement == "disaggregated":
             pp_encoders = "pool"  # stage 0 receives the encoder pool's outputs
         self.pipeline_settings = PipelineSettings(pp_schedule, pp_microbatches, pp_virtual_stages, pp_max_tokens,
-                                                  pp_encoders)
+                                                  pp_encoders, pp_calibration_steps)
         self.on_nonfinite = on_nonfinite
         self._skipped_steps = 0
         self._parallel_dims: ParallelDims | None = None
