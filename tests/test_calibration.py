@@ -16,7 +16,8 @@ from omni_lightning.balance.cost import (
 from omni_lightning.datamodules.collate import DecodedSample, pack_samples
 from omni_lightning.datamodules.workload import SampleMeta
 from omni_lightning.models.config import FIRST_TEXT_ID, ReferenceMLLMConfig
-from omni_lightning.parallel.pipeline_profile import ActionLog, micro_batch_features
+from omni_lightning.parallel import pipeline_profile
+from omni_lightning.parallel.pipeline_profile import ActionLog, JointCalibrator, micro_batch_features
 
 MERGE = (("audio", 4), ("image", 4), ("video", 4))
 FLOPS = CostModel.from_config(ReferenceMLLMConfig.tiny())
@@ -99,6 +100,13 @@ def test_an_encoder_the_steps_did_not_run_is_priced_from_flops_at_the_measured_r
     rate = (features[:, 4:] @ TRUE.coefficients[4:]).sum() / (features[:, 4:] @ FLOPS.coefficients[4:]).sum()
     np.testing.assert_allclose(model.coefficients[:4], FLOPS.coefficients[:4] * rate, rtol=1e-9)
     assert figures.encoder_forward_share == pytest.approx(1 / 3)
+    # Three micro-batches with images and clips cannot fit both encoders' four coefficients: FLOPs again.
+    features = np.stack([feature_matrix(g).sum(axis=0) for g in _metas(rng, 40)])
+    features = features[(features[:, 2] > 0)][:3]
+    few = fit_joint_calibration(features, _actions(features, np.full(2, 0.5), np.zeros(3, dtype=int), forward=0.4,
+                                                   encoder_forward=0.3), flops=FLOPS)
+    rate = (features[:, 4:] @ TRUE.coefficients[4:]).sum() / (features[:, 4:] @ FLOPS.coefficients[4:]).sum()
+    np.testing.assert_allclose(few.cost_model.coefficients[:4], FLOPS.coefficients[:4] * rate, rtol=1e-9)
 
 
 def test_joint_calibration_rejects_malformed_records() -> None:
@@ -147,3 +155,63 @@ def test_micro_batch_features_are_the_sums_of_its_samples() -> None:
     np.testing.assert_array_equal(features, feature_matrix(metas).sum(axis=0))
     text_only = micro_batch_features(pack_samples(samples[2:]), audio_downsample=4)
     np.testing.assert_array_equal(text_only, feature_matrix(metas[2:]).sum(axis=0))
+
+
+class _Joint:
+    """What JointCalibrator needs of JointEncoders: the model's audio downsampling, and calibrate."""
+
+    def __init__(self) -> None:
+        self.model: object = None  # only .audio.config.downsample is read (set by _calibrator)
+        self.calls: list[dict[str, object]] = []
+
+    def calibrate(self, cost_model: CostModel, **shares: object) -> None:
+        self.calls.append({"cost_model": cost_model, **shares})
+
+
+def _calibrator(monkeypatch: pytest.MonkeyPatch, steps: int) -> tuple[JointCalibrator, _Joint]:
+    """A calibrator for a 2-stage pipeline whose other stage records what this one does (no process group)."""
+    monkeypatch.setattr(pipeline_profile.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(pipeline_profile.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(pipeline_profile.dist, "all_gather_object",
+                        lambda out, obj, group=None: out.__setitem__(slice(None), [obj, obj]))
+    joint = _Joint()
+    joint.model = type("Model", (), {"audio": type("Audio", (), {"config": ReferenceMLLMConfig.tiny().audio})})
+    clock = iter(range(10**6))
+    return JointCalibrator(joint, None, steps=steps, clock=lambda: float(next(clock)), flops=FLOPS), joint
+
+
+def _step(calibrator: JointCalibrator, micro_batches: list[dict[str, object]], seconds: list[float]) -> bool:
+    """One training step through the calibrator, timing a forward and a backward per micro-batch when measured;
+    whether it was measured."""
+    log = calibrator.begin_step()
+    for m, duration in enumerate(seconds):
+        if log is not None:
+            log.actions += [("F", m, duration / 3), ("B", m, 2 * duration / 3)]
+    calibrator.end_step(micro_batches)
+    return log is not None
+
+
+def test_calibrator_times_the_steps_after_the_first_then_calibrates_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 0 is not timed, steps 1 and 2 are, and after step 2 the fit of both steps' micro-batches (numbered one
+    after the other) reaches the joint pipeline once; later steps are not timed."""
+    calibrator, joint = _calibrator(monkeypatch, steps=2)
+    rng = np.random.default_rng(4)
+    micro = [pack_samples([DecodedSample(str(k), rng.integers(FIRST_TEXT_ID, 256, 10 + 37 * k))]) for k in range(3)]
+    lengths = [np.diff(b["cu_seqlens"].numpy().astype(np.float64)) for b in micro]
+    seconds = [float(TRUE.llm(x.sum(), (x * (x + 1) / 2).sum())) for x in lengths]
+    measured = [_step(calibrator, micro, seconds) for _ in range(4)]
+    assert measured == [False, True, True, False]
+    (call,) = joint.calls
+    # Two stages each record the whole micro-batch's time: the fit sees twice TRUE's LLM cost.
+    assert call["cost_model"].llm.linear == pytest.approx(2 * TRUE.llm.linear, rel=1e-6)
+    assert call["forward_share"] == pytest.approx(1 / 3) and call["stage_shares"] == pytest.approx((0.5, 0.5))
+
+
+def test_a_calibration_that_cannot_fit_keeps_flops_with_a_warning(monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """One timed step of one micro-batch cannot determine the LLM's two coefficients: the job goes on in FLOPs."""
+    calibrator, joint = _calibrator(monkeypatch, steps=1)
+    micro = [pack_samples([DecodedSample("a", np.arange(FIRST_TEXT_ID, FIRST_TEXT_ID + 20))])]
+    with caplog.at_level("WARNING"):
+        assert [_step(calibrator, micro, [1.0]) for _ in range(3)] == [False, True, False]
+    assert joint.calls == [] and "keeps planning items in FLOPs" in caplog.text

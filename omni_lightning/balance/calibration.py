@@ -47,8 +47,8 @@ def fit_joint_calibration(features: np.ndarray, actions: Sequence[Sequence[tuple
             measured micro-batch, the steps' micro-batches one after another.
         actions: for each pipeline rank, in stage order, its ``(kind, micro-batch, seconds)``, the micro-batch
             indexing ``features``. Other kinds (``G``) are ignored.
-        flops: the FLOP model, for an encoder the measured steps did not exercise: its coefficients are scaled
-            by the LLM's measured seconds per FLOP.
+        flops: the FLOP model, for an encoder the measured steps did not exercise (or too few micro-batches to
+            fit its two coefficients): its coefficients are scaled by the LLM's measured seconds per FLOP.
         llm_share: the part of a stage's LLM work one measured rank ran (``1 / (tp * cp)``).
 
     The LLM's coefficients are fitted (:func:`~omni_lightning.balance.cost.fit_cost_model_to_features`) to each
@@ -81,7 +81,7 @@ def fit_joint_calibration(features: np.ndarray, actions: Sequence[Sequence[tuple
     fitted = fit_cost_model_to_features(table, llm_seconds.tolist(), modules=["llm"])
     measured = [name for i, name in enumerate(_ENCODERS) if table[:, 2 * i : 2 * i + 2].any()]
     encoder_seconds = seconds["E"] + seconds["EB"]
-    if measured and encoder_seconds.any():
+    if measured and encoder_seconds.any() and n >= 2 * len(measured):
         encoders = fit_cost_model_to_features(table, encoder_seconds.tolist(), modules=measured)
     else:
         measured, encoders = [], fitted

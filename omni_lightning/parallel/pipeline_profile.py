@@ -11,6 +11,7 @@ records, so every rank computes the same figures and the same plans.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from omni_lightning.parallel.joint_pipeline import JointEncoders
 
 __all__ = ["ActionLog", "JointCalibrator", "action_clock", "micro_batch_features", "timed", "waiting"]
+
+logger = logging.getLogger(__name__)
 
 
 def action_clock(device: torch.device) -> Callable[[], float]:
@@ -138,8 +141,16 @@ class JointCalibrator:
     def _calibrate(self) -> None:
         everyone: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(everyone, self._actions, group=self.group)
-        figures = fit_joint_calibration(np.concatenate(self._features), everyone, flops=self.flops,
-                                        llm_share=self.llm_share)
+        self.calibrated, features, self._features, self._actions = True, np.concatenate(self._features), [], []
+        try:
+            figures = fit_joint_calibration(features, everyone, flops=self.flops, llm_share=self.llm_share)
+        except ValueError as error:  # every rank of the pipeline has the same records, so all of them land here
+            logger.warning("the joint pipeline keeps planning items in FLOPs: its timed steps could not calibrate "
+                           "it (%s)", error)
+            return
         self.joint.calibrate(figures.cost_model, forward_share=figures.forward_share,
                              encoder_forward_share=figures.encoder_forward_share, stage_shares=figures.stage_shares)
-        self.calibrated, self._features, self._actions = True, [], []
+        if dist.get_rank() == 0:
+            logger.info("joint pipeline calibrated on %d micro-batches: forward shares %.2f (LLM), %.2f (encoders); "
+                        "stage shares of the LLM time %s", features.shape[0], figures.forward_share,
+                        figures.encoder_forward_share, [round(share, 3) for share in figures.stage_shares])

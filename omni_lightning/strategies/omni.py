@@ -92,10 +92,10 @@ class OmniStrategy(ModelParallelStrategy):
         pp_encoders: ``"joint"`` (default for 1F1B and GPipe) inserts each micro-batch's encoder work into the
             schedule, shared by every stage's rank; ``"first_stage"`` runs encoders inside stage 0 (torchtitan's
             way; what the interleaved schedules use).
-        pp_calibration_steps: with the joint pipeline under 1F1B, how many training steps after the first are timed
-            (each stage's forward and backward, each rank's encoder work) to price its plan of which rank encodes each
-            item with measured costs instead of FLOPs (see :mod:`omni_lightning.parallel.pipeline_profile`); ``0``
-            keeps FLOPs.
+        pp_calibration_steps: with the joint pipeline under 1F1B, how many training batches after the first are
+            timed (each stage's forward and backward, each rank's encoder work) to price its plan of which rank
+            encodes each item with measured costs instead of FLOPs (see
+            :mod:`omni_lightning.parallel.pipeline_profile`); ``0`` keeps FLOPs.
         launcher: how Lightning starts local processes when no cluster environment does: ``"subprocess"``
             (default; re-runs the script, for scripts and the CLI), ``"fork"`` (tests and notebooks) or
             ``"spawn"``. Under torchrun or SLURM the cluster starts the processes and this is ignored.
