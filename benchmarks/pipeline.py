@@ -15,9 +15,10 @@ predicted cost over a step's micro-batches, then a local search on the 1F1B step
 up to the indivisible heavy ones and down after them). The joint pipeline's micro-batches balance their LLM cost
 (it spreads their encoder work over every stage), the stage-0 placement's their whole cost. The planner prices
 samples with the FLOP cost model until a workload's first warm-up step has been measured, then with one fitted to
-that step (``fit_cost_model``: the LLM's coefficients to each micro-batch's forward and backward time, the
-encoders' to its encoder time, and the forward's share of the LLM time), as a job calibrates on its first steps;
-``--no-calibrate`` keeps the FLOP model. Each step runs ``--repeats`` times and every action keeps its least time
+that step by the function ``OmniStrategy(pp_calibration_steps=...)`` uses (``fit_joint_calibration``: the LLM's
+coefficients to each micro-batch's forward and backward time, the encoders' to its encoder time, and the forward's
+share of the LLM time), as a job calibrates on its first steps; ``--no-calibrate`` keeps the FLOP model. Each step
+runs ``--repeats`` times and every action keeps its least time
 over the repeats (the same actions run in the same order each time), which keeps each micro-batch's own cost but
 not the other processes' interference. The theoretical bubble of 1F1B with uniform micro-batches is
 ``(p - 1) / (m + p - 1)``.
@@ -44,7 +45,7 @@ import datetime
 import json
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +55,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from common import default_workloads, free_port
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from omni_lightning.balance.cost import MODULES, CostModel, ModuleCost, feature_matrix, fit_cost_model
+from omni_lightning.balance.calibration import fit_joint_calibration
+from omni_lightning.balance.cost import CostModel, feature_matrix
 from omni_lightning.balance.reorder import ReorderConfig, plan_balance_group
 from omni_lightning.datamodules.collate import DecodedSample, pack_samples
 from omni_lightning.datamodules.workload import SampleMeta, load_workload, sample_metadata
@@ -69,11 +70,12 @@ from omni_lightning.models.config import (
 )
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.module import initial_state_dict
-from omni_lightning.parallel import joint_pipeline, pipeline
+from omni_lightning.parallel import pipeline
 from omni_lightning.parallel.dims import ParallelDims
 from omni_lightning.parallel.mesh import build_meshes
 from omni_lightning.parallel.parallelize import parallelize_mllm
 from omni_lightning.parallel.pipeline import PipelineSettings
+from omni_lightning.parallel.pipeline_profile import ActionLog
 from omni_lightning.sim import Action, one_f_one_b_bubble, replay_pipeline
 
 RESULTS = Path(__file__).parent / "results" / "pipeline.json"
@@ -124,30 +126,14 @@ def _micro_batches(workload: str, count: int, step: int, planner: _Planner, enco
 
 
 def _calibrated(groups: list[list[SampleMeta]], everyone: list[list[tuple[str, int, float]]]) -> _Planner:
-    """The planner fitted to one measured step of the joint pipeline, as a job calibrates on its first steps: the
-    LLM's coefficients (``fit_cost_model``) to each micro-batch's forward and backward CPU time over all stages,
-    the encoders' to its encoder forward and backward time over all ranks, the forward's share of the LLM's and
-    of the encoders' time, and each stage's share of the LLM time."""
-    seconds = {kind: np.zeros(len(groups)) for kind in ("F", "B", "E", "EB")}
-    stage_seconds = np.zeros(len(everyone))
-    for stage, rank in enumerate(everyone):
-        for kind, m, duration in rank:
-            if kind in seconds:
-                seconds[kind][m] += duration
-            if kind in ("F", "B"):
-                stage_seconds[stage] += duration
-    used = feature_matrix([meta for group in groups for meta in group]).sum(axis=0)
-    encoders = [name for i, name in enumerate(MODULES[:2]) if used[2 * i : 2 * i + 2].any()]
-    llm = fit_cost_model(list(zip(groups, (seconds["F"] + seconds["B"]).tolist(), strict=True)), modules=["llm"])
-    model = CostModel(ModuleCost(0, 0), ModuleCost(0, 0), llm.llm)
-    if encoders:
-        fitted = fit_cost_model(list(zip(groups, (seconds["E"] + seconds["EB"]).tolist(), strict=True)),
-                                modules=encoders)
-        model = replace(model, vision=fitted.vision, audio=fitted.audio)
-    encoder_share = float(seconds["E"].sum() / max((seconds["E"] + seconds["EB"]).sum(), 1e-12))
-    return _Planner(model, float(seconds["F"].sum() / (seconds["F"] + seconds["B"]).sum()),
-                    encoder_share if 0.0 < encoder_share < 1.0 else 1 / 3,  # FLOPs where a pass went unrecorded
-                    tuple((stage_seconds / stage_seconds.sum()).tolist()))
+    """The planner fitted to one measured step of the joint pipeline (its micro-batches' samples and every rank's
+    actions) by the function a job's own calibration uses (``JointCalibrator``;
+    :func:`~omni_lightning.balance.calibration.fit_joint_calibration`): the LLM's coefficients to each micro-batch's
+    forward and backward CPU time over all stages, the encoders' to its encoder forward and backward time over all
+    ranks, the forward's share of the LLM's and of the encoders' time, and each stage's share of the LLM time."""
+    features = np.stack([feature_matrix(group).sum(axis=0) for group in groups])
+    figures = fit_joint_calibration(features, everyone, flops=CostModel.from_config(CONFIG))
+    return _Planner(figures.cost_model, figures.forward_share, figures.encoder_forward_share, figures.stage_shares)
 
 
 def _sample(meta: SampleMeta, rng: np.random.Generator) -> DecodedSample:
@@ -156,49 +142,6 @@ def _sample(meta: SampleMeta, rng: np.random.Generator) -> DecodedSample:
     images = [rng.integers(0, 256, (h * 14, w * 14, 3), dtype=np.uint8) for h, w in grids]
     mel = rng.standard_normal((meta.audio_frames, 80)).astype(np.float32) if meta.audio_frames else None
     return DecodedSample("synthetic", rng.integers(FIRST_TEXT_ID, 256, meta.text_tokens), images, mel)
-
-
-class _Recorder:
-    """Times every stage forward and backward and every joint-pipeline action of this rank (thread CPU seconds);
-    actions that run inside a forward are recorded first and taken out of the forward's time."""
-
-    def __init__(self) -> None:
-        self.actions: list[tuple[str, int, float]] = []
-        self._inside = 0.0
-        recorder = self
-        forward, backward = pipeline._StageModule.forward, _PipelineStageBase.backward_one_chunk
-
-        def timed_forward(module: Any, *inputs: torch.Tensor) -> Any:
-            started, recorder._inside = time.thread_time(), 0.0
-            out = forward(module, *inputs)
-            recorder.actions.append(("F", int(inputs[-1].reshape(-1)[0]),
-                                     time.thread_time() - started - recorder._inside))
-            return out
-
-        def timed_backward(stage: Any, chunk: int, *args: Any, **kwargs: Any) -> Any:
-            started, mark = time.thread_time(), len(recorder.actions)
-            out = backward(stage, chunk, *args, **kwargs)
-            # Gradients sent from inside the backward (the joint pipeline's hook) go out when it ends.
-            inside = recorder.actions[mark:]
-            del recorder.actions[mark:]
-            recorder.actions.append(("B", chunk, time.thread_time() - started - sum(a[2] for a in inside)))
-            recorder.actions.extend(inside)
-            return out
-
-        pipeline._StageModule.forward = timed_forward  # type: ignore[method-assign]
-        _PipelineStageBase.backward_one_chunk = timed_backward  # type: ignore[method-assign]
-        for kind, name in (("E", "_encode"), ("EB", "_backward"), ("G", "_send_gradients")):
-            setattr(joint_pipeline.JointEncoders, name, self._timed(kind, getattr(joint_pipeline.JointEncoders, name)))
-
-    def _timed(self, kind: str, method: Any) -> Any:
-        def timed(joint: Any, micro_batch: int) -> None:
-            started = time.thread_time()
-            method(joint, micro_batch)
-            seconds = time.thread_time() - started
-            self._inside += seconds
-            self.actions.append((kind, micro_batch, seconds))
-
-        return timed
 
 
 def _fastest(runs: list[list[tuple[str, int, float]]]) -> list[tuple[str, int, float]]:
@@ -236,7 +179,6 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, results: 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=900))
-    recorder = _Recorder()
     meshes = build_meshes(ParallelDims(world_size=size, pp=size, dp_shard=1), "cpu")
     state = initial_state_dict(CONFIG, seed=0)
     for workload in args.workload:
@@ -261,10 +203,11 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, results: 
                     micro, groups = _micro_batches(workload, count, step, planner, encoders, args)
                     runs = []
                     for _ in range(args.repeats):
-                        recorder.actions = []
+                        runner.action_log = ActionLog(time.thread_time)  # every action's thread CPU seconds
                         dist.barrier()
                         runner.step(micro, loss_scale=1e-3)
-                        runs.append(recorder.actions)
+                        runs.append(runner.action_log.actions)
+                    runner.action_log = None
                     everyone: list[Any] = [None] * size
                     dist.all_gather_object(everyone, _fastest(runs))
                     if step > 0:
