@@ -316,6 +316,34 @@ def test_joint_pipeline_calibrates_its_item_plan_from_its_first_steps(tmp_path: 
     assert steps[2] == steps[3]  # calibrated once
 
 
+class _EncodedItems(pl.Callback):
+    """Every rank records, each step, how many items it encoded and how many the step held."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir, self.steps = out_dir, []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: object,
+                           batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        held = int(batch["vision_grids"].shape[0] + batch["audio_lengths"].numel())
+        self.steps.append([module.pipeline.joint.items_encoded, held])
+        (self.out_dir / f"items_rank{trainer.global_rank}.json").write_text(json.dumps(self.steps))
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_peers_split_their_stages_encoder_work(tmp_path: Path, tiny_shards: str,
+                                                              seed_checkpoint: Path) -> None:
+    """pp=2 x tp=2: every image and clip of a step is encoded by exactly one of the four ranks (a stage's TP peers
+    split its share instead of both encoding all of it), and both peers of some stage do encode."""
+    fit(tmp_path, tiny_shards, seed_checkpoint, layout={"pp": 2, "dp_shard": 1, "tp": 2, "pp_microbatches": 4},
+        devices=4, max_steps=4, callbacks=[_EncodedItems(tmp_path)])
+    ranks = [json.loads((tmp_path / f"items_rank{r}.json").read_text()) for r in range(4)]
+    for step in range(4):
+        held = {rank[step][1] for rank in ranks}
+        assert len(held) == 1 and sum(rank[step][0] for rank in ranks) == held.pop()
+    # Ranks are laid out pp-major: 0 and 1 are stage 0's TP peers, 2 and 3 stage 1's.
+    assert any(all(ranks[r][step][0] for r in peers) for peers in ((0, 1), (2, 3)) for step in range(4))
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("encoders", ["joint", "first_stage"])
 def test_balanced_data_module_feeds_whole_steps_to_the_pipeline(encoders: str, tmp_path: Path, tiny_shards: str,

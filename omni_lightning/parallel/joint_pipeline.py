@@ -83,13 +83,37 @@ class _Items:
             self.sources = (batch["audio_mels"],)
         self.output_rows = (self.tokens // encoder.tokens_per_output).astype(np.int64)
         self.costs = _item_costs(self.tokens, cost)
-        self.owner = np.zeros(self.tokens.size, dtype=np.int64)  # set by JointEncoders' plan of the step
+        # Set by JointEncoders' plan of the step: the pipeline rank whose stage encodes each item, and which of that
+        # stage's tensor-parallel peers does.
+        self.owner = np.zeros(self.tokens.size, dtype=np.int64)
+        self.peer = np.zeros(self.tokens.size, dtype=np.int64)
 
     def rows_of(self, rank: int) -> int:
+        """Output rows of the share of pipeline rank ``rank``'s stage."""
         return int(self.output_rows[self.owner == rank].sum())
 
-    def inputs_of(self, rank: int) -> tuple[torch.Tensor, ...] | None:
-        items = np.flatnonzero(self.owner == rank)
+    def peer_rows(self, rank: int, tp: int) -> list[int]:
+        """Output rows each tensor-parallel peer of ``rank``'s stage encodes."""
+        mine = self.owner == rank
+        return [int(self.output_rows[mine & (self.peer == p)].sum()) for p in range(tp)]
+
+    def peer_order(self, rank: int, tp: int) -> torch.Tensor:
+        """Row index that turns the peers' outputs of ``rank``'s share, concatenated peer by peer, into item order."""
+        mine = np.flatnonzero(self.owner == rank)
+        order = _item_order(self.output_rows[mine], self.peer[mine], tp)
+        return torch.as_tensor(order, device=self.sources[0].device)
+
+    def peer_rows_in_share(self, rank: int, peer: int) -> torch.Tensor:
+        """Rows of ``rank``'s share (in item order) that tensor-parallel peer ``peer`` encodes."""
+        mine = np.flatnonzero(self.owner == rank)
+        rows = self.output_rows[mine]
+        starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+        pieces = [np.arange(starts[k], starts[k + 1]) for k in np.flatnonzero(self.peer[mine] == peer)]
+        index = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+        return torch.as_tensor(index, device=self.sources[0].device)
+
+    def inputs_of(self, rank: int, peer: int = 0) -> tuple[torch.Tensor, ...] | None:
+        items = np.flatnonzero((self.owner == rank) & (self.peer == peer))
         if items.size == 0:
             return None
         starts = np.concatenate([[0], np.cumsum(self.input_rows)]).astype(int)
@@ -117,11 +141,14 @@ class JointEncoders:
         llm_share: the part of a stage's LLM work this rank runs (``1 / (tp * cp)``), for that model.
         dtype: dtype of the encoders' outputs (the FSDP compute dtype).
         dp_group: the data-parallel peers whose FSDP collectives the encoders share (``None`` without them).
+        tp_group: this stage's tensor-parallel peers (``None`` without them). They hold the same micro-batches, so
+            instead of each encoding all of its stage's share they split its items (LPT) and all-gather the outputs.
     """
 
     def __init__(self, model: nn.Module, p2p_group: dist.ProcessGroup, costs: dict[str, ModuleCost], *,
                  n_microbatches: int, lag: int, one_f_one_b: bool = False, llm_share: float = 1.0,
-                 dtype: torch.dtype = torch.float32, dp_group: dist.ProcessGroup | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, dp_group: dist.ProcessGroup | None = None,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
         self.model, self.group, self.costs = model, p2p_group, costs
         # Predicted LLM cost of each micro-batch, in the unit of the encoders' FLOP costs, for the plan of a 1F1B step;
         # a rank runs ``llm_share`` of a stage's LLM work (1 / (tp * cp)) but every item it is given whole.
@@ -131,12 +158,15 @@ class JointEncoders:
         self.one_f_one_b = one_f_one_b
         self.pp, self.rank = dist.get_world_size(p2p_group), dist.get_rank(p2p_group)
         self.n_microbatches, self.lag, self.dtype, self.dp_group = n_microbatches, lag, dtype, dp_group
+        self.tp_group = tp_group
+        self.tp, self.tp_rank = (dist.get_world_size(tp_group), dist.get_rank(tp_group)) if tp_group else (1, 0)
         self._runs: np.ndarray = np.zeros(0, dtype=bool)  # [micro-batch, modality]: this rank runs the encoder
         self.micro_batches: list[dict[str, Any]] = []
         self.train = True
         self.encoded: dict[int, tuple[torch.Tensor, ...]] = {}  # stage 0: leaves fed to the embedding
         self.peak_in_flight = 0  # most micro-batches whose encoder activations were alive at once, this step
         self.done: list[int] = []  # micro-batches whose share this rank encoded, in order
+        self.items_encoded = 0  # images, frames and clips this rank encoded this step (dummies not counted)
         self._items: dict[int, list[_Items]] = {}
         self._retained: dict[int, list[tuple[torch.Tensor | None, bool]]] = {}
         self._incoming: dict[int, list[tuple[torch.Tensor, list[dist.Work]]]] = {}
@@ -173,10 +203,11 @@ class JointEncoders:
     def start(self, micro_batches: list[dict[str, Any]], *, train: bool) -> None:
         """Before the schedule: plan every micro-batch, post the receives, encode the first shares."""
         self.micro_batches, self.train, self.done, self.peak_in_flight = micro_batches, train, [], 0
+        self.items_encoded = 0
         self._items = {m: [_Items(name, batch, getattr(self.model, name), self.costs[name]) for name in _MODALITIES]
                        for m, batch in enumerate(micro_batches)}
         self._plan(micro_batches)
-        mine = np.array([[items.rows_of(self.rank) > 0 for items in self._items[m]]
+        mine = np.array([[items.peer_rows(self.rank, self.tp)[self.tp_rank] > 0 for items in self._items[m]]
                          for m in range(len(micro_batches))], dtype=np.int64).reshape(len(micro_batches), -1)
         if self.dp_group is not None:  # a dummy is needed wherever a data-parallel peer runs the encoder
             agreed = torch.from_numpy(mine)
@@ -195,7 +226,22 @@ class JointEncoders:
         (:func:`~omni_lightning.balance.reorder.assign_encoder_items`); GPipe's encoder backward all waits for the
         end of the step, so there balancing the work is all there is to it. Either way stage 0 gets
         none of the last ``lag`` micro-batches' items, whose encoder backward would follow its last LLM backward
-        and lengthen the step, while the other stages are done with their LLM work by then and absorb it."""
+        and lengthen the step, while the other stages are done with their LLM work by then and absorb it.
+        Within a stage, its tensor-parallel peers split its items by LPT over the step (:meth:`_assign_peers`)."""
+        self._plan_stages(micro_batches)
+        self._assign_peers(len(micro_batches))
+
+    def _assign_peers(self, n: int) -> None:
+        """Which tensor-parallel peer of the owning stage encodes each item: longest first onto the peer with the
+        least of that stage's encoder work so far this step (the same on every peer)."""
+        loads = np.zeros((self.pp, self.tp))
+        for m in range(n):
+            for items in self._items[m]:
+                for rank in range(self.pp):
+                    mine = np.flatnonzero(items.owner == rank)
+                    items.peer[mine] = lpt_ranks(items.costs[mine], loads[rank], np.arange(self.tp))
+
+    def _plan_stages(self, micro_batches: list[dict[str, Any]]) -> None:
         n = len(micro_batches)
         if self.one_f_one_b:
             lengths = [np.diff(batch["cu_seqlens"].cpu().numpy().astype(np.float64)) for batch in micro_batches]
@@ -203,7 +249,10 @@ class JointEncoders:
                                              for tokens in lengths])
             everything = [items for m in range(n) for items in self._items[m]]
             micro_batch = np.repeat(np.arange(n), [sum(i.costs.size for i in self._items[m]) for m in range(n)])
-            owner = assign_encoder_items(llm, micro_batch, np.concatenate([i.costs for i in everything]), self.pp,
+            # A stage's peers share its items, so a stage spends about 1/tp of their cost (items are whole: LPT over
+            # the peers keeps the stage near that unless one item outweighs the rest of its share).
+            costs = np.concatenate([i.costs for i in everything]) / self.tp
+            owner = assign_encoder_items(llm, micro_batch, costs, self.pp,
                                          forward_share=self.forward_share,
                                          encoder_forward_share=self.encoder_forward_share,
                                          stage_shares=self.stage_shares)
@@ -283,25 +332,47 @@ class JointEncoders:
     def _encode_share(self, m: int) -> None:
         retained = []
         for modality, items in enumerate(self._items[m]):
-            inputs, encoder = items.inputs_of(self.rank), items.encoder
+            inputs, encoder = items.inputs_of(self.rank, self.tp_rank), items.encoder
+            out = None
             if not self._runs[m, modality]:  # neither this rank nor its data-parallel peers have work here
                 retained.append((None, True))
+            else:
+                with torch.set_grad_enabled(self.train):
+                    if inputs is None:  # nothing for this rank: a dummy item keeps its FSDP collectives in line
+                        retained.append((encoder(*encoder.dummy_inputs(items.sources[0].device)), True))
+                    else:
+                        out = encoder(*inputs)
+                        retained.append((out, False))
+                        self.items_encoded += int(inputs[-1].shape[0])
+            if not items.rows_of(self.rank):  # the stage has no share of this modality's items
                 continue
-            with torch.set_grad_enabled(self.train):
-                if inputs is None:  # nothing for this rank: a dummy item keeps its FSDP collectives in line
-                    retained.append((encoder(*encoder.dummy_inputs(items.sources[0].device)), True))
-                    continue
-                out = encoder(*inputs)
-            retained.append((out, False))
+            share = self._stage_share(items, out)
             if self.rank == 0:
                 buffers, _ = self._incoming[m][modality]
-                buffers[0] = out.detach()
+                buffers[0] = share
             else:
-                self._sends.append(dist.isend(out.detach().contiguous(), group=self.group, group_dst=0,
+                self._sends.append(dist.isend(share, group=self.group, group_dst=0,
                                               tag=self._tag(m, modality, False)))
         self._retained[m] = retained
         self.done.append(m)
         self.peak_in_flight = max(self.peak_in_flight, len(self._retained))
+
+    def _stage_share(self, items: _Items, out: torch.Tensor | None) -> torch.Tensor:
+        """This stage's share of a modality's outputs, in item order (detached): this rank's own, all-gathered with
+        its tensor-parallel peers' parts."""
+        if self.tp == 1:
+            assert out is not None  # the stage has a share, and this rank is all of the stage
+            return out.detach().contiguous()
+        rows = items.peer_rows(self.rank, self.tp)
+        width = self.model.config.llm.dim
+        mine = torch.zeros(max(rows), width, dtype=self.dtype, device=items.sources[0].device)
+        if out is not None:
+            mine[: out.shape[0]] = out.detach()
+        parts = [torch.empty_like(mine) for _ in range(self.tp)]
+        with waiting(self.log):
+            dist.all_gather(parts, mine, group=self.tp_group)
+        joined = torch.cat([part[:n] for part, n in zip(parts, rows, strict=True)])
+        return joined[items.peer_order(self.rank, self.tp)].contiguous()
 
     def _collect(self, m: int) -> None:
         """Stage 0: wait for ``m``'s shares and put them in item order as leaves."""
@@ -349,29 +420,33 @@ class JointEncoders:
     def _backward_share(self, m: int) -> None:
         outputs, grads = [], []
         for modality, (out, dummy) in enumerate(self._retained.pop(m)):
+            grad, works = self._incoming[m][modality]
+            with waiting(self.log):  # the stage's share's gradient comes even where a peer encoded all of it
+                for work in works:
+                    work.wait()
             if out is None:
                 continue
             if dummy:
                 outputs.append(out.sum() * 0.0)
                 grads.append(torch.ones((), device=out.device))
                 continue
-            grad, works = self._incoming[m][modality]
-            with waiting(self.log):
-                for work in works:
-                    work.wait()
             outputs.append(out)
-            grads.append(grad)
+            grads.append(grad if self.tp == 1 else grad[self._items[m][modality].peer_rows_in_share(self.rank,
+                                                                                                  self.tp_rank)])
         if outputs:
             torch.autograd.backward(outputs, grads)
         del self._incoming[m]
 
     def sync_gradients(self) -> None:
-        """Sum the encoders' gradients over the pipeline ranks (each encoded a share of every micro-batch)."""
+        """Sum the encoders' gradients over the pipeline ranks and their tensor-parallel peers (each encoded a part
+        of every micro-batch)."""
         for name in _MODALITIES:
             for param in getattr(self.model, name).parameters():
                 if param.grad is None:  # no share of this encoder's work here this step; the others had some
                     param.grad = torch.zeros_like(param)
                 local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                if self.tp_group is not None:
+                    dist.all_reduce(local, group=self.tp_group)
                 dist.all_reduce(local, group=self.group)
 
 

@@ -96,7 +96,8 @@ def parallelize_mllm(
                                 data_parallel_group=dp_cp.get_group() if (dp_cp := meshes.get("dp_cp")) else None,
                                 encoder_source=encoder_source,
                                 llm_share=1 / (meshes.parallel_dims.tp * meshes.parallel_dims.cp),
-                                calibration_steps=settings.calibration_steps)
+                                calibration_steps=settings.calibration_steps,
+                                tensor_parallel_group=tp.get_group() if (tp := meshes.get("tp")) else None)
     if (cp_mesh := meshes.get("cp")) is not None:
         model.cp_group = cp_mesh.get_group()
     first_stage_encoders = runner is None or (runner.joint is None and runner.has_first_stage)

@@ -31,6 +31,8 @@ __all__ = ["ActionLog", "JointCalibrator", "action_clock", "micro_batch_features
 
 logger = logging.getLogger(__name__)
 
+_ENCODER_KINDS = ("E", "EB")
+
 
 def action_clock(device: torch.device) -> Callable[[], float]:
     """Seconds of this rank's own work: thread CPU time on a CPU (a rank blocked in a collective or waiting for a
@@ -101,8 +103,10 @@ def micro_batch_features(batch: dict[str, Any], *, audio_downsample: int) -> np.
 
 class JointCalibrator:
     """Times training steps ``skip`` to ``skip + steps - 1`` of the joint pipeline on this rank, then calibrates
-    its item plan from every pipeline rank's records (one ``all_gather_object`` over ``group``, the pipeline's
-    ranks in stage order). The first ``skip`` steps are left out: they include one-off work (allocations, caches).
+    its item plan from every pipeline rank's records (one ``all_gather_object`` over the stage's tensor-parallel
+    peers, each of which encodes a part of the stage's share, then one over ``group``, the pipeline's ranks in
+    stage order), so that all of them compute the same plans. The first ``skip`` steps are left out: they include
+    one-off work (allocations, caches).
 
     ``llm_share``: the part of a stage's LLM work this rank runs (``1 / (tp * cp)``).
     """
@@ -139,8 +143,16 @@ class JointCalibrator:
             self._calibrate()
 
     def _calibrate(self) -> None:
-        everyone: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(everyone, self._actions, group=self.group)
+        # Every rank of the pipeline and the stages' tensor-parallel peers must plan alike, so all of them fit the
+        # same records: each stage's LLM passes as its first peer timed them, and all its peers' encoder work.
+        peers: list[Any] = [self._actions]
+        if self.joint.tp_group is not None:
+            peers = [None] * self.joint.tp
+            dist.all_gather_object(peers, self._actions, group=self.joint.tp_group)
+        stages: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(stages, peers, group=self.group)
+        everyone = [[a for a in stage[0] if a[0] not in _ENCODER_KINDS]
+                    + [a for peer in stage for a in peer if a[0] in _ENCODER_KINDS] for stage in stages]
         self.calibrated, features, self._features, self._actions = True, np.concatenate(self._features), [], []
         try:
             figures = fit_joint_calibration(features, everyone, flops=self.flops, llm_share=self.llm_share)
