@@ -8,7 +8,10 @@ pipeline ranks, balanced over the step; under 1F1B the plan models the step with
 the large items where it is shortest (:func:`~omni_lightning.balance.reorder.assign_encoder_items`), so that an
 image too large for one stage's slack goes where the schedule has room for it, not merely where there was least
 encoder work so far. Shares travel to stage 0, and their gradients back, point to point and
-asynchronously, so no stage waits for another's encoder work unless stage 0 would otherwise have it late.
+asynchronously, so no stage waits for another's encoder work unless stage 0 would otherwise have it late. Under
+tensor parallelism a stage's TP peers hold the same micro-batches: they split the stage's items between them (LPT
+over the step), all-gather the outputs at the insertion (they reach it together, as they do every TP collective),
+and each backpropagates its own items from the share's gradient, which every peer of stage 0 holds whole.
 
 *When* (uniform on-demand insertion), for 1F1B with ``p`` stages: just before its forward of micro-batch ``m``,
 stage ``s > 0`` encodes its share of micro-batch ``m + s + 1`` (the forward wave reaches stage 0's forward of that
@@ -24,7 +27,8 @@ GPipe runs every backward after every forward, so there the encoder backward wai
 A rank skips an encoder at an insertion only when none of its data-parallel peers (same stage, other data) has
 items for it there, which they agree on with one all-reduce per step; otherwise it runs a dummy item, so the
 encoders' FSDP collectives line up across the peers. Encoder weights are replicated
-over the pipeline ranks: :meth:`JointEncoders.sync_gradients` sums their gradients before the optimizer step.
+over the pipeline ranks and their TP peers: :meth:`JointEncoders.sync_gradients` sums their gradients over both
+before the optimizer step.
 """
 
 from __future__ import annotations
