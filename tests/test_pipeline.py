@@ -121,6 +121,7 @@ LAYOUTS = {
     "pp2_dp2_ep2_moe": ({"pp": 2, "dp_shard": 2, "ep": 2}, 4, MOE),
     "pp2_dp2_tp2": ({"pp": 2, "dp_shard": 2, "tp": 2}, 8, DENSE),
     "pp2_dp2_cp2": ({"pp": 2, "dp_shard": 2, "cp": 2}, 8, DENSE),
+    "pp2_dp2_enc_sp2": ({"pp": 2, "dp_shard": 2, "enc_sp": 2}, 4, DENSE),
     "pp2_tp2_cp2": ({"pp": 2, "dp_shard": 1, "tp": 2, "cp": 2}, 8, DENSE),
 }
 
@@ -317,7 +318,8 @@ def test_joint_pipeline_calibrates_its_item_plan_from_its_first_steps(tmp_path: 
 
 
 class _EncodedItems(pl.Callback):
-    """Every rank records, each step, how many items it encoded and how many the step held."""
+    """Every rank records, each step, how many items it encoded, how many the step held, and how many the encoder
+    balancer moved between data-parallel peers."""
 
     def __init__(self, out_dir: Path) -> None:
         self.out_dir, self.steps = out_dir, []
@@ -325,7 +327,8 @@ class _EncodedItems(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: object,
                            batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         held = int(batch["vision_grids"].shape[0] + batch["audio_lengths"].numel())
-        self.steps.append([module.pipeline.joint.items_encoded, held])
+        joint = module.pipeline.joint
+        self.steps.append([joint.items_encoded, held, joint.items_moved])
         (self.out_dir / f"items_rank{trainer.global_rank}.json").write_text(json.dumps(self.steps))
 
 
@@ -342,6 +345,21 @@ def test_tensor_parallel_peers_split_their_stages_encoder_work(tmp_path: Path, t
         assert len(held) == 1 and sum(rank[step][0] for rank in ranks) == held.pop()
     # Ranks are laid out pp-major: 0 and 1 are stage 0's TP peers, 2 and 3 stage 1's.
     assert any(all(ranks[r][step][0] for r in peers) for peers in ((0, 1), (2, 3)) for step in range(4))
+
+
+@pytest.mark.distributed
+def test_joint_pipeline_reshards_items_over_data_parallel_peers(tmp_path: Path, tiny_shards: str,
+                                                                seed_checkpoint: Path) -> None:
+    """pp=2 x dp_shard=2 with enc_sp=2: at each insertion a stage's two data-parallel peers plan their items together
+    (long-short SP, as without a pipeline), so items move between the replicas; every item is still one rank's, and
+    the run matches one process (the LAYOUTS parity case ``pp2_dp2_enc_sp2``)."""
+    fit(tmp_path, tiny_shards, seed_checkpoint, layout={"pp": 2, "dp_shard": 2, "pp_microbatches": 2, "enc_sp": 2},
+        devices=4, max_steps=4, callbacks=[_EncodedItems(tmp_path)])
+    ranks = [json.loads((tmp_path / f"items_rank{r}.json").read_text()) for r in range(4)]
+    for replica in ((0, 2), (1, 3)):  # pp is outermost: ranks 0 and 2 are replica 0's stages
+        for step in range(4):
+            assert sum(ranks[r][step][0] for r in replica) == ranks[replica[0]][step][1]
+    assert sum(rank[step][2] for rank in ranks for step in range(4)) > 0
 
 
 @pytest.mark.distributed

@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from omni_lightning.balance.cost import CostModel, ModuleCost
 from omni_lightning.balance.reorder import assign_encoder_items, lpt_ranks, stage_shares_of
+from omni_lightning.parallel.encoder_balance import EncoderBalancer, EncoderStep
 from omni_lightning.parallel.pipeline_profile import ActionLog, timed, waiting
 
 __all__ = ["JointEncoders", "share_items"]
@@ -147,12 +148,16 @@ class JointEncoders:
         dp_group: the data-parallel peers whose FSDP collectives the encoders share (``None`` without them).
         tp_group: this stage's tensor-parallel peers (``None`` without them). They hold the same micro-batches, so
             instead of each encoding all of its stage's share they split its items (LPT) and all-gather the outputs.
+        balancer: reshards each insertion's items over this stage's data-parallel peers, splitting long ones with
+            sequence parallelism (:class:`~omni_lightning.parallel.encoder_balance.EncoderBalancer`; ``None``: each
+            rank encodes its own items). The peers reach every insertion together: their stage's FSDP collectives
+            keep them in step.
     """
 
     def __init__(self, model: nn.Module, p2p_group: dist.ProcessGroup, costs: dict[str, ModuleCost], *,
                  n_microbatches: int, lag: int, one_f_one_b: bool = False, llm_share: float = 1.0,
                  dtype: torch.dtype = torch.float32, dp_group: dist.ProcessGroup | None = None,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
+                 tp_group: dist.ProcessGroup | None = None, balancer: EncoderBalancer | None = None) -> None:
         self.model, self.group, self.costs = model, p2p_group, costs
         # Predicted LLM cost of each micro-batch, in the unit of the encoders' FLOP costs, for the plan of a 1F1B step;
         # a rank runs ``llm_share`` of a stage's LLM work (1 / (tp * cp)) but every item it is given whole.
@@ -162,7 +167,7 @@ class JointEncoders:
         self.one_f_one_b = one_f_one_b
         self.pp, self.rank = dist.get_world_size(p2p_group), dist.get_rank(p2p_group)
         self.n_microbatches, self.lag, self.dtype, self.dp_group = n_microbatches, lag, dtype, dp_group
-        self.tp_group = tp_group
+        self.tp_group, self.balancer = tp_group, balancer
         self.tp, self.tp_rank = (dist.get_world_size(tp_group), dist.get_rank(tp_group)) if tp_group else (1, 0)
         self._runs: np.ndarray = np.zeros(0, dtype=bool)  # [micro-batch, modality]: this rank runs the encoder
         self.micro_batches: list[dict[str, Any]] = []
@@ -170,7 +175,9 @@ class JointEncoders:
         self.encoded: dict[int, tuple[torch.Tensor, ...]] = {}  # stage 0: leaves fed to the embedding
         self.peak_in_flight = 0  # most micro-batches whose encoder activations were alive at once, this step
         self.done: list[int] = []  # micro-batches whose share this rank encoded, in order
-        self.items_encoded = 0  # images, frames and clips this rank encoded this step (dummies not counted)
+        # Images, frames and clips of this rank's part of its stage's shares this step (wherever the balancer had
+        # them encoded), and how many items the balancer moved between the stage's data-parallel peers (all of them).
+        self.items_encoded = self.items_moved = 0
         self._items: dict[int, list[_Items]] = {}
         self._retained: dict[int, list[tuple[torch.Tensor | None, bool]]] = {}
         self._incoming: dict[int, list[tuple[torch.Tensor, list[dist.Work]]]] = {}
@@ -207,7 +214,7 @@ class JointEncoders:
     def start(self, micro_batches: list[dict[str, Any]], *, train: bool) -> None:
         """Before the schedule: plan every micro-batch, post the receives, encode the first shares."""
         self.micro_batches, self.train, self.done, self.peak_in_flight = micro_batches, train, [], 0
-        self.items_encoded = 0
+        self.items_encoded = self.items_moved = 0
         self._items = {m: [_Items(name, batch, getattr(self.model, name), self.costs[name]) for name in _MODALITIES]
                        for m, batch in enumerate(micro_batches)}
         self._plan(micro_batches)
@@ -335,31 +342,51 @@ class JointEncoders:
 
     def _encode_share(self, m: int) -> None:
         retained = []
-        for modality, items in enumerate(self._items[m]):
-            inputs, encoder = items.inputs_of(self.rank, self.tp_rank), items.encoder
-            out = None
-            if not self._runs[m, modality]:  # neither this rank nor its data-parallel peers have work here
-                retained.append((None, True))
-            else:
-                with torch.set_grad_enabled(self.train):
-                    if inputs is None:  # nothing for this rank: a dummy item keeps its FSDP collectives in line
-                        retained.append((encoder(*encoder.dummy_inputs(items.sources[0].device)), True))
-                    else:
-                        out = encoder(*inputs)
-                        retained.append((out, False))
-                        self.items_encoded += int(inputs[-1].shape[0])
-            if not items.rows_of(self.rank):  # the stage has no share of this modality's items
-                continue
-            share = self._stage_share(items, out)
-            if self.rank == 0:
-                buffers, _ = self._incoming[m][modality]
-                buffers[0] = share
-            else:
-                self._sends.append(dist.isend(share, group=self.group, group_dst=0,
-                                              tag=self._tag(m, modality, False)))
+        with torch.set_grad_enabled(self.train):
+            steps = self._balancer_plan(m)
+            previous: torch.Tensor | None = None  # the chain that orders the balancer's collectives in backward
+            for modality, items in enumerate(self._items[m]):
+                inputs, encoder = items.inputs_of(self.rank, self.tp_rank), items.encoder
+                out = None
+                if not self._runs[m, modality]:  # neither this rank nor its data-parallel peers have work here
+                    retained.append((None, True))
+                elif steps is not None:  # every peer runs it, own items or not (then with a dummy)
+                    encoded = self.balancer.encode(  # type: ignore[union-attr]
+                        encoder, inputs or encoder.dummy_inputs(items.sources[0].device), steps[items.name],
+                        dependency=previous)
+                    previous, out = encoded, encoded if inputs is not None else None
+                    retained.append((encoded, inputs is None))
+                elif inputs is None:  # nothing for this rank: a dummy item keeps its FSDP collectives in line
+                    retained.append((encoder(*encoder.dummy_inputs(items.sources[0].device)), True))
+                else:
+                    out = encoder(*inputs)
+                    retained.append((out, False))
+                if out is not None:
+                    self.items_encoded += int(inputs[-1].shape[0])  # type: ignore[index]
+                if not items.rows_of(self.rank):  # the stage has no share of this modality's items
+                    continue
+                share = self._stage_share(items, out)
+                if self.rank == 0:
+                    buffers, _ = self._incoming[m][modality]
+                    buffers[0] = share
+                else:
+                    self._sends.append(dist.isend(share, group=self.group, group_dst=0,
+                                                  tag=self._tag(m, modality, False)))
         self._retained[m] = retained
         self.done.append(m)
         self.peak_in_flight = max(self.peak_in_flight, len(self._retained))
+
+    def _balancer_plan(self, m: int) -> dict[str, EncoderStep] | None:
+        """The balancer's plan of this insertion's items over the stage's data-parallel peers (``None`` without a
+        balancer, or where no peer runs an encoder here). The peers agree on which encoders run (``_runs``)."""
+        running = [items for modality, items in enumerate(self._items[m]) if self._runs[m, modality]]
+        if self.balancer is None or not running:
+            return None
+        own = {items.name: torch.as_tensor(items.tokens[(items.owner == self.rank) & (items.peer == self.tp_rank)],
+                                           device=items.sources[0].device) for items in running}
+        steps = self.balancer.plan(own, {items.name: items.encoder.tokens_per_output for items in running})
+        self.items_moved += int(self.balancer.stats.get("items_moved", 0))
+        return steps
 
     def _stage_share(self, items: _Items, out: torch.Tensor | None) -> torch.Tensor:
         """This stage's share of a modality's outputs, in item order (detached): this rank's own, all-gathered with

@@ -85,9 +85,11 @@ def parallelize_mllm(
     runner = None
     if (pp_mesh := meshes.get("pp")) is not None:
         settings = pipeline or PipelineSettings()
-        encoder_group = None
+        encoder_group, joint_balancer = None, None
         if settings.encoders == "joint":  # its own group, so its transfers never meet the schedule's
             encoder_group, _ = dist.new_subgroups_by_enumeration(meshes.parallel_dims.groups("pp"))
+            if encoder_balance and meshes.encoder_group is not None:
+                joint_balancer = _encoder_balancer(model, meshes)
         runner = PipelineRunner(model, pp_mesh.get_group(), schedule=settings.schedule,
                                 n_microbatches=settings.microbatches or pp_mesh.size(),
                                 virtual_stages=settings.virtual_stages, max_tokens=settings.max_tokens,
@@ -97,14 +99,13 @@ def parallelize_mllm(
                                 encoder_source=encoder_source,
                                 llm_share=1 / (meshes.parallel_dims.tp * meshes.parallel_dims.cp),
                                 calibration_steps=settings.calibration_steps,
-                                tensor_parallel_group=tp.get_group() if (tp := meshes.get("tp")) else None)
+                                tensor_parallel_group=tp.get_group() if (tp := meshes.get("tp")) else None,
+                                encoder_balancer=joint_balancer)
     if (cp_mesh := meshes.get("cp")) is not None:
         model.cp_group = cp_mesh.get_group()
     first_stage_encoders = runner is None or (runner.joint is None and runner.has_first_stage)
     if encoder_balance and meshes.encoder_group is not None and first_stage_encoders:
-        costs = {"vision": model.vision.cost(), "audio": model.audio.cost()}
-        model.encoder_balancer = EncoderBalancer(meshes.encoder_group, meshes.encoder_sp_blocks, costs,
-                                                 enc_sp=meshes.parallel_dims.enc_sp)
+        model.encoder_balancer = _encoder_balancer(model, meshes)
     if (tp_mesh := meshes.get("tp")) is not None:
         apply_tp(model.llm, tp_mesh)
     experts: list[torch.nn.Parameter] = []
@@ -131,6 +132,9 @@ def parallelize_mllm(
         if isinstance(runner.joint, JointEncoders):  # every pipeline rank runs the encoders: each its own FSDP root
             for encoder in (model.vision, model.audio):
                 apply_fsdp(encoder, fsdp_mesh, blocks=[*encoder.blocks], param_dtype=param_dtype)
+                if runner.joint.balancer is not None:  # it runs the stem and the rest apart, around its exchange
+                    register_fsdp_forward_method(encoder, "embed")
+                    register_fsdp_forward_method(encoder, "encode")
         for stage in runner.stage_modules:
             blocks = [*stage.layers.values()]
             if stage.is_first and runner.joint is None:
@@ -162,3 +166,9 @@ def parallelize_encoder_pool(model: ReferenceMLLM, pool: EncoderPool, *, param_d
         apply_fsdp(model, pool.mesh, blocks=blocks, param_dtype=param_dtype)
         # The pool calls encode_items, not forward: FSDP must gather the root's parameters (stems, projectors) there.
         register_fsdp_forward_method(model, "encode_items")
+
+
+def _encoder_balancer(model: ReferenceMLLM, meshes: OmniMeshes) -> EncoderBalancer:
+    """Encoder resharding with long-short SP over this rank's encoder group (its data-parallel peers)."""
+    costs = {"vision": model.vision.cost(), "audio": model.audio.cost()}
+    return EncoderBalancer(meshes.encoder_group, meshes.encoder_sp_blocks, costs, enc_sp=meshes.parallel_dims.enc_sp)

@@ -36,6 +36,7 @@ from omni_lightning.models.llm import rotary_embedding
 from omni_lightning.models.mllm import IGNORE_INDEX, ReferenceMLLM, next_token_loss_sum
 from omni_lightning.models.moe import MoEFeedForward
 from omni_lightning.parallel.context_parallel import shard_for_context_parallel
+from omni_lightning.parallel.encoder_balance import EncoderBalancer
 from omni_lightning.parallel.joint_pipeline import JointEncoders
 from omni_lightning.parallel.pipeline_profile import ActionLog, JointCalibrator, action_clock, timed
 
@@ -308,13 +309,15 @@ class PipelineRunner:
                  encoder_group: dist.ProcessGroup | None = None,
                  data_parallel_group: dist.ProcessGroup | None = None, encoder_source: Any = None,
                  llm_share: float = 1.0, calibration_steps: int = 0,
-                 tensor_parallel_group: dist.ProcessGroup | None = None) -> None:
+                 tensor_parallel_group: dist.ProcessGroup | None = None,
+                 encoder_balancer: EncoderBalancer | None = None) -> None:
         """``encoder_source`` (with ``encoders="pool"``, on stage 0's ranks) supplies each micro-batch's encoder
         outputs as :class:`JointEncoders` does: ``start``, ``before_forward``, ``outputs``, ``finish`` and
         ``sync_gradients`` (e.g. :class:`~omni_lightning.parallel.disaggregated.EncoderPoolLink`). ``llm_share``:
         the part of a stage's LLM work one rank runs (``1 / (tp * cp)``), for the joint pipeline's item plan.
         ``calibration_steps``: see :class:`PipelineSettings`. ``tensor_parallel_group``: this stage's TP peers,
-        which split the joint pipeline's encoder work of their stage."""
+        which split the joint pipeline's encoder work of their stage; ``encoder_balancer`` reshards it over the
+        stage's data-parallel peers (see :class:`JointEncoders`)."""
         if schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"pp_schedule={schedule!r} must be one of {sorted(PIPELINE_SCHEDULES)}")
         pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
@@ -343,7 +346,8 @@ class PipelineRunner:
             self.joint = JointEncoders(model, encoder_group, {"vision": costs.vision, "audio": costs.audio},
                                        n_microbatches=n_microbatches, lag=pp if schedule == "1F1B" else n_microbatches,
                                        one_f_one_b=schedule == "1F1B", llm_share=llm_share, dtype=dtype,
-                                       dp_group=data_parallel_group, tp_group=tensor_parallel_group)
+                                       dp_group=data_parallel_group, tp_group=tensor_parallel_group,
+                                       balancer=encoder_balancer)
             if calibration_steps and schedule == "1F1B":  # GPipe's plan is plain LPT: nothing to calibrate
                 self.calibrator = JointCalibrator(self.joint, encoder_group, steps=calibration_steps,
                                                   clock=action_clock(device), flops=costs, llm_share=llm_share)
