@@ -158,12 +158,12 @@ def test_micro_batch_features_are_the_sums_of_its_samples() -> None:
 
 
 class _Joint:
-    """What JointCalibrator needs of JointEncoders: the model's audio downsampling, its (absent) tensor-parallel
-    peers, and calibrate."""
+    """What JointCalibrator needs of JointEncoders: the model's audio downsampling, its (absent) tensor- and
+    data-parallel peers, and calibrate."""
 
     def __init__(self) -> None:
         self.model: object = None  # only .audio.config.downsample is read (set by _calibrator)
-        self.tp_group = None
+        self.tp_group = self.dp_group = None
         self.calls: list[dict[str, object]] = []
 
     def calibrate(self, cost_model: CostModel, **shares: object) -> None:

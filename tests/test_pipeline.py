@@ -296,16 +296,19 @@ class _CalibrationProbe(pl.Callback):
 
 
 @pytest.mark.distributed
-def test_joint_pipeline_calibrates_its_item_plan_from_its_first_steps(tmp_path: Path, tiny_shards: str,
+@pytest.mark.parametrize(("layout", "devices"), [({"pp": 2, "dp_shard": 1}, 2), ({"pp": 2, "dp_shard": 2}, 4)],
+                         ids=["pp2", "pp2_dp2"])
+def test_joint_pipeline_calibrates_its_item_plan_from_its_first_steps(layout: dict[str, int], devices: int,
+                                                                      tmp_path: Path, tiny_shards: str,
                                                                       seed_checkpoint: Path) -> None:
     """With ``pp_calibration_steps=2`` the joint pipeline plans in FLOPs through step 2 (step 0 is not timed), then
-    from step 3 on with figures fitted to the timed steps 1 and 2: in seconds, the same on both pipeline ranks (each
-    computes the plan itself), each stage's share of the LLM time summing to one."""
-    layout = {"pp": 2, "dp_shard": 1, "pp_microbatches": 4, "pp_calibration_steps": 2}
-    fit(tmp_path, tiny_shards, seed_checkpoint, layout=layout, devices=2, max_steps=4,
-        callbacks=[_CalibrationProbe(tmp_path)])
-    ranks = [json.loads((tmp_path / f"figures_rank{r}.json").read_text()) for r in (0, 1)]
-    assert ranks[0] == ranks[1]
+    from step 3 on with figures fitted to the timed steps 1 and 2: in seconds, the same on every rank (each computes
+    the plan itself; data-parallel peers reshard items between them, so they fit their records together), each
+    stage's share of the LLM time summing to one."""
+    fit(tmp_path, tiny_shards, seed_checkpoint, layout={**layout, "pp_microbatches": 4, "pp_calibration_steps": 2},
+        devices=devices, max_steps=4, callbacks=[_CalibrationProbe(tmp_path)])
+    ranks = [json.loads((tmp_path / f"figures_rank{r}.json").read_text()) for r in range(devices)]
+    assert all(rank == ranks[0] for rank in ranks)
     flops = CostModel.from_config(ReferenceMLLMConfig.tiny())
     steps = ranks[0]
     assert [s["stage_shares"] for s in steps[:2]] == [False, False]

@@ -103,10 +103,10 @@ def micro_batch_features(batch: dict[str, Any], *, audio_downsample: int) -> np.
 
 class JointCalibrator:
     """Times training steps ``skip`` to ``skip + steps - 1`` of the joint pipeline on this rank, then calibrates
-    its item plan from every pipeline rank's records (one ``all_gather_object`` over the stage's tensor-parallel
-    peers, each of which encodes a part of the stage's share, then one over ``group``, the pipeline's ranks in
-    stage order), so that all of them compute the same plans. The first ``skip`` steps are left out: they include
-    one-off work (allocations, caches).
+    its item plan from every rank's records (``all_gather_object`` over the stage's tensor-parallel peers, each of
+    which encodes a part of the stage's share, then over ``group``, the pipeline's ranks in stage order, then over
+    the data-parallel peers, between which the encoder balancer moves items), so that all of them compute the same
+    plans. The first ``skip`` steps are left out: they include one-off work (allocations, caches).
 
     ``llm_share``: the part of a stage's LLM work this rank runs (``1 / (tp * cp)``).
     """
@@ -143,20 +143,29 @@ class JointCalibrator:
             self._calibrate()
 
     def _calibrate(self) -> None:
-        # Every rank of the pipeline and the stages' tensor-parallel peers must plan alike, so all of them fit the
-        # same records: each stage's LLM passes as its first peer timed them, and all its peers' encoder work.
+        # Every rank must plan as its pipeline, its stage's tensor-parallel peers and (since the encoder balancer
+        # reshards items between them) its data-parallel peers do, so every rank fits the same records: each stage's
+        # LLM passes as its first TP peer timed them and all its peers' encoder work, summed over the replicas (with
+        # resharding a rank's encoder time is a share of all replicas' items of that micro-batch index; costs are
+        # linear in the features, so sums fit the same coefficients).
         peers: list[Any] = [self._actions]
         if self.joint.tp_group is not None:
             peers = [None] * self.joint.tp
             dist.all_gather_object(peers, self._actions, group=self.joint.tp_group)
         stages: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(stages, peers, group=self.group)
-        everyone = [[a for a in stage[0] if a[0] not in _ENCODER_KINDS]
-                    + [a for peer in stage for a in peer if a[0] in _ENCODER_KINDS] for stage in stages]
-        self.calibrated, features, self._features, self._actions = True, np.concatenate(self._features), [], []
+        replica = [[a for a in stage[0] if a[0] not in _ENCODER_KINDS]
+                   + [a for peer in stage for a in peer if a[0] in _ENCODER_KINDS] for stage in stages]
+        replicas: list[Any] = [(np.concatenate(self._features), replica)]
+        if self.joint.dp_group is not None:
+            replicas = [None] * dist.get_world_size(self.joint.dp_group)
+            dist.all_gather_object(replicas, (np.concatenate(self._features), replica), group=self.joint.dp_group)
+        features = np.sum([f for f, _ in replicas], axis=0)
+        everyone = [[a for _, stage_actions in replicas for a in stage_actions[s]] for s in range(len(stages))]
+        self.calibrated, self._features, self._actions = True, [], []
         try:
             figures = fit_joint_calibration(features, everyone, flops=self.flops, llm_share=self.llm_share)
-        except ValueError as error:  # every rank of the pipeline has the same records, so all of them land here
+        except ValueError as error:  # every rank has the same records, so all of them land here
             logger.warning("the joint pipeline keeps planning items in FLOPs: its timed steps could not calibrate "
                            "it (%s)", error)
             return
