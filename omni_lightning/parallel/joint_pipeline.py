@@ -11,7 +11,10 @@ encoder work so far. Shares travel to stage 0, and their gradients back, point t
 asynchronously, so no stage waits for another's encoder work unless stage 0 would otherwise have it late. Under
 tensor parallelism a stage's TP peers hold the same micro-batches: they split the stage's items between them (LPT
 over the step), all-gather the outputs at the insertion (they reach it together, as they do every TP collective),
-and each backpropagates its own items from the share's gradient, which every peer of stage 0 holds whole.
+and each backpropagates its own items from the share's gradient, which every peer of stage 0 holds whole. With an
+encoder balancer, a stage's data-parallel peers (the same stage of other replicas, in step with it through the
+stage's FSDP collectives) also plan each insertion's items together, long ones split with sequence parallelism,
+exactly as the encoders do without a pipeline (:mod:`omni_lightning.parallel.encoder_balance`).
 
 *When* (uniform on-demand insertion), for 1F1B with ``p`` stages: just before its forward of micro-batch ``m``,
 stage ``s > 0`` encodes its share of micro-batch ``m + s + 1`` (the forward wave reaches stage 0's forward of that
