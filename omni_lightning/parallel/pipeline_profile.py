@@ -158,8 +158,9 @@ class JointCalibrator:
                    + [a for peer in stage for a in peer if a[0] in _ENCODER_KINDS] for stage in stages]
         replicas: list[Any] = [(np.concatenate(self._features), replica)]
         if self.joint.dp_group is not None:
+            mine = replicas[0]
             replicas = [None] * dist.get_world_size(self.joint.dp_group)
-            dist.all_gather_object(replicas, (np.concatenate(self._features), replica), group=self.joint.dp_group)
+            dist.all_gather_object(replicas, mine, group=self.joint.dp_group)
         features = np.sum([f for f, _ in replicas], axis=0)
         everyone = [[a for _, stage_actions in replicas for a in stage_actions[s]] for s in range(len(stages))]
         self.calibrated, self._features, self._actions = True, [], []
