@@ -10,9 +10,10 @@ order, the measured durations, the pipeline's dependencies), and the bubble is t
 (encoder work counts as busy: it is work that has to be done somewhere).
 
 Micro-batches are formed and ordered by the loader's planner, as OmniDataModule feeds a pipeline: LPT of the
-predicted cost over a step's micro-batches, then a local search on the 1F1B step time of their predicted costs
-(``ReorderConfig(pipeline_search=True)``: the order, and samples moved between micro-batches so that they ramp
-up to the indivisible heavy ones and down after them). The joint pipeline's micro-batches balance their LLM cost
+predicted cost over a step's micro-batches towards the 1F1B cost profile (light ones where the pipeline fills and
+drains), then a local search on the 1F1B step time of their predicted costs (``ReorderConfig(pipeline_order=
+"search")``: the order, and samples moved between micro-batches so that they ramp up to the indivisible heavy ones
+and down after them). The joint pipeline's micro-batches balance their LLM cost
 (it spreads their encoder work over every stage), the stage-0 placement's their whole cost. The planner prices
 samples with the FLOP cost model until a workload's first warm-up step has been measured, then with one fitted to
 that step by the function ``OmniStrategy(pp_calibration_steps=...)`` uses (``fit_joint_calibration``: the LLM's
@@ -27,8 +28,8 @@ not the other processes' interference. The theoretical bubble of 1F1B with unifo
 
 The joint pipeline plans which rank encodes each item as the real runtime does (``JointEncoders``: small items by
 LPT, large ones placed on a model of the 1F1B step with its encoder insertions; see
-:func:`omni_lightning.balance.reorder.assign_encoder_items`), with FLOP costs until the warm-up is measured and then
-with the loader planner's fitted model, the measured forward shares and each stage's measured share of the LLM
+:func:`omni_lightning.balance.pipeline_order.assign_encoder_items`), with FLOP costs until the warm-up is measured
+and then with the loader planner's fitted model, the measured forward shares and each stage's measured share of the LLM
 time (``JointEncoders.calibrate``: the first stage also embeds, so it gets less encoder work). The last but one
 column replays the joint pipeline's step with each micro-batch's encoder work shared evenly by the stages (what
 splitting items over the pipeline ranks would give), separating the cost of indivisible large items from the
@@ -106,17 +107,17 @@ class _Planner:
 def _micro_batches(workload: str, count: int, step: int, planner: _Planner, encoders: str,
                    args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[list[SampleMeta]]]:
     """The same micro-batches on every rank (seeded by workload and step), formed and ordered as OmniDataModule
-    does under pipeline parallelism: its planner for one rank and step (LPT of the predicted cost over the
-    micro-batches, then the 1F1B order its local search finds shortest for those costs). The joint pipeline's
-    micro-batches balance their LLM cost, since it spreads their encoder work over every stage; with encoders on
-    stage 0 they balance the whole cost. Also returns their samples."""
+    does under pipeline parallelism: its planner for one rank and step (LPT of the predicted cost towards the 1F1B
+    cost profile, then the micro-batches and order its local search finds shortest for those costs). The joint
+    pipeline's micro-batches balance their LLM cost, since it spreads their encoder work over every stage; with
+    encoders on stage 0 they balance the whole cost. Also returns their samples."""
     spec = load_workload(workload)
     rng = np.random.default_rng([args.seed, step])
     metas = [sample_metadata(spec, rng, length_scale=args.length_scale, max_llm_tokens=args.max_llm_tokens)
              for _ in range(count * args.samples_per_micro_batch)]
     costs = planner.model.costs(metas)
     zeros = np.zeros(len(metas), dtype=np.int64)
-    config = ReorderConfig(steps=1, micro_batches=count, pp=args.stages, pipeline_search=True,
+    config = ReorderConfig(steps=1, micro_batches=count, pp=args.stages, pipeline_order="search",
                            forward_share=planner.forward_share)
     plan = plan_balance_group(costs.sum(axis=1), np.array([m.llm_tokens for m in metas]), zeros, zeros, n_ranks=1,
                               config=config, seed=args.seed, epoch=step, group_index=0,

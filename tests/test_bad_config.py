@@ -155,6 +155,8 @@ CASES: dict[str, Case] = {
     # ---- data settings: OmniDataModule(...) and its setup on every rank
     "workload-balance-unknown": Case(lambda s: OmniDataModule(s, workload_balance="sorted"),
                                      r"workload_balance='sorted' must be 'grouped' or 'none'"),
+    "pipeline-order-unknown": Case(lambda s: OmniDataModule(s, pipeline_order="sorted"),
+                                   r"pipeline_order='sorted' must be one of \('disttrain', 'ramp', 'search'\)"),
     "on-bad-sample-unknown": Case(lambda s: OmniDataModule(s, on_bad_sample="warn"),
                                   r"on_bad_sample='warn' must be 'skip' or 'error'"),
     "balance-group-size-below-one": Case(lambda s: OmniDataModule(s, balance_group_size=0),

@@ -85,30 +85,31 @@ def test_figures_move_with_the_planners(sim: Simulation, monkeypatch: pytest.Mon
     assert after.step_s > before.step_s
 
 
-def test_pipeline_search_plans_omnis_loader_as_the_datamodule_does(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``pipeline_search`` omni's loader searches its 1F1B micro-batches as ``OmniDataModule`` under pp > 1
-    does: the same samples per rank, reshaped and reordered; disaggregated keeps DistTrain's order."""
-    searched = []
+def test_omnis_loader_shapes_1f1b_micro_batches_as_the_datamodule_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Omni's loader shapes its 1F1B micro-batches as ``OmniDataModule`` does under pp > 1: the ramp, refined by the
+    search with ``pipeline_search`` (the same samples per rank, reshaped and reordered); disaggregated keeps
+    DistTrain's order."""
+    orders = []
     real_plan = reorder.plan_balance_group
 
     def spy(*args: object, **kwargs: object) -> reorder.GroupPlan:
-        searched.append(kwargs["config"].pipeline_search)
+        orders.append(kwargs["config"].pipeline_order)
         return real_plan(*args, **kwargs)
 
     monkeypatch.setattr(reorder, "plan_balance_group", spy)
     scenario = replace(_scenario(pp=4, micro_batches=8, seq_len=2048), steps=2)
     plain, search = Simulation(scenario), Simulation(replace(scenario, pipeline_search=True))
     plain.omni(), search.omni()
-    assert searched == [False, True]
+    assert orders == ["ramp", "search"]
     plans = [sim._omni_micro_batches(OmniOptions(), 0, 0)[0] for sim in (plain, search)]
     # The same samples on every rank, shaped and ordered differently by the search.
     assert [[sorted(p for batch in rank for p in batch)] for rank in plans[0]] == \
         [[sorted(p for batch in rank for p in batch)] for rank in plans[1]]
     assert plans[0] != plans[1]
     assert "with the 1F1B search" in search.sampling_note and "search" not in plain.sampling_note
-    searched.clear()
+    orders.clear()
     search.disaggregated()
-    assert searched and not any(searched)
+    assert orders and set(orders) == {"disttrain"}
 
 
 def test_omni_plans_group_steps_at_a_time_as_the_loader_does(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_lightning.balance.reorder import (
+from omni_lightning.balance.pipeline_order import (
     assign_encoder_items,
     joint_1f1b_makespans,
     joint_1f1b_orders,

@@ -30,7 +30,7 @@ from test_parity import STEPS, _assert_grads_match
 
 from omni_lightning import OmniDataModule, OmniModule, ReferenceMLLM
 from omni_lightning.balance.cost import CostModel, ModuleCost
-from omni_lightning.balance.reorder import assign_encoder_items
+from omni_lightning.balance.pipeline_order import assign_encoder_items
 from omni_lightning.datamodules.collate import DecodedSample, pack_samples
 from omni_lightning.datamodules.relay import PAYLOAD_KEYS
 from omni_lightning.models.config import FIRST_TEXT_ID, ReferenceMLLMConfig

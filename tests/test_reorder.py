@@ -7,18 +7,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_lightning.balance import reorder
+from omni_lightning.balance import pipeline_order, reorder
+from omni_lightning.balance.pipeline_order import (
+    one_f_one_b_makespans,
+    one_f_one_b_profile,
+    order_for_1f1b,
+    refine_for_1f1b,
+    search_1f1b_order,
+    split_to_profile,
+)
 from omni_lightning.balance.reorder import (
+    PIPELINE_ORDERS,
     GroupPlan,
+    PipelineOrder,
     ReorderConfig,
     balance_groups,
     lower_bound,
-    one_f_one_b_makespans,
-    order_for_1f1b,
     plan_balance_group,
     plan_naive,
-    refine_for_1f1b,
-    search_1f1b_order,
 )
 from omni_lightning.sim import replay_pipeline
 from omni_lightning.sim.schedules import one_f_one_b
@@ -46,15 +52,15 @@ def _placed(plan) -> list[int]:
     per_rank=st.integers(0, 40),
     budget=st.one_of(st.none(), st.integers(200, 1200)),
     pp=st.integers(1, 3),
-    search=st.booleans(),
+    order=st.sampled_from(PIPELINE_ORDERS),
 )
 def test_every_sample_once_and_no_budget_exceeded(
     seed: int, n_ranks: int, steps: int, micro_batches: int, per_rank: int, budget: int | None, pp: int,
-    search: bool,
+    order: PipelineOrder,
 ) -> None:
     costs, tokens, owners, nbytes = _inputs(seed, n_ranks, per_rank)
     config = ReorderConfig(steps=steps, micro_batches=micro_batches, token_budget=budget, pp=pp,
-                           pipeline_search=search)
+                           pipeline_order=order)
     plan = plan_balance_group(costs, tokens, owners, nbytes, n_ranks=n_ranks, config=config, seed=seed, epoch=0,
                               group_index=0)
     placed = _placed(plan)
@@ -159,6 +165,58 @@ def _span(costs: np.ndarray, order: list[int], stages: int = 4) -> float:
     return float(one_f_one_b_makespans(costs[order], stages)[0])
 
 
+@pytest.mark.parametrize(("pp", "m", "removed"), [(2, 8, 0.4), (4, 16, 0.4), (8, 32, 0.4), (4, 4, 0.1), (3, 5, 0.2)])
+def test_the_1f1b_profile_takes_out_part_of_the_bubble(pp: int, m: int, removed: float) -> None:
+    """The profile is a share per run position, light where the pipeline fills and drains, and its 1F1B step is
+    shorter than even micro-batches' by at least ``removed`` of their idle time (each stage works 1 / pp of the
+    step's cost; with fewer micro-batches per stage there is less to reshape)."""
+    shares = one_f_one_b_profile(pp, m)
+    assert shares.shape == (m,) and (shares > 0).all() and shares.sum() == pytest.approx(1.0)
+    assert shares[0] < 1 / m and shares[-1] < 1 / m
+    even = float(one_f_one_b_makespans(np.full(m, 1 / m), pp)[0])
+    assert float(one_f_one_b_makespans(shares, pp)[0]) < even - removed * (even - 1 / pp)
+    assert one_f_one_b_profile(pp, m) is shares and not shares.flags.writeable  # cached, shared read-only
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(0, 60), m=st.integers(2, 6), pp=st.integers(2, 4),
+       budget=st.one_of(st.none(), st.integers(150, 800)))
+def test_split_to_profile_keeps_every_sample_within_the_budget(seed: int, n: int, m: int, pp: int,
+                                                                budget: int | None) -> None:
+    costs, tokens, _, _ = _inputs(seed, 1, n)
+    batches, loads, spilled = split_to_profile(list(range(n)), costs, tokens, pp=pp, micro_batches=m,
+                                               token_budget=budget)
+    assert len(batches) == m == len(loads)
+    assert sorted([s for batch in batches for s in batch] + spilled) == list(range(n))
+    assert all(budget is None or tokens[batch].sum() <= budget for batch in batches)
+    assert loads == pytest.approx([costs[batch].sum() for batch in batches])
+    assert not spilled or budget is not None
+
+
+def test_many_small_samples_follow_the_profile_and_shorten_the_step() -> None:
+    """With many samples per micro-batch the split tracks the profile, so its 1F1B step is about the profile's,
+    and shorter than LPT's even micro-batches in DistTrain's order."""
+    rng = np.random.default_rng(0)
+    pp, m = 4, 16
+    costs, tokens = rng.uniform(0.5, 1.5, 40 * m), np.ones(40 * m, dtype=np.int64)
+    batches, loads, spilled = split_to_profile(list(range(costs.size)), costs, tokens, pp=pp, micro_batches=m)
+    assert not spilled
+    total = costs.sum()
+    profile = float(one_f_one_b_makespans(one_f_one_b_profile(pp, m) * total, pp)[0])
+    assert float(one_f_one_b_makespans(np.array(loads), pp)[0]) < 1.01 * profile
+
+    def planned(order: PipelineOrder) -> float:
+        plan = plan_balance_group(costs, tokens, np.zeros(costs.size, dtype=np.int64), tokens, n_ranks=1,
+                                  config=ReorderConfig(steps=1, micro_batches=m, pp=pp, pipeline_order=order),
+                                  seed=0, epoch=0, group_index=0)
+        return float(one_f_one_b_makespans(np.array([costs[b].sum() for b in plan.micro_batches[0][0]]), pp)[0])
+
+    assert planned("ramp") < 0.96 * planned("disttrain")
+    assert planned("search") <= planned("ramp")
+    with pytest.raises(ValueError, match="pipeline_order='zigzag' must be one of"):
+        ReorderConfig(steps=1, pipeline_order="zigzag")  # type: ignore[arg-type]
+
+
 def test_searched_order_is_a_permutation_no_slower_than_disttrains() -> None:
     costs = np.random.default_rng(0).lognormal(0.0, 1.0, 12)
     order = search_1f1b_order(list(costs), 4)
@@ -187,7 +245,7 @@ def test_refinement_ramps_the_micro_batches_around_a_heavy_sample() -> None:
     assert span(refined) < 0.95 * span(lpt)
     searched = plan_balance_group(costs, tokens, np.zeros(24, dtype=np.int64), tokens, n_ranks=1,
                                   config=ReorderConfig(steps=1, micro_batches=8, token_budget=320, pp=4,
-                                                       pipeline_search=True), seed=0, epoch=0, group_index=0)
+                                                       pipeline_order="search"), seed=0, epoch=0, group_index=0)
     assert span(searched.micro_batches[0][0]) < 0.95 * span(lpt)
 
 
@@ -200,7 +258,7 @@ def test_searching_one_ranks_micro_batches_changes_nothing_the_others_use(
     """A loader rank searches only its own micro-batches: it gets what the full plan gives it, and every rank's
     samples, the leftovers, costs and movement are the full plan's, so the ranks' exchange agrees."""
     costs, tokens, owners, nbytes = _inputs(seed, n_ranks, 6 * micro_batches)
-    config = ReorderConfig(steps=2, micro_batches=micro_batches, token_budget=budget, pp=pp, pipeline_search=True)
+    config = ReorderConfig(steps=2, micro_batches=micro_batches, token_budget=budget, pp=pp, pipeline_order="search")
 
     def plan(searched_rank: int | None) -> GroupPlan:
         return plan_balance_group(costs, tokens, owners, nbytes, n_ranks=n_ranks, config=config, seed=seed,
@@ -225,7 +283,7 @@ def test_a_rank_searches_its_own_micro_batches_only(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(reorder, "refine_for_1f1b", lambda batches, *a, **k: refined.append(batches) or real_refine(
         batches, *a, **k))
     costs, tokens, owners, nbytes = _inputs(0, 4, 24)
-    config = ReorderConfig(steps=2, micro_batches=4, pp=2, pipeline_search=True)
+    config = ReorderConfig(steps=2, micro_batches=4, pp=2, pipeline_order="search")
     for searched_rank, searches in ((None, 8), (1, 2)):
         refined.clear()
         plan_balance_group(costs, tokens, owners, nbytes, n_ranks=4, config=config, seed=0, epoch=0, group_index=0,
@@ -246,18 +304,18 @@ def test_refinement_rules_out_candidates_without_changing_the_plan(n: int, m: in
     costs, tokens = rng.lognormal(0.0, 1.0, n), rng.integers(20, 100, n)
     batches = [list(range(j, n, m)) for j in range(m)]
     replayed = []
-    real_ends = reorder._OneFOneB.ends
+    real_ends = pipeline_order._OneFOneB.ends
 
     def counting_ends(self: object, costs: np.ndarray) -> np.ndarray:
         replayed.append(costs.shape[0])
         return real_ends(self, costs)
 
-    monkeypatch.setattr(reorder._OneFOneB, "ends", counting_ends)
+    monkeypatch.setattr(pipeline_order._OneFOneB, "ends", counting_ends)
     pruned = refine_for_1f1b(batches, costs, tokens, pp=pp, token_budget=budget)
     pruned_replays = sum(replayed)
     replayed.clear()
     m_pairs = (m, m)
-    monkeypatch.setattr(reorder, "_allowed_moves", lambda paths, load, below: (
+    monkeypatch.setattr(pipeline_order, "_allowed_moves", lambda paths, load, below: (
         np.full(m_pairs, -np.inf), np.full(m_pairs, np.inf), np.zeros(0, dtype=np.int64)))
     assert refine_for_1f1b(batches, costs, tokens, pp=pp, token_budget=budget) == pruned
     assert pruned_replays < sum(replayed) / 2
@@ -268,7 +326,7 @@ def test_critical_paths_measure_the_step(pp: int, m: int) -> None:
     """Each critical path's weights, dotted with the costs, give that step's time, and with any other costs a
     length no greater than that step's (a path is a lower bound, which is what the pruning relies on)."""
     rng = np.random.default_rng(pp * m)
-    steps = reorder._OneFOneB.of(pp, m, 0.4)
+    steps = pipeline_order._OneFOneB.of(pp, m, 0.4)
     costs = rng.lognormal(0.0, 1.0, (20, m))
     end = steps.ends(costs)
     paths = steps.critical_paths(end)

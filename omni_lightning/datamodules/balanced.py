@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from omni_lightning.balance.cost import CostModel
-from omni_lightning.balance.reorder import GroupPlan, ReorderConfig, plan_balance_group
+from omni_lightning.balance.reorder import GroupPlan, PipelineOrder, ReorderConfig, plan_balance_group
 from omni_lightning.datamodules.collate import DecodedSample, pack_samples
 from omni_lightning.datamodules.streaming import BadSample
 from omni_lightning.models.config import FIRST_TEXT_ID
@@ -51,8 +51,9 @@ class BalanceSettings:
         balance: ``False`` keeps every sample on the rank that read it, in arrival order (the naive split).
         pp: pipeline stages; with ``pp > 1`` micro-batches are ordered for 1F1B and a step's micro-batches are
             yielded together, as one batch holding the list ``micro_batches``.
-        pipeline_search: with ``pp > 1``, form and order a step's micro-batches by a search on the 1F1B step time of
-            their predicted costs (``ReorderConfig.pipeline_search``), not just LPT and DistTrain's order.
+        pipeline_order: with ``pp > 1``, how a step's micro-batches are shaped and ordered for 1F1B
+            (``ReorderConfig.pipeline_order``: DistTrain's order, the ramp of the 1F1B cost profile, or the ramp
+            refined by a search).
         llm_micro_batches: balance a step's micro-batches on their LLM cost alone: under the joint pipeline the
             encoder work of a micro-batch is spread over every stage and does not shape the pipeline.
     """
@@ -65,7 +66,7 @@ class BalanceSettings:
     length_policy: LengthPolicy = "truncate"
     balance: bool = True
     pp: int = 1
-    pipeline_search: bool = False
+    pipeline_order: PipelineOrder = "disttrain"
     llm_micro_batches: bool = False
 
     def __post_init__(self) -> None:
@@ -353,7 +354,7 @@ class BalancedStream:
             micro_batches=self.settings.micro_batches,
             token_budget=self.settings.token_budget,
             pp=self.settings.pp,
-            pipeline_search=self.settings.pipeline_search,
+            pipeline_order=self.settings.pipeline_order,
         )
         if self.settings.balance:
             features = gathered[valid, 1:7].astype(np.float64)

@@ -12,7 +12,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from typing_extensions import override
 
 from omni_lightning.balance.cost import CostModel
-from omni_lightning.balance.reorder import balance_groups
+from omni_lightning.balance.reorder import PIPELINE_ORDERS, PipelineOrder, balance_groups
 from omni_lightning.datamodules.balanced import BalancedStream, BalanceSettings, LengthPolicy
 from omni_lightning.datamodules.relay import StageRelay
 from omni_lightning.datamodules.resumable import ResumableLoader
@@ -59,6 +59,12 @@ class OmniDataModule(WebDataModule):
         workload_balance: ``"grouped"`` (reorder) or ``"none"`` (each rank trains on what it read, in order).
         balance_group_size: data-parallel ranks planned together: 1 (local only), k (all of them when there are
             fewer), or ``None`` for all.
+        pipeline_order: under pipeline parallelism, how a step's micro-batches are shaped for 1F1B: ``"search"``
+            (towards the cost profile whose 1F1B step is shortest, light micro-batches where the pipeline fills and
+            drains, then refined by a local search on the 1F1B step around indivisible heavy samples; up to about
+            a second a step at pp 8 with 32 micro-batches), ``"ramp"`` (the profile alone: nearly as short where a
+            micro-batch holds many samples) or ``"disttrain"`` (even micro-batches in DistTrain's order). See
+            ``ReorderConfig.pipeline_order``.
         token_budget: most LLM tokens in one micro-batch (``None``: no limit).
         max_seq_len: longest sample in LLM tokens (``None``: no limit); longer ones follow ``max_seq_len_policy``.
         max_seq_len_policy: ``"truncate"`` (cut the text), ``"drop"`` (skip the sample) or ``"error"``; truncated
@@ -86,6 +92,7 @@ class OmniDataModule(WebDataModule):
         micro_batches: int = 1,
         workload_balance: Literal["grouped", "none"] = "grouped",
         balance_group_size: int | None = 8,
+        pipeline_order: PipelineOrder = "search",
         token_budget: int | None = None,
         max_seq_len: int | None = None,
         max_seq_len_policy: LengthPolicy = "truncate",
@@ -110,6 +117,8 @@ class OmniDataModule(WebDataModule):
             raise ValueError(f"workload_balance={workload_balance!r} must be 'grouped' or 'none'")
         if on_bad_sample not in ("skip", "error"):
             raise ValueError(f"on_bad_sample={on_bad_sample!r} must be 'skip' or 'error'")
+        if pipeline_order not in PIPELINE_ORDERS:
+            raise ValueError(f"pipeline_order={pipeline_order!r} must be one of {PIPELINE_ORDERS}")
         if balance_group_size is not None and balance_group_size < 1:
             raise ValueError(f"balance_group_size={balance_group_size} must be at least 1 (or None for all ranks)")
         self.settings = BalanceSettings(
@@ -122,6 +131,7 @@ class OmniDataModule(WebDataModule):
             balance=workload_balance == "grouped",
         )
         self.balance_group_size = balance_group_size
+        self.pipeline_order = pipeline_order
         self.on_bad_sample = on_bad_sample
         self.cost_model = cost_model
         self.tokenizer = tokenizer
@@ -143,8 +153,8 @@ class OmniDataModule(WebDataModule):
             # pipeline, planned as one.
             pipeline = self.trainer.strategy.pipeline_settings
             self._plan_for_pipeline(max(dims.pp, 2), pipeline)
-            if dims.pp > 1:  # what benchmarks/pipeline.py measures: searched 1F1B micro-batches
-                self.settings = replace(self.settings, pipeline_search=True,
+            if dims.pp > 1:  # what benchmarks/pipeline.py measures: micro-batches shaped for 1F1B
+                self.settings = replace(self.settings, pipeline_order=self.pipeline_order,
                                         llm_micro_batches=pipeline.encoders == "joint")
             if stage == "fit" and pipeline.encoders == "first_stage":
                 # Group creation is collective: every rank creates every pipeline group, in the same order.

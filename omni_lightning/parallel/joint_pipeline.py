@@ -5,7 +5,7 @@ layers, so it is the slowest stage and every other stage waits on it; an encoder
 pipeline. Here every pipeline rank keeps the encoders, holds the step's micro-batches (so inputs need not travel),
 and encodes a share of each micro-batch's items, planned identically everywhere from the cost model: LPT over the
 pipeline ranks, balanced over the step; under 1F1B the plan models the step with the insertions below and places
-the large items where it is shortest (:func:`~omni_lightning.balance.reorder.assign_encoder_items`), so that an
+the large items where it is shortest (:func:`~omni_lightning.balance.pipeline_order.assign_encoder_items`), so that an
 image too large for one stage's slack goes where the schedule has room for it, not merely where there was least
 encoder work so far. Shares travel to stage 0, and their gradients back, point to point and
 asynchronously, so no stage waits for another's encoder work unless stage 0 would otherwise have it late. Under
@@ -46,7 +46,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from omni_lightning.balance.cost import CostModel, ModuleCost
-from omni_lightning.balance.reorder import assign_encoder_items, lpt_ranks, stage_shares_of
+from omni_lightning.balance.pipeline_order import assign_encoder_items, lpt_ranks, stage_shares_of
 from omni_lightning.parallel.encoder_balance import EncoderBalancer, EncoderStep
 from omni_lightning.parallel.pipeline_profile import ActionLog, timed, waiting
 
@@ -237,8 +237,8 @@ class JointEncoders:
         """Which rank encodes each item of the step, identically on every pipeline rank (a pure function of the
         micro-batches): longest item first onto the rank with the least encoder work so far this step, except that
         under 1F1B the large items go where the modelled step is shortest
-        (:func:`~omni_lightning.balance.reorder.assign_encoder_items`); GPipe's encoder backward all waits for the
-        end of the step, so there balancing the work is all there is to it. Either way stage 0 gets
+        (:func:`~omni_lightning.balance.pipeline_order.assign_encoder_items`); GPipe's encoder backward all waits for
+        the end of the step, so there balancing the work is all there is to it. Either way stage 0 gets
         none of the last ``lag`` micro-batches' items, whose encoder backward would follow its last LLM backward
         and lengthen the step, while the other stages are done with their LLM work by then and absorb it.
         Within a stage, its tensor-parallel peers split its items by LPT over the step (:meth:`_assign_peers`)."""

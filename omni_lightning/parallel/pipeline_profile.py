@@ -1,7 +1,7 @@
 """Timing a pipeline rank's actions, and calibrating the joint pipeline's item plan from them during training.
 
 The joint pipeline places large encoder items on a model of the 1F1B step
-(:func:`~omni_lightning.balance.reorder.assign_encoder_items`), priced in FLOPs until it is told better. FLOPs
+(:func:`~omni_lightning.balance.pipeline_order.assign_encoder_items`), priced in FLOPs until it is told better. FLOPs
 misjudge encoders against the LLM wherever speed depends on shapes (attention over a large patch grid, small
 matmuls), so :class:`JointCalibrator` times the first steps of a job, fits the figures the plan needs
 (:func:`~omni_lightning.balance.calibration.fit_joint_calibration`) and hands them to

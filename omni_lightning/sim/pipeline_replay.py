@@ -54,7 +54,7 @@ def waits_for(stage: int, kind: str, index: int, stages: int,
               encoded: set[tuple[int, int]]) -> list[tuple[int, str, int]]:
     """The ``(stage, kind, micro-batch)`` actions that action ``kind`` of micro-batch ``index`` on ``stage`` waits
     for (the module docstring's rules); ``encoded`` holds the ``(rank, micro-batch)`` pairs that have an ``E``.
-    Shared with the vectorised step-time models of :mod:`omni_lightning.balance.reorder`, so that they and this
+    Shared with the vectorised step-time models of :mod:`omni_lightning.balance.pipeline_order`, so that they and this
     replay cannot drift apart."""
     if kind == "F" and stage > 0:
         return [(stage - 1, "F", index)]

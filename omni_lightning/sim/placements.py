@@ -16,9 +16,9 @@ there moves the figures here:
   latency.
 * **omni** (OmniStrategy): grouped reordering in balance groups of data-parallel ranks, ``group_steps`` steps planned
   together as the loader does (``plan_balance_group`` on the LLM cost: the encoder work is placed by the encoder
-  plan, not by the loader; the steps' mean is what compares; with ``Scenario.pipeline_search``, also as
-  ``OmniDataModule`` plans under pipeline parallelism: each rank-step's micro-batches and their order searched on
-  the 1F1B step time of their predicted costs), long sequences split by context
+  plan, not by the loader; the steps' mean is what compares), each rank-step's micro-batches shaped for 1F1B as
+  ``OmniDataModule`` shapes them under pipeline parallelism (towards the 1F1B cost profile, ``pipeline_order="ramp"``;
+  with ``Scenario.pipeline_search``, refined by the loader's local search), long sequences split by context
   parallelism where one would exceed a micro-batch's fair share, encoder items (images, frames, clips) planned over
   *every* GPU of the balance group with long-short SP (``plan_encoder_work``) and run in the joint pipeline's
   insertions.
@@ -76,11 +76,11 @@ class Scenario:
     ``concentration``: Dirichlet concentration of the per-step modality mix (``None``: the spec's fixed mix).
     ``steps``: steps drawn (the figures are means over them). ``max_groups``: balance groups simulated per step
     (``None``: all of them, every data-parallel rank; a smaller number is only a quicker, optimistic look, since
-    the ranks left out could only add stragglers). ``pipeline_search``: omni's loader also searches each rank-step's
-    micro-batches and their order on the 1F1B step time of their predicted costs, as ``OmniDataModule`` does
-    under pipeline parallelism (``ReorderConfig.pipeline_search``); off, it uses LPT and DistTrain's order, which
-    takes a fraction of the time to simulate (the search costs about a second per rank-step at pp 8 with 32
-    micro-batches, and every rank-step of every balance group is planned).
+    the ranks left out could only add stragglers). ``pipeline_search``: omni's loader also refines each rank-step's
+    ramp of micro-batches by the local search on the 1F1B step time of their predicted costs, as
+    ``OmniDataModule(pipeline_order="search")`` does (its default is the ramp alone, ``"ramp"``); the search costs
+    about a second per rank-step at pp 8 with 32 micro-batches, and every rank-step of every balance group is
+    planned, for a fraction of a percent.
     """
 
     model: ModelSpec
@@ -399,8 +399,9 @@ class Simulation:
         Balanced: as the runtime's loader, each balance group plans ``layout.group_steps`` steps together (every
         rank buffers that many steps of reads; ``OmniDataModule(group_steps=8)``), so a sample may train in another
         step of its group than the one it was read in. ``plan_balance_group`` runs over the group on the LLM cost
-        (with ``Scenario.pipeline_search``, the loader's 1F1B search too), after splitting any sequence whose LLM
-        cost exceeds a micro-batch's fair share into context-parallel pieces (at most the balance group's size).
+        (each rank-step's micro-batches shaped for 1F1B as ``Scenario.pipeline_search`` says), after splitting any
+        sequence whose LLM cost exceeds a micro-batch's fair share into context-parallel pieces (at most the balance
+        group's size).
         Unbalanced: what each rank read in this step, in arrival order, whole.
         """
         layout, pool = self.scenario.layout, self.pool
@@ -431,7 +432,7 @@ class Simulation:
             np.zeros(piece_read.size), n_ranks=self.group,
             config=reorder.ReorderConfig(steps=len(planned), micro_batches=layout.micro_batches,
                                          token_budget=layout.seq_len, pp=layout.pp,
-                                         pipeline_search=self.scenario.pipeline_search),
+                                         pipeline_order="search" if self.scenario.pipeline_search else "ramp"),
             seed=self.scenario.seed, epoch=first // layout.group_steps, group_index=group)
         pieces = list(zip(piece_read.tolist(), piece_share.tolist(), strict=True))
         for k in planned:

@@ -71,8 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--groups", type=int, default=0, help="balance groups simulated per step (0: all, i.e. "
                         "every data-parallel rank; fewer is quicker but leaves out stragglers)")
     parser.add_argument("--pipeline-search", action="store_true",
-                        help="omni's loader also searches each rank-step's micro-batches and order on the 1F1B step "
-                             "time, as OmniDataModule does under pipeline parallelism (slower to simulate)")
+                        help="omni's loader also refines each rank-step's ramp of micro-batches by a local search on "
+                             "the 1F1B step time, as OmniDataModule(pipeline_order='search') does (slower to "
+                             "simulate)")
     parser.add_argument("--concentration", type=float, default=10.0,
                         help="Dirichlet concentration of the per-step modality mix (0: the spec's fixed mix)")
     parser.add_argument("--sweep", action="store_true", help="also sweep image:text from 1:9 to 9:1")
