@@ -212,6 +212,20 @@ def test_model_check_runs_before_the_process_group_under_torchrun() -> None:
     init.assert_not_called()
 
 
+@pytest.mark.parametrize(("schedule", "planned"), [("1F1B", "ramp"), ("GPipe", "disttrain")])
+def test_only_a_1f1b_pipeline_shapes_micro_batches_to_its_profile(tiny_shards: str, schedule: str,
+                                                                 planned: str) -> None:
+    """The 1F1B cost profile is no shape for GPipe, whose step grows with its largest micro-batch: the loader plans
+    even micro-batches for any schedule but 1F1B, whatever ``pipeline_order`` says."""
+    trainer = _trainer(2, pp=2, pp_schedule=schedule)
+    trainer.strategy._meshes = mock.Mock(**{"local_rank.return_value": 0})
+    trainer.strategy._lightning_module = OmniModule(TINY)
+    data = OmniDataModule(tiny_shards, pipeline_order="ramp")
+    data.trainer = trainer
+    data.setup("fit")
+    assert (data.settings.pp, data.settings.pipeline_order) == (2, planned)
+
+
 def test_valid_configurations_pass_the_same_checks(tiny_shards: str) -> None:
     """The checks reject only what they should: the layouts and settings next to the invalid ones are accepted."""
     groups = mock.patch("torch.distributed.new_subgroups_by_enumeration", return_value=(None, []))

@@ -21,7 +21,12 @@ from typing import Literal
 
 import numpy as np
 
-from omni_lightning.balance.pipeline_order import order_for_1f1b, refine_for_1f1b, split_to_profile
+from omni_lightning.balance.pipeline_order import (
+    one_f_one_b_makespans,
+    order_for_1f1b,
+    refine_for_1f1b,
+    split_to_profile,
+)
 
 __all__ = [
     "ReorderConfig",
@@ -50,10 +55,12 @@ class ReorderConfig:
         pipeline_order: how, with ``pp > 1``: ``"disttrain"``, LPT's even micro-batches in DistTrain's order
             (:func:`~omni_lightning.balance.pipeline_order.order_for_1f1b`); ``"ramp"``, LPT towards the 1F1B
             cost profile (:func:`~omni_lightning.balance.pipeline_order.split_to_profile`), which shortens the
-            bubble where samples are small enough to shape micro-batches; ``"search"``, the ramp refined by a local
-            search over moves of samples and of micro-batches on the 1F1B step
-            (:func:`~omni_lightning.balance.pipeline_order.refine_for_1f1b`; about a second per rank-step at pp 8
-            with 32 micro-batches, for a fraction of a percent).
+            bubble where samples are small enough to shape micro-batches, where it spills no more samples and its
+            step is shorter than DistTrain's (else DistTrain's); ``"search"``, that refined by a local search over
+            moves of samples and of micro-batches on the 1F1B step
+            (:func:`~omni_lightning.balance.pipeline_order.refine_for_1f1b`; up to about a second per rank-step at
+            pp 8 with 32 micro-batches: little over the ramp where a micro-batch holds many samples, several
+            percent of the step where it holds a few).
         forward_share: the share of a micro-batch's cost its forward takes, for the ramp and the search (1/3 in
             FLOPs: the backward computes input and weight gradients; a measured step gives the real share).
     """
@@ -170,10 +177,10 @@ def plan_balance_group(
 
     members, leftover = _assign_bins(order, costs, tokens, n_bins, capacity, np.asarray(owners), n_ranks)
 
-    micro: list[tuple[list[list[int]], list[float]]] = []
+    micro: list[list[list[int]]] = []
     for b in range(n_bins):
-        split, loads, spilled = _split_bin(members[b], split_costs, tokens, config)
-        micro.append((split, loads))
+        split, _, spilled = _split_bin(members[b], split_costs, tokens, config)
+        micro.append(split)
         leftover.extend(spilled)
 
     # Bins of a step are interchangeable: give each to the rank that already holds most of its payload bytes.
@@ -186,8 +193,8 @@ def plan_balance_group(
         step_bins = list(range(step * n_ranks, (step + 1) * n_ranks))
         for b, rank in zip(step_bins, _match_bins_to_ranks(step_bins, members, owners, nbytes, n_ranks), strict=True):
             search = config.pipeline_order == "search" and searched_rank in (None, rank)
-            plan[rank][step] = _order_bin(*micro[b], split_costs, tokens, config, search)
-            placed = sorted(s for mb in micro[b][0] for s in mb)  # one order, whichever ranks were searched
+            plan[rank][step] = _order_bin(micro[b], split_costs, tokens, config, search)
+            placed = sorted(s for mb in micro[b] for s in mb)  # one order, whichever ranks were searched
             step_cost[rank, step] = costs[placed].sum() if placed else 0.0
             away = [s for s in placed if owners[s] != rank]
             moved += len(away)
@@ -357,23 +364,39 @@ def _rank_local_keys(ranks: np.ndarray, stride: int) -> np.ndarray:
 def _split_bin(
     samples: list[int], costs: np.ndarray, tokens: np.ndarray, config: ReorderConfig
 ) -> tuple[list[list[int]], list[float], list[int]]:
-    """LPT of one (rank, step) bin over its micro-batches within the token budget (towards the 1F1B cost profile,
-    in its run order, unless ``pipeline_order`` is DistTrain's); returns them, their costs and any spill."""
+    """One (rank, step) bin's micro-batches within the token budget, their costs and any spill.
+
+    LPT's even micro-batches; with ``pp > 1`` in their 1F1B run order: DistTrain's, or, unless ``pipeline_order``
+    is DistTrain's, the split towards the 1F1B cost profile if that spills no more samples and its step is shorter
+    (with one or two samples a micro-batch the ramp cannot be built and even ones do better)."""
     m = config.micro_batches
     if m == 1:  # the bin's token capacity is the micro-batch budget: everything fits, in cost order
         return [samples], [float(costs[samples].sum())], []
-    if config.pp > 1 and config.pipeline_order != "disttrain":
-        return split_to_profile(samples, costs, tokens, pp=config.pp, micro_batches=m,
-                                forward_share=config.forward_share, token_budget=config.token_budget)
+    even = _split_evenly(samples, costs, tokens, m, config.token_budget)
+    if config.pp <= 1:
+        return even
+    batches, loads, spilled = even
+    order = order_for_1f1b(loads, config.pp)
+    even = [batches[i] for i in order], [loads[i] for i in order], spilled
+    if config.pipeline_order == "disttrain":
+        return even
+    ramp = split_to_profile(samples, costs, tokens, pp=config.pp, micro_batches=m, forward_share=config.forward_share,
+                            token_budget=config.token_budget)
+    spans = one_f_one_b_makespans(np.array([even[1], ramp[1]]), config.pp, forward_share=config.forward_share)
+    return ramp if len(ramp[2]) <= len(spilled) and spans[1] < spans[0] else even
+
+
+def _split_evenly(samples: list[int], costs: np.ndarray, tokens: np.ndarray, m: int, budget: int | None
+                  ) -> tuple[list[list[int]], list[float], list[int]]:
+    """LPT of ``samples`` over ``m`` micro-batches of at most ``budget`` tokens: the micro-batches, their costs and
+    the samples none had room for."""
     loads = [0.0] * m
     used = [0] * m
     batches: list[list[int]] = [[] for _ in range(m)]
     spilled = []
     # Descending cost (the bin lists them by the balanced cost, which micro_batch_costs may differ from).
     for sample in sorted(samples, key=lambda s: -costs[s]):
-        candidates = [
-            i for i in range(m) if config.token_budget is None or used[i] + tokens[sample] <= config.token_budget
-        ]
+        candidates = [i for i in range(m) if budget is None or used[i] + tokens[sample] <= budget]
         if not candidates:
             spilled.append(sample)  # the bin's total fits, its fragments do not
             continue
@@ -384,15 +407,11 @@ def _split_bin(
     return batches, loads, spilled
 
 
-def _order_bin(batches: list[list[int]], loads: list[float], costs: np.ndarray, tokens: np.ndarray,
-               config: ReorderConfig, search: bool) -> list[list[int]]:
-    """A bin's micro-batches (from :func:`_split_bin`) in their 1F1B order: DistTrain's, the ramp's, or, when
-    ``search``, the ramp's refined on the 1F1B step of their costs."""
-    if config.pp <= 1:
-        return batches
-    if config.pipeline_order == "disttrain":
-        return [batches[i] for i in order_for_1f1b(loads, config.pp)]
-    if not search:
+def _order_bin(batches: list[list[int]], costs: np.ndarray, tokens: np.ndarray, config: ReorderConfig,
+               search: bool) -> list[list[int]]:
+    """A bin's micro-batches from :func:`_split_bin`, already in their 1F1B run order, refined on the 1F1B step
+    of their costs when ``search``."""
+    if config.pp <= 1 or not search:
         return batches
     return refine_for_1f1b(batches, costs, tokens, pp=config.pp, forward_share=config.forward_share,
                            token_budget=config.token_budget)

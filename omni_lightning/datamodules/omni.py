@@ -59,12 +59,12 @@ class OmniDataModule(WebDataModule):
         workload_balance: ``"grouped"`` (reorder) or ``"none"`` (each rank trains on what it read, in order).
         balance_group_size: data-parallel ranks planned together: 1 (local only), k (all of them when there are
             fewer), or ``None`` for all.
-        pipeline_order: under pipeline parallelism, how a step's micro-batches are shaped for 1F1B: ``"search"``
+        pipeline_order: under a 1F1B pipeline, how a step's micro-batches are shaped for it: ``"search"``
             (towards the cost profile whose 1F1B step is shortest, light micro-batches where the pipeline fills and
             drains, then refined by a local search on the 1F1B step around indivisible heavy samples; up to about
             a second a step at pp 8 with 32 micro-batches), ``"ramp"`` (the profile alone: nearly as short where a
             micro-batch holds many samples) or ``"disttrain"`` (even micro-batches in DistTrain's order). See
-            ``ReorderConfig.pipeline_order``.
+            ``ReorderConfig.pipeline_order``. Other schedules get even micro-batches in DistTrain's order.
         token_budget: most LLM tokens in one micro-batch (``None``: no limit).
         max_seq_len: longest sample in LLM tokens (``None``: no limit); longer ones follow ``max_seq_len_policy``.
         max_seq_len_policy: ``"truncate"`` (cut the text), ``"drop"`` (skip the sample) or ``"error"``; truncated
@@ -154,7 +154,10 @@ class OmniDataModule(WebDataModule):
             pipeline = self.trainer.strategy.pipeline_settings
             self._plan_for_pipeline(max(dims.pp, 2), pipeline)
             if dims.pp > 1:  # what benchmarks/pipeline.py measures: micro-batches shaped for 1F1B
-                self.settings = replace(self.settings, pipeline_order=self.pipeline_order,
+                # The 1F1B profile is no shape for other schedules (GPipe's step grows with its largest
+                # micro-batch): they get even ones.
+                order = self.pipeline_order if pipeline.schedule == "1F1B" else "disttrain"
+                self.settings = replace(self.settings, pipeline_order=order,
                                         llm_micro_batches=pipeline.encoders == "joint")
             if stage == "fit" and pipeline.encoders == "first_stage":
                 # Group creation is collective: every rank creates every pipeline group, in the same order.

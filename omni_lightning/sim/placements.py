@@ -78,9 +78,10 @@ class Scenario:
     (``None``: all of them, every data-parallel rank; a smaller number is only a quicker, optimistic look, since
     the ranks left out could only add stragglers). ``pipeline_search``: omni's loader also refines each rank-step's
     ramp of micro-batches by the local search on the 1F1B step time of their predicted costs, as
-    ``OmniDataModule(pipeline_order="search")`` does (its default is the ramp alone, ``"ramp"``); the search costs
-    about a second per rank-step at pp 8 with 32 micro-batches, and every rank-step of every balance group is
-    planned, for a fraction of a percent.
+    ``OmniDataModule`` does by default (``pipeline_order="search"``); without it the simulator plans the ramp alone
+    (``"ramp"``), since the search costs up to a second per rank-step at pp 8 with 32 micro-batches and every
+    rank-step of every balance group is planned, while at these scales a micro-batch holds enough samples for
+    the ramp to get within half a percent of it (``benchmarks/README.md``).
     """
 
     model: ModelSpec
@@ -179,9 +180,15 @@ class Simulation:
         """How much of the job the figures come from."""
         return (f"simulated {self.ranks} of {self.dp} data-parallel ranks ({self.ranks // self.group} balance "
                 f"group(s) of {self.group}) x {len(self.draws)} steps, omni's loader planning "
-                f"{self.scenario.layout.group_steps} at a time"
-                f"{' with the 1F1B search' if self.scenario.pipeline_search else ''}; step time = slowest simulated "
+                f"{self.scenario.layout.group_steps} at a time{self._shaping_note}; step time = slowest simulated "
                 "rank, mean over the steps")
+
+    @property
+    def _shaping_note(self) -> str:
+        if self.scenario.layout.pp <= 1:
+            return ""
+        return (", its micro-batches shaped towards the 1F1B cost profile"
+                f"{' with the 1F1B search' if self.scenario.pipeline_search else ''}")
 
     def _llm_durations(self, cost: float, tokens: float, layout: Layout, fraction: float) -> tuple[float, float]:
         """Forward and backward seconds of one micro-batch on a pipeline stage holding ``fraction`` of the LLM's
