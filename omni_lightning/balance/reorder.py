@@ -36,6 +36,7 @@ __all__ = [
     "balance_groups",
     "lower_bound",
     "PipelineOrder",
+    "PIPELINE_ORDERS",
 ]
 
 
@@ -154,7 +155,7 @@ def plan_balance_group(
         searched_rank: with ``pipeline_order="search"``, search the micro-batches of this rank only (``None``:
             every rank's). Which samples each rank trains, and which are left over, do not depend on the search, so
             a rank that plans its group only to train its own part need not search the others' (a rank-step's
-            search costs about a second at pp 8 with 32 micro-batches); theirs keep the ramp.
+            search costs about a second at pp 8 with 32 micro-batches); theirs keep the split, unsearched.
     """
     costs = np.asarray(costs, dtype=np.float64)
     split_costs = costs if micro_batch_costs is None else np.asarray(micro_batch_costs, dtype=np.float64)
