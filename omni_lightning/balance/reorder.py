@@ -180,7 +180,7 @@ def plan_balance_group(
 
     micro: list[list[list[int]]] = []
     for b in range(n_bins):
-        split, _, spilled = _split_bin(members[b], split_costs, tokens, config)
+        split, spilled = _split_bin(members[b], split_costs, tokens, config)
         micro.append(split)
         leftover.extend(spilled)
 
@@ -364,27 +364,29 @@ def _rank_local_keys(ranks: np.ndarray, stride: int) -> np.ndarray:
 
 def _split_bin(
     samples: list[int], costs: np.ndarray, tokens: np.ndarray, config: ReorderConfig
-) -> tuple[list[list[int]], list[float], list[int]]:
-    """One (rank, step) bin's micro-batches within the token budget, their costs and any spill.
+) -> tuple[list[list[int]], list[int]]:
+    """One (rank, step) bin's micro-batches within the token budget, and any spill.
 
     LPT's even micro-batches; with ``pp > 1`` in their 1F1B run order: DistTrain's, or, unless ``pipeline_order``
     is DistTrain's, the split towards the 1F1B cost profile if that spills no more samples and its step is shorter
     (with one or two samples a micro-batch the ramp cannot be built and even ones do better)."""
     m = config.micro_batches
     if m == 1:  # the bin's token capacity is the micro-batch budget: everything fits, in cost order
-        return [samples], [float(costs[samples].sum())], []
-    even = _split_evenly(samples, costs, tokens, m, config.token_budget)
+        return [samples], []
+    batches, loads, spilled = _split_evenly(samples, costs, tokens, m, config.token_budget)
     if config.pp <= 1:
-        return even
-    batches, loads, spilled = even
+        return batches, spilled
     order = order_for_1f1b(loads, config.pp)
-    even = [batches[i] for i in order], [loads[i] for i in order], spilled
+    batches, loads = [batches[i] for i in order], [loads[i] for i in order]
     if config.pipeline_order == "disttrain":
-        return even
-    ramp = split_to_profile(samples, costs, tokens, pp=config.pp, micro_batches=m, forward_share=config.forward_share,
-                            token_budget=config.token_budget)
-    spans = one_f_one_b_makespans(np.array([even[1], ramp[1]]), config.pp, forward_share=config.forward_share)
-    return ramp if len(ramp[2]) <= len(spilled) and spans[1] < spans[0] else even
+        return batches, spilled
+    ramp, ramp_loads, ramp_spilled = split_to_profile(samples, costs, tokens, pp=config.pp, micro_batches=m,
+                                                      forward_share=config.forward_share,
+                                                      token_budget=config.token_budget)
+    spans = one_f_one_b_makespans(np.array([loads, ramp_loads]), config.pp, forward_share=config.forward_share)
+    if len(ramp_spilled) <= len(spilled) and spans[1] < spans[0]:
+        return ramp, ramp_spilled
+    return batches, spilled
 
 
 def _split_evenly(samples: list[int], costs: np.ndarray, tokens: np.ndarray, m: int, budget: int | None
