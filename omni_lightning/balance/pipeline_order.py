@@ -24,6 +24,7 @@ __all__ = [
     "one_f_one_b_makespans",
     "one_f_one_b_profile",
     "split_to_profile",
+    "lpt_split",
     "joint_1f1b_makespans",
     "joint_1f1b_orders",
     "assign_encoder_items",
@@ -162,27 +163,36 @@ def split_to_profile(samples: list[int], costs: np.ndarray, tokens: np.ndarray, 
                      forward_share: float = 1 / 3, token_budget: int | None = None
                      ) -> tuple[list[list[int]], list[float], list[int]]:
     """``samples`` split into ``micro_batches`` micro-batches, in run order, towards the shares of
-    :func:`one_f_one_b_profile` (pure, deterministic).
-
-    LPT for machines of unequal speed: each sample, costliest first, goes to the micro-batch that holding it
-    would fill least relative to its share, among those with room in ``token_budget``. Returns the micro-batches,
-    their costs, and the samples no micro-batch had room for.
-    """
+    :func:`one_f_one_b_profile` (pure, deterministic): :func:`lpt_split` with those shares."""
     shares = one_f_one_b_profile(pp, micro_batches, forward_share)
-    loads = np.zeros(micro_batches)
-    used = np.zeros(micro_batches, dtype=np.int64)
-    batches: list[list[int]] = [[] for _ in range(micro_batches)]
+    return lpt_split(samples, costs, tokens, micro_batches, token_budget, shares=shares.tolist())
+
+
+def lpt_split(samples: list[int], costs: np.ndarray, tokens: np.ndarray, m: int, budget: int | None, *,
+              shares: list[float] | None = None) -> tuple[list[list[int]], list[float], list[int]]:
+    """LPT of ``samples``, costliest first, over ``m`` micro-batches of at most ``budget`` tokens: each goes to the
+    least-loaded micro-batch with room, or with ``shares`` (LPT for machines of unequal speed) to the one that
+    holding it would fill least relative to its share. Returns the micro-batches, their costs and the samples none
+    had room for."""
+    loads = [0.0] * m
+    used = [0] * m
+    batches: list[list[int]] = [[] for _ in range(m)]
     spilled = []
+    # Descending cost (a bin lists them by the balanced cost, which micro_batch_costs may differ from).
     for sample in sorted(samples, key=lambda s: -costs[s]):
-        room = np.ones(micro_batches, dtype=bool) if token_budget is None else used + tokens[sample] <= token_budget
-        if not room.any():
+        candidates = [i for i in range(m) if budget is None or used[i] + tokens[sample] <= budget]
+        if not candidates:
             spilled.append(sample)  # the bin's total fits, its fragments do not
             continue
-        target = int(np.argmin(np.where(room, (loads + costs[sample]) / shares, np.inf)))
+        cost = float(costs[sample])
+        if shares is None:
+            target = min(candidates, key=lambda i: (loads[i], i))
+        else:
+            target = min(candidates, key=lambda i: ((loads[i] + cost) / shares[i], i))
         batches[target].append(sample)
-        loads[target] += costs[sample]
+        loads[target] += cost
         used[target] += int(tokens[sample])
-    return batches, loads.tolist(), spilled
+    return batches, loads, spilled
 
 
 def joint_1f1b_makespans(llm_costs: np.ndarray, encoder_costs: np.ndarray, *, forward_share: float = 1 / 3,

@@ -22,6 +22,7 @@ from typing import Literal
 import numpy as np
 
 from omni_lightning.balance.pipeline_order import (
+    lpt_split,
     one_f_one_b_makespans,
     order_for_1f1b,
     refine_for_1f1b,
@@ -373,7 +374,7 @@ def _split_bin(
     m = config.micro_batches
     if m == 1:  # the bin's token capacity is the micro-batch budget: everything fits, in cost order
         return [samples], []
-    batches, loads, spilled = _split_evenly(samples, costs, tokens, m, config.token_budget)
+    batches, loads, spilled = lpt_split(samples, costs, tokens, m, config.token_budget)
     if config.pp <= 1:
         return batches, spilled
     order = order_for_1f1b(loads, config.pp)
@@ -387,27 +388,6 @@ def _split_bin(
     if len(ramp_spilled) <= len(spilled) and spans[1] < spans[0]:
         return ramp, ramp_spilled
     return batches, spilled
-
-
-def _split_evenly(samples: list[int], costs: np.ndarray, tokens: np.ndarray, m: int, budget: int | None
-                  ) -> tuple[list[list[int]], list[float], list[int]]:
-    """LPT of ``samples`` over ``m`` micro-batches of at most ``budget`` tokens: the micro-batches, their costs and
-    the samples none had room for."""
-    loads = [0.0] * m
-    used = [0] * m
-    batches: list[list[int]] = [[] for _ in range(m)]
-    spilled = []
-    # Descending cost (the bin lists them by the balanced cost, which micro_batch_costs may differ from).
-    for sample in sorted(samples, key=lambda s: -costs[s]):
-        candidates = [i for i in range(m) if budget is None or used[i] + tokens[sample] <= budget]
-        if not candidates:
-            spilled.append(sample)  # the bin's total fits, its fragments do not
-            continue
-        target = min(candidates, key=lambda i: (loads[i], i))
-        batches[target].append(sample)
-        loads[target] += costs[sample]
-        used[target] += int(tokens[sample])
-    return batches, loads, spilled
 
 
 def _order_bin(batches: list[list[int]], costs: np.ndarray, tokens: np.ndarray, config: ReorderConfig,
