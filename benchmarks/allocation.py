@@ -19,7 +19,7 @@ from common import default_workloads
 
 from omni_lightning.balance import allocation
 from omni_lightning.balance.cost import CostModel
-from omni_lightning.datamodules.workload import load_workload
+from omni_lightning.balance.workload import load_workload
 from omni_lightning.sim.cluster import Cluster, encoder_params, llm_params
 from omni_lightning.sim.presets import PRESETS
 

@@ -27,7 +27,7 @@ from common import WORKLOAD_A, default_workloads
 
 from omni_lightning.balance.cost import CostModel, feature_matrix
 from omni_lightning.balance.reorder import ReorderConfig, balance_groups, lower_bound, plan_balance_group, plan_naive
-from omni_lightning.datamodules.workload import load_workload, sample_metadata
+from omni_lightning.balance.workload import load_workload, sample_metadata
 
 POOL = 1 << 16  # distinct samples drawn per workload; larger jobs resample from them
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_lightning.balance.cost import MODULES, CostModel, feature_matrix, fit_cost_model
-from omni_lightning.datamodules.workload import WORKLOADS_DIR, SampleMeta
+from omni_lightning.balance.workload import WORKLOADS_DIR, SampleMeta
 from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig, VisionEncoderConfig
 
 SHARED_WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"

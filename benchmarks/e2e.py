@@ -57,8 +57,8 @@ from torch.distributed.fsdp import fully_shard
 
 from omni_lightning import OmniDataModule, OmniModule, OmniStrategy, ReferenceMLLM, WebDataModule
 from omni_lightning.balance.cost import CostModel
-from omni_lightning.datamodules.synthetic import make_synthetic_shards
-from omni_lightning.datamodules.workload import SampleMeta
+from omni_lightning.balance.workload import SampleMeta
+from omni_lightning.data.synthetic import make_synthetic_shards
 from omni_lightning.models.config import (
     AUDIO_ID,
     IMAGE_ID,

@@ -24,7 +24,7 @@ from common import WORKLOAD_A, default_workloads
 
 from omni_lightning.balance.cost import AUDIO_DOWNSAMPLE, CostModel
 from omni_lightning.balance.reshard import encoder_lower_bound, plan_encoder_work
-from omni_lightning.datamodules.workload import SampleMeta, load_workload, sample_metadata
+from omni_lightning.balance.workload import SampleMeta, load_workload, sample_metadata
 
 POOL = 1 << 14
 

@@ -5,7 +5,7 @@ and audio encoders forward and backward on its micro-batch (the LLM is left out:
 balances). Two configurations alternate on the same micro-batches:
 
 * ``none``: each rank encodes what it loaded (what a data-parallel job does without resharding);
-* ``long-short``: :class:`~omni_lightning.parallel.encoder_balance.EncoderBalancer` reshards items every step,
+* ``long-short``: :class:`~omni_lightning.runtime.reshard.EncoderBalancer` reshards items every step,
   splitting long ones over ``--enc-sp`` ranks with Ulysses attention.
 
 Per step it takes each rank's thread CPU time (a rank blocked in a collective uses none, so this models dedicated
@@ -35,15 +35,15 @@ import torch.multiprocessing as mp
 from common import free_port
 
 from omni_lightning.balance.cost import CostModel
-from omni_lightning.datamodules.collate import DecodedSample, pack_samples
-from omni_lightning.datamodules.streaming import ShardStream
-from omni_lightning.datamodules.synthetic import make_synthetic_shards
-from omni_lightning.datamodules.web import expand_shards
+from omni_lightning.data.packing import DecodedSample, pack_samples
+from omni_lightning.data.shards import expand_shards
+from omni_lightning.data.streaming import ShardStream
+from omni_lightning.data.synthetic import make_synthetic_shards
 from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig, VisionEncoderConfig
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.parallel.dims import ParallelDims
-from omni_lightning.parallel.encoder_balance import EncoderBalancer
-from omni_lightning.parallel.mesh import build_meshes
+from omni_lightning.parallel.layout import build_meshes
+from omni_lightning.runtime.reshard import EncoderBalancer
 
 RESULTS = Path(__file__).parent / "results" / "encoder_runtime.json"
 

@@ -30,9 +30,8 @@ import torch.distributed as dist
 from common import free_port
 
 from omni_lightning.balance.cost import CostModel
-from omni_lightning.datamodules.collate import DecodedSample, pack_samples
-from omni_lightning.datamodules.workload import load_workload, sample_metadata
-from omni_lightning.models.attention import varlen_attention
+from omni_lightning.balance.workload import load_workload, sample_metadata
+from omni_lightning.data.packing import DecodedSample, pack_samples
 from omni_lightning.models.config import (
     FIRST_TEXT_ID,
     AudioEncoderConfig,
@@ -42,6 +41,7 @@ from omni_lightning.models.config import (
 )
 from omni_lightning.models.mllm import ReferenceMLLM, next_token_loss_sum
 from omni_lightning.monitor import batch_training_flops
+from omni_lightning.parallel.attention import varlen_attention
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_smoke.json"
 # Dense bf16 tensor-core peaks (no sparsity), by a substring of torch.cuda.get_device_name().

@@ -24,7 +24,7 @@ import torch
 from common import free_port
 
 from omni_lightning import OmniDataModule, OmniModule, OmniStrategy, ReferenceMLLMConfig
-from omni_lightning.datamodules.synthetic import make_synthetic_shards
+from omni_lightning.data.synthetic import make_synthetic_shards
 from omni_lightning.monitor import BalanceMonitor
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -25,11 +25,10 @@ from common import free_port
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from omni_lightning.balance.cost import CostModel
-from omni_lightning.datamodules.balanced import BalancedStream, BalanceSettings
-from omni_lightning.datamodules.omni import SampleStream
-from omni_lightning.datamodules.streaming import ShardStream
-from omni_lightning.datamodules.synthetic import make_synthetic_shards
-from omni_lightning.datamodules.web import expand_shards
+from omni_lightning.data.reorder_stream import BalancedStream, BalanceSettings
+from omni_lightning.data.shards import expand_shards
+from omni_lightning.data.streaming import SampleStream, ShardStream
+from omni_lightning.data.synthetic import make_synthetic_shards
 from omni_lightning.models.config import ReferenceMLLMConfig
 
 

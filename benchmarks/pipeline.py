@@ -60,8 +60,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from omni_lightning.balance.calibration import fit_joint_calibration
 from omni_lightning.balance.cost import CostModel, feature_matrix
 from omni_lightning.balance.reorder import ReorderConfig, plan_balance_group
-from omni_lightning.datamodules.collate import DecodedSample, pack_samples
-from omni_lightning.datamodules.workload import SampleMeta, load_workload, sample_metadata
+from omni_lightning.balance.workload import SampleMeta, load_workload, sample_metadata
+from omni_lightning.data.packing import DecodedSample, pack_samples
 from omni_lightning.models.config import (
     FIRST_TEXT_ID,
     AudioEncoderConfig,
@@ -71,12 +71,12 @@ from omni_lightning.models.config import (
 )
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.module import initial_state_dict
-from omni_lightning.parallel import pipeline
 from omni_lightning.parallel.dims import ParallelDims
-from omni_lightning.parallel.mesh import build_meshes
-from omni_lightning.parallel.parallelize import parallelize_mllm
-from omni_lightning.parallel.pipeline import PipelineSettings
-from omni_lightning.parallel.pipeline_profile import ActionLog
+from omni_lightning.parallel.layout import build_meshes
+from omni_lightning.parallel.timing import ActionLog
+from omni_lightning.runtime import pipeline
+from omni_lightning.runtime.build import parallelize_mllm
+from omni_lightning.runtime.pipeline import PipelineSettings
 from omni_lightning.sim import Action, one_f_one_b_bubble, replay_pipeline
 
 RESULTS = Path(__file__).parent / "results" / "pipeline.json"

@@ -26,7 +26,7 @@ from common import fit_to_runs
 
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.reshard import plan_encoder_work
-from omni_lightning.datamodules.workload import SampleMeta
+from omni_lightning.balance.workload import SampleMeta
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from common import SHARED_WORKLOADS, default_workloads
 
-from omni_lightning.datamodules.workload import load_workload
+from omni_lightning.balance.workload import load_workload
 from omni_lightning.sim.cluster import Cluster
 from omni_lightning.sim.placements import Scenario, Simulation
 from omni_lightning.sim.presets import PRESETS, preset_for

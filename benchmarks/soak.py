@@ -51,7 +51,7 @@ from webdataset import TarWriter
 from webdataset.tariterators import tarfile_samples
 
 from omni_lightning import OmniDataModule, OmniModule, OmniStrategy, ReferenceMLLMConfig
-from omni_lightning.datamodules.synthetic import make_synthetic_shards
+from omni_lightning.data.synthetic import make_synthetic_shards
 from omni_lightning.module import initial_state_dict
 
 RESULTS = Path(__file__).resolve().parent / "results"

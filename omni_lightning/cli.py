@@ -15,9 +15,9 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 
 import omni_lightning  # noqa: F401  (registers strategy="omni")
-from omni_lightning.datamodules.jsonl import jsonl_to_shards
+from omni_lightning.data.jsonl import jsonl_to_shards
+from omni_lightning.data.synthetic import make_synthetic_shards
 from omni_lightning.datamodules.omni import OmniDataModule
-from omni_lightning.datamodules.synthetic import make_synthetic_shards
 from omni_lightning.module import OmniModule
 from omni_lightning.sim.report import simulate_main
 from omni_lightning.strategies.omni import OmniStrategy
@@ -84,7 +84,7 @@ def make_shards_main(argv: list[str]) -> None:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--from-jsonl", default=None, metavar="FILE",
                         help="convert this manifest instead (one {id, text, images, audio} object per line; see "
-                             "omni_lightning.datamodules.jsonl); --samples-per-shard, --patch-size, --n-mels and "
+                             "omni_lightning.data.jsonl); --samples-per-shard, --patch-size, --n-mels and "
                              "--prefix apply, the workload arguments do not")
     parser.add_argument("--root", default=None, help="folder the manifest's paths are relative to (default: its own)")
     parser.add_argument("--max-side", type=int, default=448, help="longest image side after resizing, in pixels")

@@ -19,11 +19,11 @@ from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import IGNORE_INDEX, ReferenceMLLM, next_token_loss_sum, vocab_parallel_loss
 from omni_lightning.monitor import loggers_write_this_step
 from omni_lightning.parallel.activation_checkpoint import apply_ac, apply_compile
-from omni_lightning.parallel.disaggregated import EncoderPoolLink, EncoderPoolWorker
 from omni_lightning.parallel.fsdp import set_gradient_sync
-from omni_lightning.parallel.mesh import EncoderPool, OmniMeshes
-from omni_lightning.parallel.parallelize import parallelize_encoder_pool, parallelize_mllm
-from omni_lightning.parallel.pipeline import PipelineRunner, split_micro_batches
+from omni_lightning.parallel.layout import EncoderPool, OmniMeshes
+from omni_lightning.runtime.build import parallelize_encoder_pool, parallelize_mllm
+from omni_lightning.runtime.pipeline import PipelineRunner, split_micro_batches
+from omni_lightning.runtime.pool import EncoderPoolLink, EncoderPoolWorker
 
 __all__ = ["OmniModule", "initial_state_dict", "clip_grad_norm_"]
 

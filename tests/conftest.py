@@ -13,7 +13,7 @@ import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.fsdp  # noqa: F401
 import torch.distributed.tensor.parallel  # noqa: F401
 
-from omni_lightning.datamodules.synthetic import make_synthetic_shards
+from omni_lightning.data.synthetic import make_synthetic_shards
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.module import initial_state_dict
 

@@ -16,10 +16,10 @@ from distributed import free_port
 from torch.distributed.tensor import DTensor
 
 from omni_lightning import OmniModule, OmniStrategy, ReferenceMLLM, ReferenceMLLMConfig, WebDataModule
-from omni_lightning.datamodules.collate import pack_samples
-from omni_lightning.datamodules.resumable import MARKER_KEY
+from omni_lightning.data.packing import pack_samples
+from omni_lightning.data.resumable import MARKER_KEY
 from omni_lightning.models.mllm import next_token_loss_sum
-from omni_lightning.parallel.pipeline import split_micro_batches
+from omni_lightning.runtime.pipeline import split_micro_batches
 
 LEARNING_RATE = 1e-3
 BATCH_SIZE = 2  # samples per micro-batch per data-parallel rank

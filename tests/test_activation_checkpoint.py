@@ -11,7 +11,7 @@ from test_monitor import mixed_samples
 from test_parity import _assert_grads_match
 
 from omni_lightning import OmniModule, ReferenceMLLM
-from omni_lightning.datamodules.collate import pack_samples
+from omni_lightning.data.packing import pack_samples
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import next_token_loss_sum
 from omni_lightning.parallel.activation_checkpoint import apply_ac, apply_compile

@@ -32,7 +32,7 @@ from transformers.models.whisper.modeling_whisper import WhisperEncoder  # noqa:
 
 from omni_lightning import OmniModule, ReferenceMLLM, ReferenceMLLMConfig, WebDataModule  # noqa: E402
 from omni_lightning.balance.cost import CostModel  # noqa: E402
-from omni_lightning.datamodules.collate import DecodedSample, pack_samples, patchify  # noqa: E402
+from omni_lightning.data.packing import DecodedSample, pack_samples, patchify  # noqa: E402
 from omni_lightning.models import AudioEncoderConfig, LLMConfig, VisionEncoderConfig  # noqa: E402
 from omni_lightning.models.adapters import (  # noqa: E402
     EncoderAdapter,
@@ -43,9 +43,9 @@ from omni_lightning.models.adapters import (  # noqa: E402
 )
 from omni_lightning.models.mllm import next_token_loss_sum, vocab_parallel_loss  # noqa: E402
 from omni_lightning.parallel.dims import ParallelDims  # noqa: E402
-from omni_lightning.parallel.mesh import OmniMeshes  # noqa: E402
-from omni_lightning.parallel.parallelize import check_model_fits_layout  # noqa: E402
+from omni_lightning.parallel.layout import OmniMeshes  # noqa: E402
 from omni_lightning.parallel.tensor_parallel import apply_tp  # noqa: E402
+from omni_lightning.runtime.build import check_model_fits_layout  # noqa: E402
 
 LLM_DIM = 64
 

@@ -21,7 +21,7 @@ from omni_lightning.balance.allocation import (
     solve_pools,
 )
 from omni_lightning.balance.cost import CostModel, ModuleCost
-from omni_lightning.datamodules.workload import load_workload
+from omni_lightning.balance.workload import load_workload
 
 GIB = float(1 << 30)
 

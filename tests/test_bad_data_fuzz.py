@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_omni_datamodule import SMALL, Raw, balanced, raw_samples, sample_stream, take, write_shard
 
-from omni_lightning.datamodules.collate import DecodedSample
-from omni_lightning.datamodules.streaming import BadSample
-from omni_lightning.datamodules.synthetic import make_synthetic_shards
+from omni_lightning.data.packing import DecodedSample
+from omni_lightning.data.streaming import BadSample
+from omni_lightning.data.synthetic import make_synthetic_shards
 
 # Shards are small (a few ms each to write and read), so these bounds keep the file to a few seconds; no deadline
 # because a loaded CI machine makes per-example timing meaningless, and every read is bounded anyway.

@@ -14,10 +14,10 @@ from distributed import run_distributed
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from omni_lightning.balance.cost import CostModel
-from omni_lightning.datamodules.balanced import BalancedStream, BalanceSettings, _Wire
-from omni_lightning.datamodules.collate import DecodedSample
-from omni_lightning.datamodules.omni import SampleStream
-from omni_lightning.datamodules.web import existing_shards
+from omni_lightning.data.packing import DecodedSample
+from omni_lightning.data.reorder_stream import BalancedStream, BalanceSettings, _Wire
+from omni_lightning.data.shards import existing_shards
+from omni_lightning.data.streaming import SampleStream
 from omni_lightning.models.config import ReferenceMLLMConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")

@@ -13,11 +13,12 @@ from omni_lightning.balance.cost import (
     fit_cost_model,
     fit_cost_model_to_features,
 )
-from omni_lightning.datamodules.collate import DecodedSample, pack_samples
-from omni_lightning.datamodules.workload import SampleMeta
+from omni_lightning.balance.workload import SampleMeta
+from omni_lightning.data.packing import DecodedSample, pack_samples
 from omni_lightning.models.config import FIRST_TEXT_ID, ReferenceMLLMConfig
-from omni_lightning.parallel import pipeline_profile
-from omni_lightning.parallel.pipeline_profile import ActionLog, JointCalibrator, micro_batch_features
+from omni_lightning.parallel.timing import ActionLog
+from omni_lightning.runtime import calibration
+from omni_lightning.runtime.calibration import JointCalibrator, micro_batch_features
 
 MERGE = (("audio", 4), ("image", 4), ("video", 4))
 FLOPS = CostModel.from_config(ReferenceMLLMConfig.tiny())
@@ -172,9 +173,9 @@ class _Joint:
 
 def _calibrator(monkeypatch: pytest.MonkeyPatch, steps: int) -> tuple[JointCalibrator, _Joint]:
     """A calibrator for a 2-stage pipeline whose other stage records what this one does (no process group)."""
-    monkeypatch.setattr(pipeline_profile.dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(pipeline_profile.dist, "get_rank", lambda group=None: 0)
-    monkeypatch.setattr(pipeline_profile.dist, "all_gather_object",
+    monkeypatch.setattr(calibration.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(calibration.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(calibration.dist, "all_gather_object",
                         lambda out, obj, group=None: out.__setitem__(slice(None), [obj, obj]))
     joint = _Joint()
     joint.model = type("Model", (), {"audio": type("Audio", (), {"config": ReferenceMLLMConfig.tiny().audio})})

@@ -20,7 +20,7 @@ from distributed import free_port
 
 from omni_lightning import OmniDataModule, OmniStrategy
 from omni_lightning.cli import OmniCLI, main
-from omni_lightning.datamodules.resumable import commit_consumed
+from omni_lightning.data.resumable import commit_consumed
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN_CONFIG = REPO / "examples" / "tiny_omni.yaml"

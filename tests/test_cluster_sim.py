@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from omni_lightning.balance import allocation, reorder, reshard
-from omni_lightning.datamodules.workload import load_workload
+from omni_lightning.balance.workload import load_workload
 from omni_lightning.sim import one_f_one_b_bubble, replay_pipeline
 from omni_lightning.sim.cluster import Cluster, Layout
 from omni_lightning.sim.placements import OmniOptions, Scenario, Simulation

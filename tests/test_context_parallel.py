@@ -14,7 +14,7 @@ from distributed import run_distributed
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omni_lightning.models.attention import varlen_attention
+from omni_lightning.parallel.attention import varlen_attention
 from omni_lightning.parallel.context_parallel import cp_attention, head_tail_indices, shard_for_context_parallel
 
 

@@ -23,7 +23,7 @@ from omni_lightning.balance.cost import (
     feature_matrix,
     fit_cost_model,
 )
-from omni_lightning.datamodules.workload import SampleMeta, load_workload, sample_metadata
+from omni_lightning.balance.workload import SampleMeta, load_workload, sample_metadata
 from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig, VisionEncoderConfig
 
 MERGE = (("audio", 4), ("image", 4), ("video", 4))

@@ -13,10 +13,11 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from webdataset.tariterators import tarfile_samples
 
 from omni_lightning.cli import main
-from omni_lightning.datamodules.resumable import MARKER_KEY, ConsumedMarker, ResumableLoader, commit_consumed
-from omni_lightning.datamodules.streaming import ShardStream, assign_shards, decode_sample
-from omni_lightning.datamodules.synthetic import make_synthetic_shards
-from omni_lightning.datamodules.web import SyntheticShards, WebDataModule, expand_shards
+from omni_lightning.data.resumable import MARKER_KEY, ConsumedMarker, ResumableLoader, commit_consumed
+from omni_lightning.data.shards import SyntheticShards, expand_shards
+from omni_lightning.data.streaming import ShardStream, assign_shards, decode_sample
+from omni_lightning.data.synthetic import make_synthetic_shards
+from omni_lightning.datamodules.web import WebDataModule
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 

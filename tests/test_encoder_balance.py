@@ -22,13 +22,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from omni_lightning.balance.reshard import plan_encoder_work, plan_item_exchange
-from omni_lightning.datamodules.collate import DecodedSample, pack_samples
+from omni_lightning.data.packing import DecodedSample, pack_samples
 from omni_lightning.models.config import FIRST_TEXT_ID, ReferenceMLLMConfig
 from omni_lightning.models.mllm import ReferenceMLLM, next_token_loss_sum
 from omni_lightning.module import initial_state_dict
 from omni_lightning.parallel.dims import ParallelDims
-from omni_lightning.parallel.mesh import build_meshes
-from omni_lightning.parallel.parallelize import parallelize_mllm
+from omni_lightning.parallel.layout import build_meshes
+from omni_lightning.runtime.build import parallelize_mllm
 
 
 # ------------------------------------------------------------------------------------------ bookkeeping

@@ -21,7 +21,7 @@ from omni_lightning import OmniModule, ReferenceMLLMConfig
 from omni_lightning.models.moe import MoEFeedForward
 from omni_lightning.parallel.dims import ParallelDims
 from omni_lightning.parallel.expert_parallel import apply_ep, expert_major_order, sync_expert_gradients
-from omni_lightning.parallel.mesh import build_meshes
+from omni_lightning.parallel.layout import build_meshes
 
 
 def test_expert_major_order() -> None:

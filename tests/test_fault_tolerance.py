@@ -32,8 +32,8 @@ from lightning_runs import (
 )
 from torch.distributed.checkpoint import FileSystemWriter
 
-from omni_lightning.datamodules.streaming import ShardStream
-from omni_lightning.datamodules.synthetic import make_synthetic_shards
+from omni_lightning.data.streaming import ShardStream
+from omni_lightning.data.synthetic import make_synthetic_shards
 from omni_lightning.strategies.checkpointing import partial_path, publish_checkpoint
 from omni_lightning.strategies.omni import _NoWeightsMultiProcessingLauncher
 

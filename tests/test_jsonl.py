@@ -14,8 +14,8 @@ from distributed import free_port
 from PIL import Image
 
 from omni_lightning.cli import main
-from omni_lightning.datamodules.jsonl import jsonl_to_shards
-from omni_lightning.datamodules.streaming import ByteTokenizer, DecodedSample, ShardStream
+from omni_lightning.data.jsonl import jsonl_to_shards
+from omni_lightning.data.streaming import ByteTokenizer, DecodedSample, ShardStream
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from omni_lightning.parallel.dims import ParallelDims
-from omni_lightning.parallel.mesh import build_meshes
+from omni_lightning.parallel.layout import build_meshes
 from omni_lightning.parallel.tensor_parallel import ColwiseLinear, RowwiseLinear
 
 pytestmark = pytest.mark.distributed

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omni_lightning.datamodules.collate import DecodedSample, pack_samples, patchify
-from omni_lightning.models.attention import flash_attn_available, varlen_attention
+from omni_lightning.data.packing import DecodedSample, pack_samples, patchify
 from omni_lightning.models.config import AUDIO_ID, BOS_ID, IMAGE_ID, ReferenceMLLMConfig
 from omni_lightning.models.llm import MoEFeedForward
 from omni_lightning.models.mllm import IGNORE_INDEX, ReferenceMLLM, next_token_loss_sum
+from omni_lightning.parallel.attention import flash_attn_available, varlen_attention
 
 
 def naive_varlen_attention(q, k, v, cu_seqlens, causal):

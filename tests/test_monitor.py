@@ -15,8 +15,8 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from omni_lightning import OmniDataModule, OmniModule, OmniStrategy
 from omni_lightning.balance.cost import CostModel
-from omni_lightning.datamodules.collate import DecodedSample, pack_samples
-from omni_lightning.datamodules.workload import SampleMeta
+from omni_lightning.balance.workload import SampleMeta
+from omni_lightning.data.packing import DecodedSample, pack_samples
 from omni_lightning.models.config import FIRST_TEXT_ID, ReferenceMLLMConfig
 from omni_lightning.monitor import BalanceMonitor, ThroughputMonitor, batch_training_flops, loggers_write_this_step
 

@@ -27,13 +27,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 
 from omni_lightning import OmniModule, ReferenceMLLM, ReferenceMLLMConfig
-from omni_lightning.datamodules.collate import DecodedSample, pack_samples
+from omni_lightning.data.packing import DecodedSample, pack_samples
 from omni_lightning.models.config import FIRST_TEXT_ID
 from omni_lightning.models.mllm import next_token_loss_sum
 from omni_lightning.module import initial_state_dict
 from omni_lightning.parallel.dims import ParallelDims
-from omni_lightning.parallel.mesh import build_meshes
-from omni_lightning.parallel.parallelize import parallelize_mllm
+from omni_lightning.parallel.layout import build_meshes
+from omni_lightning.runtime.build import parallelize_mllm
 from omni_lightning.strategies.omni import _any_nonfinite_grad
 
 pytestmark = pytest.mark.distributed

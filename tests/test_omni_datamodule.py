@@ -32,14 +32,13 @@ from webdataset.tariterators import tarfile_samples
 
 from omni_lightning import OmniDataModule, OmniModule, OmniStrategy, ReferenceMLLMConfig
 from omni_lightning.balance.cost import CostModel
-from omni_lightning.datamodules.balanced import BalancedStream, BalanceSettings, apply_length_policy, llm_length
-from omni_lightning.datamodules.collate import DecodedSample, pack_samples
-from omni_lightning.datamodules.omni import SampleStream
-from omni_lightning.datamodules.resumable import MARKER_KEY, ResumableLoader, commit_consumed
-from omni_lightning.datamodules.streaming import BadSample, ByteTokenizer, open_shard
-from omni_lightning.datamodules.synthetic import make_synthetic_shards
-from omni_lightning.datamodules.web import existing_shards
-from omni_lightning.datamodules.workload import SampleMeta
+from omni_lightning.balance.workload import SampleMeta
+from omni_lightning.data.packing import DecodedSample, pack_samples
+from omni_lightning.data.reorder_stream import BalancedStream, BalanceSettings, apply_length_policy, llm_length
+from omni_lightning.data.resumable import MARKER_KEY, ResumableLoader, commit_consumed
+from omni_lightning.data.shards import existing_shards
+from omni_lightning.data.streaming import BadSample, ByteTokenizer, SampleStream, open_shard
+from omni_lightning.data.synthetic import make_synthetic_shards
 from omni_lightning.models.config import AUDIO_ID, BOS_ID, FIRST_TEXT_ID, IMAGE_ID
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
@@ -47,7 +46,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWa
 COST = CostModel.from_config(ReferenceMLLMConfig.tiny())
 PACK = {"patch_size": 14, "vision_merge": 4, "audio_downsample": 4}
 SMALL = {"workload": "omni_mix", "length_scale": 0.03, "max_llm_tokens": 160}
-BALANCE_LOG = "omni_lightning.datamodules.balanced"
+BALANCE_LOG = "omni_lightning.data.reorder_stream"
 
 Batch = dict[str, Any]
 Raw = dict[str, Any]

@@ -31,13 +31,13 @@ from test_parity import STEPS, _assert_grads_match
 from omni_lightning import OmniDataModule, OmniModule, ReferenceMLLM
 from omni_lightning.balance.cost import CostModel, ModuleCost
 from omni_lightning.balance.pipeline_order import assign_encoder_items
-from omni_lightning.datamodules.collate import DecodedSample, pack_samples
-from omni_lightning.datamodules.relay import PAYLOAD_KEYS
+from omni_lightning.data.packing import DecodedSample, pack_samples
+from omni_lightning.data.relay import PAYLOAD_KEYS
 from omni_lightning.models.config import FIRST_TEXT_ID, ReferenceMLLMConfig
 from omni_lightning.models.mllm import next_token_loss_sum
-from omni_lightning.parallel import joint_pipeline
-from omni_lightning.parallel.joint_pipeline import JointEncoders, _item_order, share_items
-from omni_lightning.parallel.pipeline import assign_layers, layer_costs, split_micro_batches, stage_ids_of_rank
+from omni_lightning.runtime import joint as joint_pipeline
+from omni_lightning.runtime.joint import JointEncoders, _item_order, share_items
+from omni_lightning.runtime.pipeline import assign_layers, layer_costs, split_micro_batches, stage_ids_of_rank
 
 
 # -------------------------------------------------------------------------------------------------- planning

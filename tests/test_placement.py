@@ -18,11 +18,11 @@ from omni_lightning.balance.allocation import (
     pool_step_time,
 )
 from omni_lightning.balance.cost import CostModel
-from omni_lightning.datamodules.workload import load_workload
+from omni_lightning.balance.workload import load_workload
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.parallel.dims import ParallelDims
-from omni_lightning.parallel.disaggregated import arrival_order, item_owners
 from omni_lightning.parallel.placement import PoolLayout
+from omni_lightning.runtime.pool import arrival_order, item_owners
 from omni_lightning.strategies.omni import size_encoder_pool
 
 WORKLOADS = ("vlm_dynres", "text_heavy", "omni_mix", "video_heavy")

@@ -13,8 +13,8 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from omni_lightning.datamodules.synthetic import FIRST_TEXT_ID, NUM_CLASSES, make_synthetic_shards
-from omni_lightning.datamodules.workload import SampleMeta
+from omni_lightning.balance.workload import SampleMeta
+from omni_lightning.data.synthetic import FIRST_TEXT_ID, NUM_CLASSES, make_synthetic_shards
 
 PRESETS = ["omni_mix", "text_heavy", "video_heavy", "vlm_dynres"]
 SMALL = {"num_shards": 2, "samples_per_shard": 4, "length_scale": 0.05, "max_llm_tokens": 256}

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_lightning.datamodules.workload import (
+from omni_lightning.balance.workload import (
     WORKLOADS_DIR,
     Distribution,
     SampleMeta,

@@ -10,7 +10,7 @@ import numpy as np
 from torch.utils.data import DataLoader, IterableDataset
 
 from omni_lightning import OmniDataModule
-from omni_lightning.datamodules.collate import DecodedSample, pack_samples
+from omni_lightning.data.packing import DecodedSample, pack_samples
 
 
 class _RandomMultimodal(IterableDataset):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from omni_lightning.balance.cost import CostModel
-from omni_lightning.datamodules.workload import WorkloadSpec, sample_metadata
+from omni_lightning.balance.workload import WorkloadSpec, sample_metadata
 
 __all__ = [
     "TP_DEGREES",

@@ -1,6 +1,6 @@
 """Calibrating the joint pipeline's item plan from the actions a pipeline step ran (pure numpy).
 
-The joint pipeline (:class:`omni_lightning.parallel.joint_pipeline.JointEncoders`) decides which pipeline rank
+The joint pipeline (:class:`omni_lightning.runtime.joint.JointEncoders`) decides which pipeline rank
 encodes each image or clip on a model of the 1F1B step, and that model needs four figures that FLOPs get wrong on
 real hardware, whose speed depends on shapes: the cost of an item against the cost of an LLM micro-batch, the
 forward's share of each, and each stage's share of the LLM work (the first stage also embeds, the last computes the
@@ -25,7 +25,7 @@ _ENCODERS = MODULES[:2]
 
 @dataclass(frozen=True)
 class JointCalibration:
-    """What :meth:`~omni_lightning.parallel.joint_pipeline.JointEncoders.calibrate` takes, in seconds.
+    """What :meth:`~omni_lightning.runtime.joint.JointEncoders.calibrate` takes, in seconds.
 
     ``cost_model.llm`` prices a micro-batch's LLM work on all of a stage's ranks, over every stage; its encoders an
     item on one rank. ``forward_share`` and ``encoder_forward_share`` are the forward's share of the LLM's and of

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:  # the config module imports torch; the cost model only reads plain attributes from it
-    from omni_lightning.datamodules.workload import SampleMeta
+    from omni_lightning.balance.workload import SampleMeta
     from omni_lightning.models.config import ReferenceMLLMConfig
 
 __all__ = [

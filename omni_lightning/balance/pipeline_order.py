@@ -1,7 +1,7 @@
 """The 1F1B step of a pipeline's micro-batches as arrays: replayed, ordered, shaped, and with encoder work inserted.
 
 Pure planning functions of the loader (:mod:`omni_lightning.balance.reorder`) and of the joint encoder-LLM pipeline
-(:mod:`omni_lightning.parallel.joint_pipeline`): step times of many cost vectors at once in the dependency model of
+(:mod:`omni_lightning.runtime.joint`): step times of many cost vectors at once in the dependency model of
 :func:`omni_lightning.sim.replay_pipeline`; DistTrain's micro-batch order; the cost profile whose 1F1B step is
 shortest and a split of samples towards it; a local search over orders and samples; and the placement of encoder
 items on the joint pipeline's insertions.
@@ -15,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 from numpy.typing import ArrayLike
 
-from omni_lightning.sim.pipeline_replay import waits_for
+from omni_lightning.balance.pipeline_replay import waits_for
 
 __all__ = [
     "order_for_1f1b",
@@ -203,7 +203,7 @@ def joint_1f1b_makespans(llm_costs: np.ndarray, encoder_costs: np.ndarray, *, fo
     ``stage_shares``, e.g. measured: the first stage also embeds, the last computes the loss) and into forward
     (``forward_share``) and backward as in :func:`one_f_one_b_makespans`; ``encoder_costs[k, s, j]`` the encoder
     work of that micro-batch that pipeline rank ``s`` does (forward ``encoder_forward_share`` of it), at the
-    insertions :class:`omni_lightning.parallel.joint_pipeline.JointEncoders` runs it at (:func:`joint_1f1b_orders`),
+    insertions :class:`omni_lightning.runtime.joint.JointEncoders` runs it at (:func:`joint_1f1b_orders`),
     with the dependencies of :func:`omni_lightning.sim.replay_pipeline`.
     """
     encoder = np.asarray(encoder_costs, dtype=np.float64)
@@ -217,7 +217,7 @@ def joint_1f1b_makespans(llm_costs: np.ndarray, encoder_costs: np.ndarray, *, fo
 
 def joint_1f1b_orders(pp: int, m: int) -> tuple[tuple[tuple[str, int], ...], ...]:
     """Each rank's actions (kinds as in :class:`omni_lightning.sim.Action`) under the joint pipeline's 1F1B, in the
-    order :class:`~omni_lightning.parallel.joint_pipeline.JointEncoders` runs them: stage ``s > 0`` encodes its
+    order :class:`~omni_lightning.runtime.joint.JointEncoders` runs them: stage ``s > 0`` encodes its
     share of the first ``s + 1`` micro-batches before the step, and before its forward of ``j`` encodes its share of
     ``j + s + 1`` and backpropagates its share of ``j - pp``; stage 0 backpropagates its share of ``j - pp`` and
     encodes its share of ``j`` before its forward of ``j``, and sends the gradients of ``j`` (``G``) after its
@@ -473,7 +473,7 @@ def _one_f_one_b_orders(pp: int, m: int) -> tuple[tuple[tuple[str, int], ...], .
 @lru_cache(maxsize=64)
 def _program(orders: tuple[tuple[tuple[str, int], ...], ...]) -> tuple[tuple[int, str, int, int, tuple[int, ...]], ...]:
     """Every rank's actions merged into one order that respects their dependencies
-    (:func:`omni_lightning.sim.pipeline_replay.waits_for`): ``(stage, kind, micro-batch, index of the action
+    (:func:`omni_lightning.balance.pipeline_replay.waits_for`): ``(stage, kind, micro-batch, index of the action
     before it on its rank, indices of the actions it waits for)``, -1 for none."""
     pp = len(orders)
     encoded = {(stage, j) for stage, order in enumerate(orders) for kind, j in order if kind == "E"}

@@ -1,10 +1,11 @@
 """Lightning data modules over multimodal webdataset shards, and the synthetic shard generator."""
 
-from omni_lightning.datamodules.balanced import BalanceSettings
-from omni_lightning.datamodules.collate import DecodedSample, pack_samples
+from omni_lightning.data.packing import DecodedSample, pack_samples
+from omni_lightning.data.reorder_stream import BalanceSettings
+from omni_lightning.data.shards import SyntheticShards, expand_shards
+from omni_lightning.data.streaming import ShardStream
 from omni_lightning.datamodules.omni import OmniDataModule
-from omni_lightning.datamodules.streaming import ShardStream
-from omni_lightning.datamodules.web import SyntheticShards, WebDataModule, expand_shards
+from omni_lightning.datamodules.web import WebDataModule
 
 __all__ = [
     "BalanceSettings",

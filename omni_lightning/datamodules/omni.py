@@ -13,26 +13,16 @@ from typing_extensions import override
 
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.reorder import PIPELINE_ORDERS, PipelineOrder, balance_groups
-from omni_lightning.datamodules.balanced import BalancedStream, BalanceSettings, LengthPolicy
-from omni_lightning.datamodules.relay import StageRelay
-from omni_lightning.datamodules.resumable import ResumableLoader
-from omni_lightning.datamodules.streaming import ShardStream, Tokenizer
-from omni_lightning.datamodules.web import SyntheticShards, WebDataModule, existing_shards
+from omni_lightning.data.relay import StageRelay
+from omni_lightning.data.reorder_stream import BalancedStream, BalanceSettings, LengthPolicy
+from omni_lightning.data.resumable import ResumableLoader
+from omni_lightning.data.shards import SyntheticShards, existing_shards
+from omni_lightning.data.streaming import SampleStream, Tokenizer
+from omni_lightning.datamodules.web import WebDataModule
 from omni_lightning.models.config import ReferenceMLLMConfig
-from omni_lightning.parallel.pipeline import PipelineSettings
+from omni_lightning.runtime.pipeline import PipelineSettings
 
-__all__ = ["OmniDataModule", "SampleStream"]
-
-
-class SampleStream(ShardStream):
-    """One decoded sample (or :class:`~omni_lightning.datamodules.streaming.BadSample`) at a time, for balancing."""
-
-    @override
-    def __iter__(self) -> Any:
-        from torch.utils.data import get_worker_info
-
-        info = get_worker_info()
-        return self.iter_samples(info.id if info is not None else 0)
+__all__ = ["OmniDataModule"]
 
 
 def _unbatched(item: Any) -> Any:

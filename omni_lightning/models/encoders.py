@@ -24,16 +24,11 @@ from omni_lightning.balance.cost import (
     _encoder_block_flops,
 )
 from omni_lightning.balance.reshard import SplitChunk
-from omni_lightning.models.attention import AttentionBackend
 from omni_lightning.models.config import AudioEncoderConfig, VisionEncoderConfig
 from omni_lightning.models.layers import EncoderBlock, GeluMLP, sincos_features
+from omni_lightning.parallel.attention import AttentionBackend, cu_seqlens_from_lengths
 
-__all__ = ["VisionEncoder", "AudioEncoder", "cu_seqlens_from_lengths"]
-
-
-def cu_seqlens_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
-    """``[l0, l1, ...]`` -> int32 ``[0, l0, l0+l1, ...]``."""
-    return F.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
+__all__ = ["VisionEncoder", "AudioEncoder"]
 
 
 class VisionEncoder(nn.Module):

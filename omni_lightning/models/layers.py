@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omni_lightning.balance.reshard import SplitChunk
-from omni_lightning.models.attention import AttentionBackend, varlen_attention
+from omni_lightning.parallel.attention import AttentionBackend, varlen_attention
 from omni_lightning.parallel.sequence_parallel import long_short_attention
 
 __all__ = ["RMSNorm", "GeluMLP", "EncoderBlock", "sincos_features"]

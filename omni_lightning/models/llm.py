@@ -14,10 +14,10 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from omni_lightning.balance.cost import CostModel, ModuleCost
-from omni_lightning.models.attention import AttentionBackend, varlen_attention
 from omni_lightning.models.config import LLMConfig, ReferenceMLLMConfig
 from omni_lightning.models.layers import RMSNorm
 from omni_lightning.models.moe import MoEFeedForward
+from omni_lightning.parallel.attention import AttentionBackend, varlen_attention
 from omni_lightning.parallel.context_parallel import ContextShard, cp_attention
 from omni_lightning.parallel.tensor_parallel import ColwiseLinear, RowwiseLinear
 

@@ -22,7 +22,7 @@ from omni_lightning.models.llm import Decoder
 from omni_lightning.parallel.context_parallel import shard_for_context_parallel
 
 if TYPE_CHECKING:  # the parallel package builds on the models
-    from omni_lightning.parallel.encoder_balance import EncoderBalancer
+    from omni_lightning.runtime.reshard import EncoderBalancer
 
 __all__ = ["ReferenceMLLM", "IGNORE_INDEX", "next_token_loss_sum", "vocab_parallel_loss"]
 
@@ -33,12 +33,12 @@ class ReferenceMLLM(nn.Module):
     """Vision + audio encoders feeding a Llama-style decoder over one packed micro-batch.
 
     ``forward(batch)`` takes the packed micro-batch built by
-    :func:`omni_lightning.datamodules.collate.pack_samples` and returns logits ``[tokens, vocab]`` (a
+    :func:`omni_lightning.data.packing.pack_samples` and returns logits ``[tokens, vocab]`` (a
     vocabulary-sharded DTensor under tensor parallelism; see :func:`next_token_loss_sum`); under context
     parallelism, for this rank's share of the tokens only (:meth:`local_labels` are their labels).
     Every encoder runs on every call, on a dummy item when the micro-batch has none of its modality, so that
     all data-parallel ranks issue the same FSDP collectives whatever their data. With an ``encoder_balancer``
-    (see :mod:`omni_lightning.parallel.encoder_balance`) the data-parallel ranks share the step's encoder work.
+    (see :mod:`omni_lightning.runtime.reshard`) the data-parallel ranks share the step's encoder work.
 
     ``vision``, ``audio`` and ``llm`` replace the reference components with any module implementing
     :class:`~omni_lightning.models.adapters.EncoderAdapter` / :class:`~omni_lightning.models.adapters.LLMAdapter`

@@ -17,7 +17,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from omni_lightning.balance.reshard import SplitChunk, split_lengths
-from omni_lightning.models.attention import AttentionBackend, varlen_attention
+from omni_lightning.parallel.attention import AttentionBackend, varlen_attention
 
 __all__ = ["SplitChunk", "long_short_attention", "split_lengths", "ulysses_attention"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from omni_lightning.balance.cost import AUDIO_DOWNSAMPLE, CostModel
-from omni_lightning.datamodules.workload import WorkloadSpec, sample_metadata
+from omni_lightning.balance.workload import WorkloadSpec, sample_metadata
 
 __all__ = ["SamplePool", "StepDraw", "draw_step"]
 

@@ -45,7 +45,8 @@ import numpy as np
 
 from omni_lightning.balance import allocation, reorder, reshard
 from omni_lightning.balance.cost import CostModel
-from omni_lightning.datamodules.workload import WorkloadSpec
+from omni_lightning.balance.pipeline_replay import Action, replay_pipeline
+from omni_lightning.balance.workload import WorkloadSpec
 from omni_lightning.sim.cluster import (
     Cluster,
     GiB,
@@ -58,7 +59,6 @@ from omni_lightning.sim.cluster import (
     llm_state_bytes,
 )
 from omni_lightning.sim.draws import SamplePool, StepDraw, draw_step
-from omni_lightning.sim.pipeline_replay import Action, replay_pipeline
 from omni_lightning.sim.schedules import joint_pipeline, one_f_one_b
 
 __all__ = ["OmniOptions", "PlacementResult", "Scenario", "Simulation"]

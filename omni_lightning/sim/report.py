@@ -15,7 +15,7 @@ import argparse
 import time
 from dataclasses import replace
 
-from omni_lightning.datamodules.workload import WorkloadSpec, load_workload
+from omni_lightning.balance.workload import WorkloadSpec, load_workload
 from omni_lightning.sim.cluster import Cluster
 from omni_lightning.sim.placements import OmniOptions, PlacementResult, Scenario, Simulation
 from omni_lightning.sim.presets import PRESETS, preset_for

@@ -3,7 +3,7 @@
 * :func:`one_f_one_b`: 1F1B (stage ``s`` of ``p`` runs ``p - 1 - s`` warm-up forwards, then alternates, then drains).
   Encoders on stage 0 (the coupled placement) are folded into stage 0's forward and backward durations.
 * :func:`joint_pipeline`: the same 1F1B order with the encoder insertions of
-  :class:`omni_lightning.parallel.joint_pipeline.JointEncoders` (uniform on-demand insertion): stage ``s > 0``
+  :class:`omni_lightning.runtime.joint.JointEncoders` (uniform on-demand insertion): stage ``s > 0``
   encodes its share of micro-batch ``m + s + 1`` just before its forward of ``m`` (the first ``s + 1`` shares before
   the step starts) and backpropagates its share of ``m - p``; stage 0 encodes its share of ``m`` in line, sends the
   gradients of ``m`` (``G``) as soon as its backward of ``m`` produced them, and backpropagates its own share of
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from omni_lightning.sim.pipeline_replay import Action
+from omni_lightning.balance.pipeline_replay import Action
 
 __all__ = ["joint_pipeline", "one_f_one_b", "one_f_one_b_order"]
 

@@ -32,17 +32,17 @@ from typing_extensions import override
 
 from omni_lightning.balance.allocation import ModuleShape, encoder_pool_size, pool_problem
 from omni_lightning.balance.cost import CostModel
-from omni_lightning.datamodules.resumable import commit_consumed
-from omni_lightning.datamodules.workload import load_workload
+from omni_lightning.balance.workload import load_workload
+from omni_lightning.data.resumable import commit_consumed
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import ReferenceMLLM, vocab_parallel_loss
 from omni_lightning.parallel.dims import ParallelDims
 from omni_lightning.parallel.expert_parallel import sync_expert_gradients
 from omni_lightning.parallel.fsdp import set_gradient_sync
-from omni_lightning.parallel.mesh import EncoderPool, OmniMeshes, build_encoder_pool, build_meshes
-from omni_lightning.parallel.parallelize import check_model_fits_layout
-from omni_lightning.parallel.pipeline import PIPELINE_SCHEDULES, PipelineSettings, assign_layers, layer_costs
+from omni_lightning.parallel.layout import EncoderPool, OmniMeshes, build_encoder_pool, build_meshes
 from omni_lightning.parallel.placement import PoolLayout
+from omni_lightning.runtime.build import check_model_fits_layout
+from omni_lightning.runtime.pipeline import PIPELINE_SCHEDULES, PipelineSettings, assign_layers, layer_costs
 from omni_lightning.strategies.checkpointing import (
     load_sharded_checkpoint,
     optimizer_state_by_name,
@@ -81,7 +81,7 @@ class OmniStrategy(ModelParallelStrategy):
             parallelism (a power of two dividing the encoder heads).
         encoder_balance: reshard encoder items across the data-parallel ranks (the encoder pool's ranks under the
             disaggregated placement) every step so each rank's encoder work is about equal, splitting long items with
-            sequence parallelism (see :mod:`omni_lightning.parallel.encoder_balance`); default ``True`` when there are
+            sequence parallelism (see :mod:`omni_lightning.runtime.reshard`); default ``True`` when there are
             several such ranks.
         pp_schedule: pipeline schedule when ``pp > 1``: ``"1F1B"``, ``"GPipe"``, ``"Interleaved1F1B"`` or
             ``"InterleavedZeroBubble"`` (the last two run ``pp_virtual_stages`` stages per rank).
@@ -95,7 +95,7 @@ class OmniStrategy(ModelParallelStrategy):
         pp_calibration_steps: with the joint pipeline under 1F1B, how many training batches after the first are
             timed (each stage's forward and backward, each rank's encoder work) to price its plan of which rank
             encodes each item with measured costs instead of FLOPs (see
-            :mod:`omni_lightning.parallel.pipeline_profile`); ``0`` keeps FLOPs.
+            :mod:`omni_lightning.runtime.calibration`); ``0`` keeps FLOPs.
         launcher: how Lightning starts local processes when no cluster environment does: ``"subprocess"``
             (default; re-runs the script, for scripts and the CLI), ``"fork"`` (tests and notebooks) or
             ``"spawn"``. Under torchrun or SLURM the cluster starts the processes and this is ignored.
@@ -109,7 +109,7 @@ class OmniStrategy(ModelParallelStrategy):
             ``"disaggregated"`` gives them a pool of their own, as DistTrain does: the LLM pool (the first ranks,
             laid out by the degrees above) and an encoder pool of ``encoder_world_size`` ranks (data parallelism and
             encoder SP: ``enc_sp`` then applies to that pool), whose outputs stream to the LLM pool micro-batch by
-            micro-batch (see :mod:`omni_lightning.parallel.disaggregated`), into a 1F1B or GPipe pipeline when
+            micro-batch (see :mod:`omni_lightning.runtime.pool`), into a 1F1B or GPipe pipeline when
             ``pp > 1``.
         encoder_world_size: ranks of the encoder pool under ``placement="disaggregated"``; ``None`` sizes it with the
             pool solver (:func:`~omni_lightning.balance.allocation.encoder_pool_size`) for ``pool_workload``.

@@ -3,10 +3,10 @@
 The reference modules (:class:`~omni_lightning.models.encoders.VisionEncoder`,
 :class:`~omni_lightning.models.encoders.AudioEncoder`, :class:`~omni_lightning.models.llm.Decoder`) implement them,
 and so do the Hugging Face adapters of this package. :class:`~omni_lightning.models.mllm.ReferenceMLLM` takes any of
-them in place of its own components, and :func:`~omni_lightning.parallel.parallelize.parallelize_mllm` parallelises
+them in place of its own components, and :func:`~omni_lightning.runtime.build.parallelize_mllm` parallelises
 through these members only, except for pipeline, context and expert parallelism, which need the reference decoder.
 
-Data format: encoders take the packed tensors of :func:`~omni_lightning.datamodules.collate.pack_samples`
+Data format: encoders take the packed tensors of :func:`~omni_lightning.data.packing.pack_samples`
 (vision: ``patches [n_patches, 3 * 14 * 14]`` with each 2x2 merge window adjacent, ``positions [n_patches, 2]``,
 ``grids [n_items, 2]``; audio: ``mels [n_frames, n_mels]``, ``lengths [n_clips]``) and return one LLM-width
 embedding per placeholder token of their modality, in item order.

@@ -25,9 +25,9 @@ import numpy as np
 from PIL import Image
 from webdataset import TarWriter
 
-from omni_lightning.datamodules.streaming import ByteTokenizer, Tokenizer
-from omni_lightning.datamodules.synthetic import npy_bytes, png_bytes
-from omni_lightning.datamodules.workload import SampleMeta
+from omni_lightning.balance.workload import SampleMeta
+from omni_lightning.data.streaming import ByteTokenizer, Tokenizer
+from omni_lightning.data.synthetic import npy_bytes, png_bytes
 
 __all__ = ["jsonl_to_shards"]
 

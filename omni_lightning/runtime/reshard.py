@@ -28,7 +28,7 @@ from torch import nn
 
 from omni_lightning.balance.cost import ModuleCost
 from omni_lightning.balance.reshard import ItemExchange, plan_encoder_work, plan_item_exchange
-from omni_lightning.models.encoders import cu_seqlens_from_lengths
+from omni_lightning.parallel.attention import cu_seqlens_from_lengths
 
 __all__ = ["EncoderBalancer", "EncoderStep"]
 

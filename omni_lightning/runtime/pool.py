@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from omni_lightning.balance.cost import ModuleCost
 from omni_lightning.models.config import ReferenceMLLMConfig
-from omni_lightning.parallel.joint_pipeline import share_items
 from omni_lightning.parallel.placement import PoolLayout
+from omni_lightning.runtime.joint import share_items
 
 __all__ = ["EncoderPoolLink", "EncoderPoolWorker", "item_owners", "arrival_order"]
 

@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image
 from webdataset import TarWriter
 
-from omni_lightning.datamodules.workload import (
+from omni_lightning.balance.workload import (
     SampleMeta,
     WorkloadSpec,
     check_sampling_args,

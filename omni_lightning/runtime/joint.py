@@ -14,7 +14,7 @@ over the step), all-gather the outputs at the insertion (they reach it together,
 and each backpropagates its own items from the share's gradient, which every peer of stage 0 holds whole. With an
 encoder balancer, a stage's data-parallel peers (the same stage of other replicas, in step with it through the
 stage's FSDP collectives) also plan each insertion's items together, long ones split with sequence parallelism,
-exactly as the encoders do without a pipeline (:mod:`omni_lightning.parallel.encoder_balance`).
+exactly as the encoders do without a pipeline (:mod:`omni_lightning.runtime.reshard`).
 
 *When* (uniform on-demand insertion), for 1F1B with ``p`` stages: just before its forward of micro-batch ``m``,
 stage ``s > 0`` encodes its share of micro-batch ``m + s + 1`` (the forward wave reaches stage 0's forward of that
@@ -47,8 +47,8 @@ from torch.distributed.tensor import DTensor
 
 from omni_lightning.balance.cost import CostModel, ModuleCost
 from omni_lightning.balance.pipeline_order import assign_encoder_items, lpt_ranks, stage_shares_of
-from omni_lightning.parallel.encoder_balance import EncoderBalancer, EncoderStep
-from omni_lightning.parallel.pipeline_profile import ActionLog, timed, waiting
+from omni_lightning.parallel.timing import ActionLog, timed, waiting
+from omni_lightning.runtime.reshard import EncoderBalancer, EncoderStep
 
 __all__ = ["JointEncoders", "share_items"]
 
@@ -152,7 +152,7 @@ class JointEncoders:
         tp_group: this stage's tensor-parallel peers (``None`` without them). They hold the same micro-batches, so
             instead of each encoding all of its stage's share they split its items (LPT) and all-gather the outputs.
         balancer: reshards each insertion's items over this stage's data-parallel peers, splitting long ones with
-            sequence parallelism (:class:`~omni_lightning.parallel.encoder_balance.EncoderBalancer`; ``None``: each
+            sequence parallelism (:class:`~omni_lightning.runtime.reshard.EncoderBalancer`; ``None``: each
             rank encodes its own items). The peers reach every insertion together: their stage's FSDP collectives
             keep them in step.
     """
@@ -191,7 +191,7 @@ class JointEncoders:
                   stage_shares: Sequence[float] | None = None) -> None:
         """Plan the steps that follow with measured figures instead of FLOPs (what
         ``OmniStrategy(pp_calibration_steps=...)`` does after timing a job's first steps, with
-        :class:`~omni_lightning.parallel.pipeline_profile.JointCalibrator`): a cost model, the forward's share of an LLM
+        :class:`~omni_lightning.runtime.calibration.JointCalibrator`): a cost model, the forward's share of an LLM
         micro-batch's and of an item's time, and each stage's share of a micro-batch's LLM time (``None``: equal).
         FLOPs misjudge all three on hardware whose speed depends on the shape, and the first and last stages
         also embed and compute the loss; the 1F1B plan of large items leans on them, and gives a stage with more

@@ -18,13 +18,15 @@ from typing import Any, Literal, Protocol
 import numpy as np
 from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
+from typing_extensions import override
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
-from omni_lightning.datamodules.collate import DecodedSample, check_packable, pack_samples
+from omni_lightning.data.packing import DecodedSample, check_packable, pack_samples
 from omni_lightning.models.config import FIRST_TEXT_ID
 
 __all__ = [
     "BadSample",
+    "SampleStream",
     "ByteTokenizer",
     "ShardStream",
     "Tokenizer",
@@ -295,3 +297,12 @@ class ShardStream(IterableDataset):
         while self.max_batches is None or produced < self.max_batches:
             yield pack_samples([next(samples) for _ in range(self.batch_size)], **self.pack_kwargs)
             produced += 1
+
+
+class SampleStream(ShardStream):
+    """One decoded sample (or :class:`~omni_lightning.data.streaming.BadSample`) at a time, for balancing."""
+
+    @override
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        return self.iter_samples(info.id if info is not None else 0)

@@ -14,9 +14,14 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttentionBackend", "flash_attn_available", "varlen_attention"]
+__all__ = ["AttentionBackend", "cu_seqlens_from_lengths", "flash_attn_available", "varlen_attention"]
 
 AttentionBackend = Literal["auto", "sdpa", "flash"]
+
+
+def cu_seqlens_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    """``[l0, l1, ...]`` -> int32 ``[0, l0, l0+l1, ...]``."""
+    return F.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
 
 
 def flash_attn_available() -> bool:

@@ -36,9 +36,10 @@ from omni_lightning.models.llm import rotary_embedding
 from omni_lightning.models.mllm import IGNORE_INDEX, ReferenceMLLM, next_token_loss_sum
 from omni_lightning.models.moe import MoEFeedForward
 from omni_lightning.parallel.context_parallel import shard_for_context_parallel
-from omni_lightning.parallel.encoder_balance import EncoderBalancer
-from omni_lightning.parallel.joint_pipeline import JointEncoders
-from omni_lightning.parallel.pipeline_profile import ActionLog, JointCalibrator, action_clock, timed
+from omni_lightning.parallel.timing import ActionLog, action_clock, timed
+from omni_lightning.runtime.calibration import JointCalibrator
+from omni_lightning.runtime.joint import JointEncoders
+from omni_lightning.runtime.reshard import EncoderBalancer
 
 __all__ = [
     "PIPELINE_SCHEDULES",
@@ -65,11 +66,11 @@ class PipelineSettings:
     ``pp``), stages per rank (``virtual_stages`` > 1 for the interleaved schedules), the padded length of the
     stage-to-stage buffers (``max_tokens``: the most tokens a micro-batch may hold), and where encoders run:
     ``"joint"`` (inserted into the schedule on every stage's rank; 1F1B and GPipe, see
-    :mod:`omni_lightning.parallel.joint_pipeline`), ``"first_stage"`` (inside stage 0, torchtitan's way) or
+    :mod:`omni_lightning.runtime.joint`), ``"first_stage"`` (inside stage 0, torchtitan's way) or
     ``"pool"`` (another pool of ranks encodes and stage 0 receives the outputs: the disaggregated placement, see
-    :mod:`omni_lightning.parallel.disaggregated`). ``calibration_steps``: with the joint pipeline under 1F1B, how many
-    training steps (after the first) are timed to calibrate its item plan (:class:`~omni_lightning.parallel.
-    pipeline_profile.JointCalibrator`); 0 keeps the FLOP model."""
+    :mod:`omni_lightning.runtime.pool`). ``calibration_steps``: with the joint pipeline under 1F1B, how many
+    training steps (after the first) are timed to calibrate its item plan
+    (:class:`~omni_lightning.runtime.calibration.JointCalibrator`); 0 keeps the FLOP model."""
 
     schedule: str = "1F1B"
     microbatches: int | None = None
@@ -313,7 +314,7 @@ class PipelineRunner:
                  encoder_balancer: EncoderBalancer | None = None) -> None:
         """``encoder_source`` (with ``encoders="pool"``, on stage 0's ranks) supplies each micro-batch's encoder
         outputs as :class:`JointEncoders` does: ``start``, ``before_forward``, ``outputs``, ``finish`` and
-        ``sync_gradients`` (e.g. :class:`~omni_lightning.parallel.disaggregated.EncoderPoolLink`). ``llm_share``:
+        ``sync_gradients`` (e.g. :class:`~omni_lightning.runtime.pool.EncoderPoolLink`). ``llm_share``:
         the part of a stage's LLM work one rank runs (``1 / (tp * cp)``), for the joint pipeline's item plan.
         ``calibration_steps``: see :class:`PipelineSettings`. ``tensor_parallel_group``: this stage's TP peers,
         which split the joint pipeline's encoder work of their stage; ``encoder_balancer`` reshards it over the

@@ -13,13 +13,13 @@ from omni_lightning.models.llm import Decoder
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.models.moe import MoEFeedForward
 from omni_lightning.parallel.activation_checkpoint import apply_ac, apply_compile
-from omni_lightning.parallel.encoder_balance import EncoderBalancer
 from omni_lightning.parallel.expert_parallel import apply_ep
 from omni_lightning.parallel.fsdp import apply_fsdp
-from omni_lightning.parallel.joint_pipeline import JointEncoders
-from omni_lightning.parallel.mesh import EncoderPool, OmniMeshes
-from omni_lightning.parallel.pipeline import PipelineRunner, PipelineSettings
+from omni_lightning.parallel.layout import EncoderPool, OmniMeshes
 from omni_lightning.parallel.tensor_parallel import apply_tp
+from omni_lightning.runtime.joint import JointEncoders
+from omni_lightning.runtime.pipeline import PipelineRunner, PipelineSettings
+from omni_lightning.runtime.reshard import EncoderBalancer
 
 __all__ = ["parallelize_mllm", "parallelize_encoder_pool", "check_model_fits_layout"]
 
@@ -75,7 +75,7 @@ def parallelize_mllm(
     Encoder weights are sharded over the same data-parallel ranks as the decoder and replicated over TP peers,
     which see the same samples and so compute the same encoder gradients. With ``encoder_balance`` the
     data-parallel ranks share each step's encoder work (whole items by LPT, long ones split over ``enc_sp``
-    blocks; see :mod:`omni_lightning.parallel.encoder_balance`). ``activation_checkpointing`` recomputes every
+    blocks; see :mod:`omni_lightning.runtime.reshard`). ``activation_checkpointing`` recomputes every
     transformer block in the backward and ``compile_backend`` compiles their MLPs (see
     :mod:`omni_lightning.parallel.activation_checkpoint`), both between TP and FSDP. ``encoder_source`` feeds
     the first stage encoder outputs computed elsewhere (``pipeline.encoders == "pool"``: the encoder pool of the

@@ -1,6 +1,6 @@
 """Workload specs: the modality mix and length distributions of a dynamic multimodal training workload.
 
-A spec is a small YAML file (see ``datamodules/workloads/*.yaml`` for the bundled presets)::
+A spec is a small YAML file (see ``balance/workloads/*.yaml`` for the bundled presets)::
 
     name: omni_mix
     description: ...

@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.reorder import GroupPlan, PipelineOrder, ReorderConfig, plan_balance_group
-from omni_lightning.datamodules.collate import DecodedSample, pack_samples
-from omni_lightning.datamodules.streaming import BadSample
+from omni_lightning.data.packing import DecodedSample, pack_samples
+from omni_lightning.data.streaming import BadSample
 from omni_lightning.models.config import FIRST_TEXT_ID
 from omni_lightning.models.mllm import IGNORE_INDEX
 

@@ -1,94 +1,35 @@
-"""Timing a pipeline rank's actions, and calibrating the joint pipeline's item plan from them during training.
+"""Calibrating the joint pipeline's item plan from the actions its first steps timed, during training.
 
 The joint pipeline places large encoder items on a model of the 1F1B step
 (:func:`~omni_lightning.balance.pipeline_order.assign_encoder_items`), priced in FLOPs until it is told better. FLOPs
 misjudge encoders against the LLM wherever speed depends on shapes (attention over a large patch grid, small
 matmuls), so :class:`JointCalibrator` times the first steps of a job, fits the figures the plan needs
 (:func:`~omni_lightning.balance.calibration.fit_joint_calibration`) and hands them to
-:meth:`~omni_lightning.parallel.joint_pipeline.JointEncoders.calibrate`: every pipeline rank gathers the same
+:meth:`~omni_lightning.runtime.joint.JointEncoders.calibrate`: every pipeline rank gathers the same
 records, so every rank computes the same figures and the same plans.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from omni_lightning.balance.calibration import fit_joint_calibration
 from omni_lightning.balance.cost import CostModel
+from omni_lightning.parallel.timing import ActionLog
 
 if TYPE_CHECKING:
-    from omni_lightning.parallel.joint_pipeline import JointEncoders
+    from omni_lightning.runtime.joint import JointEncoders
 
-__all__ = ["ActionLog", "JointCalibrator", "action_clock", "micro_batch_features", "timed", "waiting"]
+__all__ = ["JointCalibrator", "micro_batch_features"]
 
 logger = logging.getLogger(__name__)
 
 _ENCODER_KINDS = ("E", "EB")
-
-
-def action_clock(device: torch.device) -> Callable[[], float]:
-    """Seconds of this rank's own work: thread CPU time on a CPU (a rank blocked in a collective or waiting for a
-    core uses none, which matters where ranks outnumber cores), wall time after a synchronize on an accelerator."""
-    if device.type == "cuda":
-        def synchronized() -> float:
-            torch.cuda.synchronize(device)
-            return time.perf_counter()
-
-        return synchronized
-    return time.thread_time
-
-
-class ActionLog:
-    """The actions one pipeline rank ran in a step, in order: ``(kind, micro-batch, seconds)`` with the kinds of
-    :class:`omni_lightning.sim.Action`. An action's seconds exclude the actions timed inside it and its waits."""
-
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self.clock = clock
-        self.actions: list[tuple[str, int, float]] = []
-        self._nested = [0.0]  # per open action: seconds of what was timed inside it
-
-    @contextmanager
-    def timed(self, kind: str, micro_batch: int, *, after_nested: bool = True) -> Iterator[None]:
-        """Time the block as action ``kind`` of ``micro_batch``. ``after_nested``: the actions timed inside it ran
-        before its own work (a forward that first encodes), so they come first in the order; otherwise after it
-        (a backward whose hook sends the gradients it produced)."""
-        mark, started = len(self.actions), self.clock()
-        self._nested.append(0.0)
-        try:
-            yield
-        finally:
-            elapsed = self.clock() - started
-            own = elapsed - self._nested.pop()
-            self._nested[-1] += elapsed
-            self.actions.insert(len(self.actions) if after_nested else mark, (kind, micro_batch, own))
-
-    @contextmanager
-    def waiting(self) -> Iterator[None]:
-        """Time spent waiting for a transfer: taken out of the enclosing action, recorded as nothing."""
-        started = self.clock()
-        try:
-            yield
-        finally:
-            self._nested[-1] += self.clock() - started
-
-
-def timed(log: ActionLog | None, kind: str, micro_batch: int, *, after_nested: bool = True
-          ) -> AbstractContextManager[None]:
-    """:meth:`ActionLog.timed` where there is a log, nothing otherwise."""
-    return nullcontext() if log is None else log.timed(kind, micro_batch, after_nested=after_nested)
-
-
-def waiting(log: ActionLog | None) -> AbstractContextManager[None]:
-    """:meth:`ActionLog.waiting` where there is a log, nothing otherwise."""
-    return nullcontext() if log is None else log.waiting()
 
 
 def micro_batch_features(batch: dict[str, Any], *, audio_downsample: int) -> np.ndarray:
