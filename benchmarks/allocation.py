@@ -18,8 +18,8 @@ from pathlib import Path
 from common import default_workloads
 
 from omni_lightning.balance import allocation
-from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.workload import load_workload
+from omni_lightning.models.flops import reference_cost_model
 from omni_lightning.sim.cluster import Cluster, encoder_params, llm_params
 from omni_lightning.sim.presets import PRESETS
 
@@ -34,7 +34,7 @@ def main() -> None:
     preset = PRESETS["disttrain-72b"]
     config, layout = preset.model.config, preset.layout
     cluster = Cluster(gpus=args.gpus)
-    model = CostModel.from_config(config)
+    model = reference_cost_model(config)
     lines = [f"{preset.model.name}, {args.gpus} GPUs, recompute {layout.recompute}"]
     slowest = 0.0
     for path in args.workload:

@@ -25,9 +25,10 @@ import time
 import numpy as np
 from common import WORKLOAD_A, default_workloads
 
-from omni_lightning.balance.cost import CostModel, feature_matrix
-from omni_lightning.balance.reorder import ReorderConfig, balance_groups, lower_bound, plan_balance_group, plan_naive
+from omni_lightning.balance.cost import feature_matrix
+from omni_lightning.balance.reorder import ReorderConfig, balance_groups, lower_bound, plan_balance_group, plan_in_place
 from omni_lightning.balance.workload import load_workload, sample_metadata
+from omni_lightning.models.flops import reference_cost_model
 
 POOL = 1 << 16  # distinct samples drawn per workload; larger jobs resample from them
 
@@ -64,7 +65,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    model = CostModel.from_config(WORKLOAD_A)
+    model = reference_cost_model(WORKLOAD_A)
     config = ReorderConfig(steps=args.steps)
     per_rank = args.steps * args.samples_per_step
     worst = 0.0
@@ -82,7 +83,7 @@ def main() -> None:
             total, llm, tokens = pool_total[pick], pool_llm[pick], pool_tokens[pick]
             owners = np.repeat(np.arange(dp), per_rank)
             group = min(args.group, dp)
-            naive = plan_naive(total, owners, n_ranks=dp, config=config)
+            naive = plan_in_place(total, tokens, owners, n_ranks=dp, config=config).step_cost
             llm_only = plan_groups(llm, total, tokens, dp, group, config)
             grouped = plan_groups(total, total, tokens, dp, group, config)
             mean = total.sum() / (dp * args.steps)

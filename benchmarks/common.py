@@ -6,7 +6,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from omni_lightning.balance.cost import MODULES, CostModel, feature_matrix, fit_cost_model
+from omni_lightning.balance.cost import DEFAULT_ENCODERS, CostModel, feature_matrix
+from omni_lightning.balance.cost_fit import fit_cost_model
 from omni_lightning.balance.workload import WORKLOADS_DIR, SampleMeta
 from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig, VisionEncoderConfig
 
@@ -43,5 +44,5 @@ def fit_to_runs(runs: dict[str, dict[str, Any]], names: tuple[str, ...], steps: 
                    for metas, seconds in zip(step_metas, step_seconds, strict=True)]
     # Fit only the modules the workload exercises: an absent one has no data to determine its coefficients.
     totals = feature_matrix([meta for metas, _ in calibration for meta in metas]).sum(axis=0)
-    used = [m for i, m in enumerate(MODULES) if totals[2 * i] > 0]
+    used = [m for i, m in enumerate((*DEFAULT_ENCODERS, "llm")) if totals[2 * i] > 0]
     return fit_cost_model(calibration, modules=used), len(calibration)

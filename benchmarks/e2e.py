@@ -58,10 +58,9 @@ from torch.distributed.fsdp import fully_shard
 from omni_lightning import OmniDataModule, OmniModule, OmniStrategy, ReferenceMLLM, WebDataModule
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.workload import SampleMeta
+from omni_lightning.batch import BYTE_ROLES
 from omni_lightning.data.synthetic import make_synthetic_shards
 from omni_lightning.models.config import (
-    AUDIO_ID,
-    IMAGE_ID,
     AudioEncoderConfig,
     LLMConfig,
     ReferenceMLLMConfig,
@@ -69,7 +68,11 @@ from omni_lightning.models.config import (
 )
 from omni_lightning.module import initial_state_dict
 from omni_lightning.monitor import BalanceMonitor
-from omni_lightning.strategies.omni import _NoWeightsMultiProcessingLauncher, size_encoder_pool
+from omni_lightning.strategies.launcher import NoWeightsMultiProcessingLauncher
+from omni_lightning.strategies.pool_size import size_encoder_pool
+
+AUDIO_ID = BYTE_ROLES.placeholder("audio")
+IMAGE_ID = BYTE_ROLES.placeholder("image")
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Encoders wide enough that their work, and its imbalance, matter next to the LLM's (as in real VLMs).
@@ -92,7 +95,7 @@ class _ForkedModelParallel(ModelParallelStrategy):
     """Lightning's strategy, started by fork like the other runs (its default re-runs the script)."""
 
     def _configure_launcher(self) -> None:
-        self._launcher = _NoWeightsMultiProcessingLauncher(self, start_method="fork")
+        self._launcher = NoWeightsMultiProcessingLauncher(self, start_method="fork")
 
 
 class _UserFSDPModule(OmniModule):

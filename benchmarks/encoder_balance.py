@@ -22,21 +22,18 @@ import argparse
 import numpy as np
 from common import WORKLOAD_A, default_workloads
 
-from omni_lightning.balance.cost import AUDIO_DOWNSAMPLE, CostModel
+from omni_lightning.balance.cost import CostModel, meta_items
 from omni_lightning.balance.reshard import encoder_lower_bound, plan_encoder_work
 from omni_lightning.balance.workload import SampleMeta, load_workload, sample_metadata
+from omni_lightning.models.flops import reference_cost_model
 
 POOL = 1 << 14
 
 
 def item_costs(meta: SampleMeta, model: CostModel) -> list[float]:
     """Encoder cost of every item of a sample: each image, each video frame, the audio clip."""
-    sizes = [h * w for h, w in meta.images] + [meta.video_grid[0] * meta.video_grid[1]] * meta.video_frames
-    costs = [model.vision(size, size * size) for size in sizes]
-    if meta.audio_frames:
-        tokens = meta.audio_frames // AUDIO_DOWNSAMPLE
-        costs.append(model.audio(tokens, tokens * tokens))
-    return costs
+    items = meta_items(meta)
+    return [float(c) for name in model.encoder_names for c in model.item_costs(name, items.get(name, []))]
 
 
 def main() -> None:
@@ -49,7 +46,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    model = CostModel.from_config(WORKLOAD_A)
+    model = reference_cost_model(WORKLOAD_A)
     worst = 0.0
     print(f"{'workload':<14}{'dp':>6}{'(a) none':>10}{'(b) whole':>11}{'(c) long-short':>16}{'bound':>8}"
           f"{'(c)/bound':>11}{'split/step':>12}")

@@ -5,7 +5,7 @@ and audio encoders forward and backward on its micro-batch (the LLM is left out:
 balances). Two configurations alternate on the same micro-batches:
 
 * ``none``: each rank encodes what it loaded (what a data-parallel job does without resharding);
-* ``long-short``: :class:`~omni_lightning.runtime.reshard.EncoderBalancer` reshards items every step,
+* ``long-short``: :class:`~omni_lightning.runtime.reshard.Resharder` reshards items every step,
   splitting long ones over ``--enc-sp`` ranks with Ulysses attention.
 
 Per step it takes each rank's thread CPU time (a rank blocked in a collective uses none, so this models dedicated
@@ -34,16 +34,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from common import free_port
 
-from omni_lightning.balance.cost import CostModel
 from omni_lightning.data.packing import DecodedSample, pack_samples
 from omni_lightning.data.shards import expand_shards
 from omni_lightning.data.streaming import ShardStream
 from omni_lightning.data.synthetic import make_synthetic_shards
 from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig, VisionEncoderConfig
+from omni_lightning.models.flops import reference_cost_model
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.parallel.dims import ParallelDims
 from omni_lightning.parallel.layout import build_meshes
-from omni_lightning.runtime.reshard import EncoderBalancer
+from omni_lightning.runtime.encoders import LocalEncoders
+from omni_lightning.runtime.reshard import Resharder
 
 RESULTS = Path(__file__).parent / "results" / "encoder_runtime.json"
 
@@ -55,18 +56,11 @@ CONFIG = ReferenceMLLMConfig(
 )
 
 
-def _encode(model: ReferenceMLLM, batch: dict[str, Any], balanced: bool) -> None:
-    """Both encoders forward, then backward from a loss on their outputs: the encoder work of a training step."""
-    vision, audio = model.encode_items(batch) if balanced else _local(model, batch)
-    (vision.square().sum() + audio.square().sum()).backward()
-
-
-def _local(model: ReferenceMLLM, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    balancer, model.encoder_balancer = model.encoder_balancer, None
-    try:
-        return model.encode_items(batch)
-    finally:
-        model.encoder_balancer = balancer
+def _encode(source: LocalEncoders, batch: dict[str, Any]) -> None:
+    """Every encoder forward, then backward from a loss on their outputs: the encoder work of a training step."""
+    source.start([batch], train=True)
+    encoded = source.outputs(0)
+    sum(outputs[0].square().sum() for outputs in encoded.values()).backward()
 
 
 def _saved_bytes(fn: Any, exclude: list[torch.Tensor]) -> tuple[Any, int]:
@@ -91,7 +85,7 @@ def _saved_bytes(fn: Any, exclude: list[torch.Tensor]) -> tuple[Any, int]:
     return out, total
 
 
-def _memory(model: ReferenceMLLM, rank: int, grid: tuple[int, int]) -> dict[str, int]:
+def _memory(model: ReferenceMLLM, resharder: Resharder, rank: int, grid: tuple[int, int]) -> dict[str, int]:
     """Saved activation bytes of one ``grid`` image encoded by rank 0 alone, and split by the balancer."""
     rows, cols = grid
     rng = np.random.default_rng(0)
@@ -100,7 +94,7 @@ def _memory(model: ReferenceMLLM, rank: int, grid: tuple[int, int]) -> dict[str,
     batch = pack_samples([sample])
     inputs = [batch["vision_patches"], batch["vision_positions"]]
     _, alone = _saved_bytes(lambda: model.vision(*inputs, batch["vision_grids"]) if rank == 0 else None, inputs)
-    balancer = model.encoder_balancer
+    balancer = resharder
     steps = balancer.plan({"vision": batch["vision_grids"].prod(1)}, {"vision": model.vision.tokens_per_output})
     _, split = _saved_bytes(
         lambda: balancer.encode(model.vision, (*inputs, batch["vision_grids"]), steps["vision"]), inputs
@@ -116,10 +110,10 @@ def _worker(rank: int, size: int, port: int, paths: list[str], args: argparse.Na
     meshes = build_meshes(ParallelDims(world_size=size, dp_shard=size, enc_sp=args.enc_sp), "cpu")
     torch.manual_seed(0)
     model = ReferenceMLLM(CONFIG)
-    # No FSDP: only the encoders' own compute is measured, with the balancer the runtime would attach.
-    costs = CostModel.from_config(CONFIG)
-    model.encoder_balancer = EncoderBalancer(meshes.encoder_group, meshes.encoder_sp_blocks,
-                                             {"vision": costs.vision, "audio": costs.audio}, enc_sp=args.enc_sp)
+    # No FSDP: only the encoders' own compute is measured, with the resharder the runtime would build.
+    costs = reference_cost_model(CONFIG)
+    resharder = Resharder(meshes.encoder_group, meshes.encoder_sp_blocks, dict(costs.encoders), enc_sp=args.enc_sp)
+    sources = {"none": LocalEncoders(model), "long-short": LocalEncoders(model, resharder)}
     stream = iter(ShardStream(paths, dp_rank=rank, dp_size=size, batch_size=args.samples_per_step))
     records: dict[str, list[list[float]]] = {"none": [], "long-short": []}
     splits, moved = [], []
@@ -131,19 +125,19 @@ def _worker(rank: int, size: int, port: int, paths: list[str], args: argparse.Na
         for name in ("none", "long-short") if step % 2 else ("long-short", "none"):
             dist.barrier()
             cpu, wall = time.thread_time(), time.perf_counter()
-            _encode(model, batch, balanced=name == "long-short")
+            _encode(sources[name], batch)
             seconds = torch.tensor([time.thread_time() - cpu, time.perf_counter() - wall], dtype=torch.float64)
             everyone = [torch.zeros_like(seconds) for _ in range(size)]
             dist.all_gather(everyone, seconds)
             if step >= args.warmup:
                 records[name].append([float(t[0]) for t in everyone] + [max(float(t[1]) for t in everyone)])
                 if name == "long-short":
-                    splits.append(model.encoder_balancer.stats["items_split"])
-                    moved.append(model.encoder_balancer.stats["items_moved"])
+                    splits.append(resharder.stats["items_split"])
+                    moved.append(resharder.stats["items_moved"])
     largest_tensor = torch.tensor([largest])
     dist.all_reduce(largest_tensor, op=dist.ReduceOp.MAX)
     side = int(np.sqrt(int(largest_tensor) / 4)) * 2 or 2  # a square grid with even sides and about as many patches
-    memory = _memory(model, rank, (side, side))
+    memory = _memory(model, resharder, rank, (side, side))
     busiest = torch.tensor([memory["alone"], memory["split"]], dtype=torch.float64)
     dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
     if rank == 0:

@@ -29,19 +29,22 @@ import torch
 import torch.distributed as dist
 from common import free_port
 
-from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.workload import load_workload, sample_metadata
+from omni_lightning.batch import BYTE_ROLES
 from omni_lightning.data.packing import DecodedSample, pack_samples
 from omni_lightning.models.config import (
-    FIRST_TEXT_ID,
     AudioEncoderConfig,
     LLMConfig,
     ReferenceMLLMConfig,
     VisionEncoderConfig,
 )
-from omni_lightning.models.mllm import ReferenceMLLM, next_token_loss_sum
+from omni_lightning.models.flops import reference_cost_model
+from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.monitor import batch_training_flops
 from omni_lightning.parallel.attention import varlen_attention
+from omni_lightning.runtime.loss import next_token_loss_sum
+
+FIRST_TEXT_ID = BYTE_ROLES.first_free_id
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_smoke.json"
 # Dense bf16 tensor-core peaks (no sparsity), by a substring of torch.cuda.get_device_name().
@@ -111,8 +114,7 @@ def _batch(config: ReferenceMLLMConfig, args: argparse.Namespace, seed: int) -> 
                if meta.audio_frames else None)
         tokens = rng.integers(FIRST_TEXT_ID, config.llm.vocab_size, meta.text_tokens)
         decoded.append(DecodedSample(f"smoke-{i}", tokens, images, mel))
-    return pack_samples(decoded, patch_size=config.vision.patch_size, vision_merge=config.vision.merge,
-                        audio_downsample=config.audio.downsample)
+    return pack_samples(decoded, config.packing())
 
 
 def train_speed(config: ReferenceMLLMConfig, device: torch.device, dtype: torch.dtype, args: argparse.Namespace
@@ -123,7 +125,7 @@ def train_speed(config: ReferenceMLLMConfig, device: torch.device, dtype: torch.
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batches = [_batch(config, args, seed) for seed in range(4)]
     batches = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in batches]
-    cost = CostModel.from_config(config)
+    cost = reference_cost_model(config)
     tokens = flops = 0.0
     started = 0.0
     for step in range(args.steps + 2):
@@ -139,7 +141,7 @@ def train_speed(config: ReferenceMLLMConfig, device: torch.device, dtype: torch.
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         tokens += batch["input_ids"].numel()
-        flops += batch_training_flops(batch, cost)
+        flops += batch_training_flops(batch, cost, config.packing())
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started

@@ -24,12 +24,12 @@ import torch.multiprocessing as mp
 from common import free_port
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from omni_lightning.balance.cost import CostModel
 from omni_lightning.data.reorder_stream import BalancedStream, BalanceSettings
 from omni_lightning.data.shards import expand_shards
 from omni_lightning.data.streaming import SampleStream, ShardStream
 from omni_lightning.data.synthetic import make_synthetic_shards
 from omni_lightning.models.config import ReferenceMLLMConfig
+from omni_lightning.models.flops import reference_cost_model
 
 
 def _identity(item: object) -> object:
@@ -54,7 +54,7 @@ def _balanced(paths: list[str], rank: int, size: int, args: argparse.Namespace) 
     loader = StatefulDataLoader(samples, batch_size=None, collate_fn=_identity)
     settings = BalanceSettings(samples_per_step=args.samples_per_step, group_steps=args.group_steps)
     stream = BalancedStream(loader, group=dist.group.WORLD, group_index=0,
-                            cost_model=CostModel.from_config(ReferenceMLLMConfig.tiny()), settings=settings)
+                            cost_model=reference_cost_model(ReferenceMLLMConfig.tiny()), settings=settings)
     return _time(stream, args.batches)
 
 

@@ -46,7 +46,7 @@ import datetime
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,23 +61,28 @@ from omni_lightning.balance.calibration import fit_joint_calibration
 from omni_lightning.balance.cost import CostModel, feature_matrix
 from omni_lightning.balance.reorder import ReorderConfig, plan_balance_group
 from omni_lightning.balance.workload import SampleMeta, load_workload, sample_metadata
+from omni_lightning.batch import BYTE_ROLES
 from omni_lightning.data.packing import DecodedSample, pack_samples
 from omni_lightning.models.config import (
-    FIRST_TEXT_ID,
     AudioEncoderConfig,
     LLMConfig,
     ReferenceMLLMConfig,
     VisionEncoderConfig,
 )
+from omni_lightning.models.flops import reference_cost_model
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.module import initial_state_dict
 from omni_lightning.parallel.dims import ParallelDims
-from omni_lightning.parallel.layout import build_meshes
+from omni_lightning.parallel.layout import build_layout
+from omni_lightning.parallel.settings import PipelineSettings, PlacementSettings
 from omni_lightning.parallel.timing import ActionLog
 from omni_lightning.runtime import pipeline
-from omni_lightning.runtime.build import parallelize_mllm
-from omni_lightning.runtime.pipeline import PipelineSettings
+from omni_lightning.runtime.joint import JointEncoders
+from omni_lightning.runtime.loss import StepLoss
+from omni_lightning.runtime.step import PipelineStep, build_step
 from omni_lightning.sim import Action, one_f_one_b_bubble, replay_pipeline
+
+FIRST_TEXT_ID = BYTE_ROLES.first_free_id
 
 RESULTS = Path(__file__).parent / "results" / "pipeline.json"
 # Wide enough that matmuls, not per-call overheads, dominate each action on a CPU.
@@ -99,9 +104,9 @@ class _Planner:
 
     def calibrate(self, runner: pipeline.PipelineRunner) -> None:
         """Let the joint pipeline's item plan use these figures too, as the job's calibration would."""
-        if runner.joint is not None:
-            runner.joint.calibrate(self.model, forward_share=self.forward_share,
-                                   encoder_forward_share=self.encoder_forward_share, stage_shares=self.stage_shares)
+        if isinstance(runner.source, JointEncoders):
+            runner.source.calibrate(self.model, forward_share=self.forward_share,
+                                    encoder_forward_share=self.encoder_forward_share, stage_shares=self.stage_shares)
 
 
 def _micro_batches(workload: str, count: int, step: int, planner: _Planner, encoders: str,
@@ -133,7 +138,7 @@ def _calibrated(groups: list[list[SampleMeta]], everyone: list[list[tuple[str, i
     forward and backward CPU time over all stages, the encoders' to its encoder forward and backward time over all
     ranks, the forward's share of the LLM's and of the encoders' time, and each stage's share of the LLM time."""
     features = np.stack([feature_matrix(group).sum(axis=0) for group in groups])
-    figures = fit_joint_calibration(features, everyone, flops=CostModel.from_config(CONFIG))
+    figures = fit_joint_calibration(features, everyone, flops=reference_cost_model(CONFIG))
     return _Planner(figures.cost_model, figures.forward_share, figures.encoder_forward_share, figures.stage_shares)
 
 
@@ -180,10 +185,11 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, results: 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=900))
-    meshes = build_meshes(ParallelDims(world_size=size, pp=size, dp_shard=1), "cpu")
+    layout = build_layout(ParallelDims(world_size=size, pp=size, dp_shard=1), "cpu", pipeline=PipelineSettings(),
+                          placement=PlacementSettings(), reshard=False)
     state = initial_state_dict(CONFIG, seed=0)
     for workload in args.workload:
-        planner, calibrated = _Planner(CostModel.from_config(CONFIG)), False  # FLOPs until a warm-up is measured
+        planner, calibrated = _Planner(reference_cost_model(CONFIG)), False  # FLOPs until a warm-up is measured
         for count in args.micro_batches:
             # The joint pipeline first: its warm-up step times the LLM and the encoders apart, for the calibration.
             for encoders in ("joint", "first_stage"):
@@ -191,8 +197,9 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, results: 
                     model = ReferenceMLLM(CONFIG)
                 max_tokens = args.max_llm_tokens * args.samples_per_micro_batch * 2
                 settings = PipelineSettings("1F1B", count, 1, max_tokens=max_tokens, encoders=encoders)
-                runner = parallelize_mllm(model, meshes, pipeline=settings)
-                assert runner is not None
+                step_kind = build_step(model, replace(layout, pipeline=settings), device=torch.device("cpu"))
+                assert isinstance(step_kind, PipelineStep)
+                runner = step_kind.runner
                 if calibrated:
                     planner.calibrate(runner)
                 model.to_empty(device="cpu")
@@ -206,7 +213,7 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, results: 
                     for _ in range(args.repeats):
                         runner.action_log = ActionLog(time.thread_time)  # every action's thread CPU seconds
                         dist.barrier()
-                        runner.step(micro, loss_scale=1e-3)
+                        runner.step(micro, StepLoss(loss_tokens=1e3, data_parallel=1))
                         runs.append(runner.action_log.actions)
                     runner.action_log = None
                     everyone: list[Any] = [None] * size

@@ -7,13 +7,14 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 import torch.distributed as dist
 from typing_extensions import override
 
 from omni_lightning.balance.cost import CostModel
-from omni_lightning.models.config import ReferenceMLLMConfig
+from omni_lightning.batch import PackingSpec
+from omni_lightning.modalities import DEFAULT_PACKING
+from omni_lightning.runtime.calibration import micro_batch_features
 
 __all__ = ["BalanceMonitor", "ThroughputMonitor", "batch_training_flops", "loggers_write_this_step"]
 
@@ -52,7 +53,7 @@ class BalanceMonitor(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         seconds = time.thread_time() - self._started
-        forward = getattr(getattr(pl_module, "model", None), "forward_cpu_seconds", {})
+        forward = getattr(pl_module, "forward_cpu_seconds", {})
         mine = torch.tensor([seconds, forward.get("encoders", 0.0), forward.get("llm", 0.0)], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = torch.empty(dist.get_world_size() * 3, dtype=torch.float64)
@@ -78,21 +79,10 @@ class BalanceMonitor(pl.Callback):
         pl_module.log("imbalance", imbalance, prog_bar=True, logger=False, batch_size=max(int(samples), 1))
 
 
-def _micro_batches(batch: dict[str, Any]) -> list[dict[str, Any]]:
-    return batch.get("micro_batches", [batch])
-
-
-def batch_training_flops(batch: dict[str, Any], cost_model: CostModel) -> float:
-    """Training FLOPs (forward and backward) of a packed batch, or of a pipeline step's micro-batches, as
-    :meth:`CostModel.from_config` counts them: per module, tokens and attention pairs of every item."""
-    features = np.zeros(6)
-    for micro in _micro_batches(batch):
-        grids = micro["vision_grids"].double()
-        vision = grids[:, 0] * grids[:, 1]
-        audio = micro["audio_lengths"].double() / 4  # mel frames per audio token (two stride-2 convolutions)
-        lengths = micro["cu_seqlens"].double().diff()
-        features += [float(vision.sum()), float((vision**2).sum()), float(audio.sum()), float((audio**2).sum()),
-                     float(lengths.sum()), float((lengths * (lengths + 1) / 2).sum())]
+def batch_training_flops(batch: dict[str, Any], cost_model: CostModel, spec: PackingSpec = DEFAULT_PACKING) -> float:
+    """Training FLOPs (forward and backward) of a packed batch, or of a pipeline step's micro-batches, as the
+    model's cost model counts them: per module, tokens and attention pairs of every item."""
+    features = sum(micro_batch_features(micro, spec) for micro in batch.get("micro_batches", [batch]))
     return float(features @ cost_model.coefficients)
 
 
@@ -109,7 +99,7 @@ class ThroughputMonitor(pl.Callback):
     The rate is over the wall time between the ends of consecutive batches and counts every data-parallel rank's
     batch once (tensor, context and pipeline peers hold the same one). FLOPs come from the batch's shapes and the
     model's :class:`~omni_lightning.balance.cost.CostModel` (matmul and attention FLOPs of forward and backward,
-    as MFU is usually counted), so it needs a model whose ``config`` is a ``ReferenceMLLMConfig``.
+    as MFU is usually counted), so it needs a module that has one (``OmniModule.cost_model()``).
     """
 
     def __init__(self, peak_flops: float | None = None) -> None:
@@ -117,15 +107,16 @@ class ThroughputMonitor(pl.Callback):
             raise ValueError(f"peak_flops={peak_flops} must be a positive FLOP/s figure or None")
         self.peak_flops = peak_flops
         self._cost_model: CostModel | None = None
+        self._packing: PackingSpec = DEFAULT_PACKING
         self._last: float | None = None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        config = getattr(pl_module, "config", None)
-        if not isinstance(config, ReferenceMLLMConfig):
-            raise ValueError(f"ThroughputMonitor counts FLOPs from a ReferenceMLLMConfig; {type(pl_module).__name__}"
-                             f".config is {type(config).__name__}: remove the callback for this model")
-        self._cost_model = CostModel.from_config(config)
+        cost_model, packing = getattr(pl_module, "cost_model", None), getattr(pl_module, "packing", None)
+        if not callable(cost_model) or not callable(packing):
+            raise ValueError(f"ThroughputMonitor counts FLOPs with the module's cost model; {type(pl_module).__name__} "
+                             "has no cost_model() and packing() (OmniModule has): remove the callback for this module")
+        self._cost_model, self._packing = cost_model(), packing()
         self._last = None
 
     @override
@@ -134,7 +125,7 @@ class ThroughputMonitor(pl.Callback):
         now, last, self._last = time.perf_counter(), self._last, time.perf_counter()
         if last is None or self._cost_model is None:
             return  # the first batch has no start to measure from
-        flops = torch.tensor([batch_training_flops(batch, self._cost_model)], dtype=torch.float64)
+        flops = torch.tensor([batch_training_flops(batch, self._cost_model, self._packing)], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flops)
         dims = getattr(trainer.strategy, "parallel_dims", None)

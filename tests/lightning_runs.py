@@ -18,8 +18,9 @@ from torch.distributed.tensor import DTensor
 from omni_lightning import OmniModule, OmniStrategy, ReferenceMLLM, ReferenceMLLMConfig, WebDataModule
 from omni_lightning.data.packing import pack_samples
 from omni_lightning.data.resumable import MARKER_KEY
-from omni_lightning.models.mllm import next_token_loss_sum
-from omni_lightning.runtime.pipeline import split_micro_batches
+from omni_lightning.modalities import DEFAULT_PACKING
+from omni_lightning.runtime.items import split_micro_batches
+from omni_lightning.runtime.loss import next_token_loss_sum
 
 LEARNING_RATE = 1e-3
 BATCH_SIZE = 2  # samples per micro-batch per data-parallel rank
@@ -224,7 +225,8 @@ def reference_run(
         optimizer.zero_grad()
         for _ in range(accumulate):
             per_rank = [[next(stream) for _ in range(BATCH_SIZE)] for stream in streams]
-            cuts = [split_micro_batches(pack_samples(samples), pipeline_micro_batches) for samples in per_rank]
+            cuts = [split_micro_batches(pack_samples(samples), pipeline_micro_batches, DEFAULT_PACKING)
+                    for samples in per_rank]
             loss_sum = count = aux = 0.0
             for i in range(pipeline_micro_batches):  # global micro-batch i: micro-batch i of every rank
                 keys = [k for rank_cuts in cuts for k in rank_cuts[i]["keys"]]

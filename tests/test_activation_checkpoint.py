@@ -13,8 +13,8 @@ from test_parity import _assert_grads_match
 from omni_lightning import OmniModule, ReferenceMLLM
 from omni_lightning.data.packing import pack_samples
 from omni_lightning.models.config import ReferenceMLLMConfig
-from omni_lightning.models.mllm import next_token_loss_sum
 from omni_lightning.parallel.activation_checkpoint import apply_ac, apply_compile
+from omni_lightning.runtime.loss import next_token_loss_sum
 
 
 def _loss_and_grads(model: ReferenceMLLM, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

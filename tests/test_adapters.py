@@ -31,8 +31,8 @@ from lightning_runs import BATCH_SIZE, LEARNING_RATE, RecordRun, fit  # noqa: E4
 from transformers.models.whisper.modeling_whisper import WhisperEncoder  # noqa: E402
 
 from omni_lightning import OmniModule, ReferenceMLLM, ReferenceMLLMConfig, WebDataModule  # noqa: E402
-from omni_lightning.balance.cost import CostModel  # noqa: E402
-from omni_lightning.data.packing import DecodedSample, pack_samples, patchify  # noqa: E402
+from omni_lightning.data.packing import DecodedSample, pack_samples  # noqa: E402
+from omni_lightning.modalities import DEFAULT_PACKING, IMAGE  # noqa: E402
 from omni_lightning.models import AudioEncoderConfig, LLMConfig, VisionEncoderConfig  # noqa: E402
 from omni_lightning.models.adapters import (  # noqa: E402
     EncoderAdapter,
@@ -41,11 +41,10 @@ from omni_lightning.models.adapters import (  # noqa: E402
     SiglipVisionAdapter,
     WhisperEncoderAdapter,
 )
-from omni_lightning.models.mllm import next_token_loss_sum, vocab_parallel_loss  # noqa: E402
+from omni_lightning.models.flops import reference_cost_model  # noqa: E402
+from omni_lightning.models.parallelize import apply_tp, check_model_fits_layout  # noqa: E402
 from omni_lightning.parallel.dims import ParallelDims  # noqa: E402
-from omni_lightning.parallel.layout import OmniMeshes  # noqa: E402
-from omni_lightning.parallel.tensor_parallel import apply_tp  # noqa: E402
-from omni_lightning.runtime.build import check_model_fits_layout  # noqa: E402
+from omni_lightning.runtime.loss import next_token_loss_sum, vocab_parallel_loss  # noqa: E402
 
 LLM_DIM = 64
 
@@ -100,7 +99,7 @@ def test_reference_modules_implement_the_protocols_with_the_cost_model_coefficie
         model = ReferenceMLLM(config)
         assert isinstance(model.vision, EncoderAdapter) and isinstance(model.audio, EncoderAdapter)
         assert isinstance(model.llm, LLMAdapter)
-        assert model.cost_model() == CostModel.from_config(config)
+        assert model.cost_model() == reference_cost_model(config)
 
 
 def test_hf_costs_count_what_the_reference_counts_for_the_same_shapes() -> None:
@@ -109,11 +108,11 @@ def test_hf_costs_count_what_the_reference_counts_for_the_same_shapes() -> None:
     audio encoder per placeholder token, so four times the attention pairs."""
     same = ReferenceMLLMConfig(vision=VisionEncoderConfig(dim=32, n_layers=2, n_heads=4, mlp_ratio=2.0),
                                llm=LLMConfig(dim=LLM_DIM, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=128))
-    reference = CostModel.from_config(same)
+    reference = reference_cost_model(same)
     assert HFCausalLMAdapter(_decoder("llama")).cost() == reference.llm
     assert SiglipVisionAdapter(_siglip(), LLM_DIM).cost() == reference.vision
     whisper = WhisperEncoderAdapter(_whisper(8), LLM_DIM).cost()
-    audio = CostModel.from_config(ReferenceMLLMConfig(audio=AudioEncoderConfig(dim=32, n_layers=2, n_heads=4))).audio
+    audio = reference_cost_model(ReferenceMLLMConfig(audio=AudioEncoderConfig(dim=32, n_layers=2, n_heads=4))).audio
     assert whisper.quadratic == 4 * audio.quadratic and whisper.linear > audio.linear
 
 
@@ -186,13 +185,14 @@ def test_vision_tower_on_packed_images_of_any_size_matches_hf_with_interpolated_
     # Native 4x4 grid, a wide 2x6 one and a tall 6x4 one (patches of 14 pixels).
     grid_sizes = [(4, 4), (2, 6), (6, 4)]
     images = [rng.integers(0, 256, (14 * rows, 14 * cols, 3), dtype=np.uint8) for rows, cols in grid_sizes]
-    items = [patchify(image, 14, 4) for image in images]
+    items = [[torch.from_numpy(x) for x in IMAGE.build(image, DEFAULT_PACKING)] for image in images]
     patches, positions = torch.cat([p for p, _, _ in items]), torch.cat([q for _, q, _ in items])
-    grids = torch.tensor([grid for _, _, grid in items])
+    grids = torch.cat([grid for _, _, grid in items])
     with torch.no_grad():
         packed = adapter(patches, positions, grids)
         expected = []
-        for image, (_, item_positions, (_, cols)) in zip(images, items, strict=True):
+        for image, (_, item_positions, grid) in zip(images, items, strict=True):
+            cols = int(grid[0, 1])
             pixels = torch.from_numpy(image).float().div(127.5).sub(1.0).permute(2, 0, 1)[None]
             tokens = hf(pixel_values=pixels, interpolate_pos_encoding=True).last_hidden_state[0]
             windowed = tokens[item_positions[:, 0] * cols + item_positions[:, 1]]  # the data's 2x2-window order
@@ -238,8 +238,8 @@ def test_adapted_model_refuses_layouts_that_need_the_reference_modules() -> None
                             ({"enc_sp": 2}, "SiglipVisionAdapter cannot encode in pieces")):
         dims = ParallelDims(world_size=4, dp_shard=-1, **layout)
         with pytest.raises(ValueError, match=message):
-            check_model_fits_layout(model, OmniMeshes(dims, None, {}, None, {}), encoder_balance=True)
-    check_model_fits_layout(model, OmniMeshes(ParallelDims(world_size=4, dp_shard=2, tp=2), None, {}, None, {}))
+            check_model_fits_layout(model, dims, reshard=True)
+    check_model_fits_layout(model, ParallelDims(world_size=4, dp_shard=2, tp=2))
 
 
 def _single_process_run(shards: str, seed_file: Path, *, dp_size: int, steps: int) -> tuple[list[float], dict]:
@@ -269,7 +269,7 @@ class _EncoderTraffic(pl.Callback):
         self.out_dir, self.moved = out_dir, 0.0
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: object) -> None:
-        self.moved += module.model.encoder_balancer.stats.get("bytes_moved", 0.0)
+        self.moved += module.step.encoder_stats.get("bytes_moved", 0.0)
         if trainer.global_rank == 0:
             (self.out_dir / "encoder_bytes_moved.json").write_text(json.dumps(self.moved))
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from omni_lightning import OmniDataModule, OmniModule, OmniStrategy, ReferenceMLLMConfig, WebDataModule
 from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, VisionEncoderConfig
+from omni_lightning.parallel.layout import OmniLayout
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration_errors.md"
 TINY = ReferenceMLLMConfig.tiny()
@@ -43,15 +44,22 @@ def _fit(devices: int, config: ReferenceMLLMConfig, **strategy: Any) -> Callable
     return run
 
 
+def _mock_layout(trainer: pl.Trainer, config: ReferenceMLLMConfig, dp_rank: int) -> OmniLayout:
+    """What OmniStrategy.setup_environment hands over, with this rank's position mocked instead of process groups."""
+    omni = trainer.strategy
+    layout = OmniLayout(omni.parallel_dims, mock.Mock(**{"local_rank.return_value": dp_rank}), omni.pipeline_settings,
+                        omni.placement_settings, rank=0, reshard=False)
+    omni._layout, omni._lightning_module = layout, OmniModule(config)
+    return layout
+
+
 def _setup(data: Callable[[str], WebDataModule], devices: int = 4, dp_rank: int = 0, accumulate: int = 1,
            config: ReferenceMLLMConfig = TINY, **strategy: Any) -> Callable[[str], None]:
     """DataModule.setup('fit') on one rank of a job, as Lightning runs it (no process group: the rank is mocked)."""
     def run(shards: str) -> None:
         trainer = _trainer(devices, accumulate, **strategy)
-        trainer.strategy._meshes = mock.Mock(**{"local_rank.return_value": dp_rank})
-        trainer.strategy._lightning_module = OmniModule(config)
         module = data(shards)
-        module.trainer = trainer
+        module.trainer, module.omni_layout = trainer, _mock_layout(trainer, config, dp_rank)
         module.setup("fit")
     return run
 
@@ -218,10 +226,8 @@ def test_only_a_1f1b_pipeline_shapes_micro_batches_to_its_profile(tiny_shards: s
     """The 1F1B cost profile is no shape for GPipe, whose step grows with its largest micro-batch: the loader plans
     even micro-batches for any schedule but 1F1B, whatever ``pipeline_order`` says."""
     trainer = _trainer(2, pp=2, pp_schedule=schedule)
-    trainer.strategy._meshes = mock.Mock(**{"local_rank.return_value": 0})
-    trainer.strategy._lightning_module = OmniModule(TINY)
     data = OmniDataModule(tiny_shards, pipeline_order="ramp")
-    data.trainer = trainer
+    data.trainer, data.omni_layout = trainer, _mock_layout(trainer, TINY, 0)
     data.setup("fit")
     assert (data.settings.pp, data.settings.pipeline_order) == (2, planned)
 

@@ -13,17 +13,18 @@ import torch.distributed as dist
 from distributed import run_distributed
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from omni_lightning.balance.cost import CostModel
 from omni_lightning.data.packing import DecodedSample
 from omni_lightning.data.reorder_stream import BalancedStream, BalanceSettings, _Wire
 from omni_lightning.data.shards import existing_shards
 from omni_lightning.data.streaming import SampleStream
+from omni_lightning.modalities import DEFAULT_PACKING
 from omni_lightning.models.config import ReferenceMLLMConfig
+from omni_lightning.models.flops import reference_cost_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
-COST = CostModel.from_config(ReferenceMLLMConfig.tiny())
-PACK = {"patch_size": 14, "vision_merge": 4, "audio_downsample": 4}
+COST = reference_cost_model(ReferenceMLLMConfig.tiny())
+PACK = DEFAULT_PACKING
 
 
 def _samples() -> list[DecodedSample]:
@@ -108,11 +109,11 @@ def _world_collectives(rank: int, world_size: int, shards: str) -> None:
     paths = existing_shards(shards)
     groups = 3
     for balance in (True, False):
-        samples = SampleStream(paths, dp_rank=rank, dp_size=world_size, batch_size=1, pack_kwargs=PACK)
+        samples = SampleStream(paths, dp_rank=rank, dp_size=world_size, batch_size=1, packing=PACK)
         loader = StatefulDataLoader(samples, batch_size=None, collate_fn=lambda item: item)
         stream = BalancedStream(loader, group=dist.group.WORLD, group_index=0, cost_model=COST,
                                 settings=BalanceSettings(samples_per_step=2, group_steps=3, balance=balance),
-                                pack_kwargs=PACK)
+                                packing=PACK)
         calls.clear()
         iterator = iter(stream)
         batches = [next(iterator) for _ in range(groups * 3)]

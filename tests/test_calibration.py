@@ -6,24 +6,26 @@ import numpy as np
 import pytest
 
 from omni_lightning.balance.calibration import fit_joint_calibration
-from omni_lightning.balance.cost import (
-    CostModel,
-    ModuleCost,
-    feature_matrix,
-    fit_cost_model,
-    fit_cost_model_to_features,
-)
+from omni_lightning.balance.cost import CostModel, ModuleCost, feature_matrix
+from omni_lightning.balance.cost_fit import fit_cost_model, fit_cost_model_to_features
 from omni_lightning.balance.workload import SampleMeta
+from omni_lightning.batch import BYTE_ROLES
 from omni_lightning.data.packing import DecodedSample, pack_samples
-from omni_lightning.models.config import FIRST_TEXT_ID, ReferenceMLLMConfig
+from omni_lightning.modalities import DEFAULT_PACKING
+from omni_lightning.models.config import ReferenceMLLMConfig
+from omni_lightning.models.flops import reference_cost_model
 from omni_lightning.parallel.timing import ActionLog
 from omni_lightning.runtime import calibration
 from omni_lightning.runtime.calibration import JointCalibrator, micro_batch_features
 
+# The byte tokens' roles (ids 0-3) and their first text id.
+FIRST_TEXT_ID = BYTE_ROLES.first_free_id
+
 MERGE = (("audio", 4), ("image", 4), ("video", 4))
-FLOPS = CostModel.from_config(ReferenceMLLMConfig.tiny())
+FLOPS = reference_cost_model(ReferenceMLLMConfig.tiny())
 # "Measured" prices: encoders far slower next to the LLM than FLOPs say, and attention dearer per pair.
-TRUE = CostModel(ModuleCost(2e-6, 4e-9), ModuleCost(3e-6, 1e-8), ModuleCost(1e-6, 2e-10))
+TRUE = CostModel(vision=ModuleCost(2e-6, 4e-9), audio=ModuleCost(3e-6, 1e-8), llm=ModuleCost(1e-6, 2e-10))
+TEXT = FIRST_TEXT_ID  # the first text id of byte tokens
 
 
 def _metas(rng: np.random.Generator, n: int) -> list[list[SampleMeta]]:
@@ -148,22 +150,22 @@ def test_micro_batch_features_are_the_sums_of_its_samples() -> None:
     rng = np.random.default_rng(3)
     metas = [SampleMeta("image", 30, images=((4, 6), (2, 2)), merge=MERGE),
              SampleMeta("audio", 12, audio_frames=4 * 25, merge=MERGE), SampleMeta("text", 77, merge=MERGE)]
-    samples = [DecodedSample(str(i), rng.integers(FIRST_TEXT_ID, 256, meta.text_tokens),
+    samples = [DecodedSample(str(i), rng.integers(TEXT, 256, meta.text_tokens),
                              [rng.integers(0, 256, (h * 14, w * 14, 3), dtype=np.uint8) for h, w in meta.images],
                              rng.standard_normal((meta.audio_frames, 80)).astype(np.float32) if meta.audio_frames
                              else None) for i, meta in enumerate(metas)]
-    features = micro_batch_features(pack_samples(samples), audio_downsample=4)
+    features = micro_batch_features(pack_samples(samples), DEFAULT_PACKING)
     np.testing.assert_array_equal(features, feature_matrix(metas).sum(axis=0))
-    text_only = micro_batch_features(pack_samples(samples[2:]), audio_downsample=4)
+    text_only = micro_batch_features(pack_samples(samples[2:]), DEFAULT_PACKING)
     np.testing.assert_array_equal(text_only, feature_matrix(metas[2:]).sum(axis=0))
 
 
 class _Joint:
-    """What JointCalibrator needs of JointEncoders: the model's audio downsampling, its (absent) tensor- and
-    data-parallel peers, and calibrate."""
+    """What JointCalibrator needs of JointEncoders: the model's packing, its (absent) tensor- and data-parallel
+    peers, and calibrate."""
 
     def __init__(self) -> None:
-        self.model: object = None  # only .audio.config.downsample is read (set by _calibrator)
+        self.model: object = None  # only .packing is read (set by _calibrator)
         self.tp_group = self.dp_group = None
         self.calls: list[dict[str, object]] = []
 
@@ -178,7 +180,7 @@ def _calibrator(monkeypatch: pytest.MonkeyPatch, steps: int) -> tuple[JointCalib
     monkeypatch.setattr(calibration.dist, "all_gather_object",
                         lambda out, obj, group=None: out.__setitem__(slice(None), [obj, obj]))
     joint = _Joint()
-    joint.model = type("Model", (), {"audio": type("Audio", (), {"config": ReferenceMLLMConfig.tiny().audio})})
+    joint.model = type("Model", (), {"packing": DEFAULT_PACKING})
     clock = iter(range(10**6))
     return JointCalibrator(joint, None, steps=steps, clock=lambda: float(next(clock)), flops=FLOPS), joint
 
@@ -199,7 +201,7 @@ def test_calibrator_times_the_steps_after_the_first_then_calibrates_once(monkeyp
     after the other) reaches the joint pipeline once; later steps are not timed."""
     calibrator, joint = _calibrator(monkeypatch, steps=2)
     rng = np.random.default_rng(4)
-    micro = [pack_samples([DecodedSample(str(k), rng.integers(FIRST_TEXT_ID, 256, 10 + 37 * k))]) for k in range(3)]
+    micro = [pack_samples([DecodedSample(str(k), rng.integers(TEXT, 256, 10 + 37 * k))]) for k in range(3)]
     lengths = [np.diff(b["cu_seqlens"].numpy().astype(np.float64)) for b in micro]
     seconds = [float(TRUE.llm(x.sum(), (x * (x + 1) / 2).sum())) for x in lengths]
     measured = [_step(calibrator, micro, seconds) for _ in range(4)]
@@ -214,7 +216,7 @@ def test_a_calibration_that_cannot_fit_keeps_flops_with_a_warning(monkeypatch: p
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     """One timed step of one micro-batch cannot determine the LLM's two coefficients: the job goes on in FLOPs."""
     calibrator, joint = _calibrator(monkeypatch, steps=1)
-    micro = [pack_samples([DecodedSample("a", np.arange(FIRST_TEXT_ID, FIRST_TEXT_ID + 20))])]
+    micro = [pack_samples([DecodedSample("a", np.arange(TEXT, TEXT + 20))])]
     with caplog.at_level("WARNING"):
         assert [_step(calibrator, micro, [1.0]) for _ in range(3)] == [False, True, False]
     assert joint.calls == [] and "keeps planning items in FLOPs" in caplog.text

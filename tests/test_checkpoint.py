@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_runs import BATCH_SIZE, KillAtStep, RecordRun, Snapshot, assert_restored_exactly, fit
 
-from omni_lightning.strategies.omni import loader_state_for_rank
+from omni_lightning.strategies.checkpointing import loader_state_for_rank
 
 pytestmark = pytest.mark.distributed
 

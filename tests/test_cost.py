@@ -8,6 +8,7 @@ import logging
 import math
 import time
 from functools import cache
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,16 +16,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omni_lightning.balance.cost import (
-    FEATURES,
+    DEFAULT_ENCODERS,
     CostModel,
     ModuleCost,
-    SampleCost,
-    _nnls,
     feature_matrix,
-    fit_cost_model,
+    feature_names,
+    sample_features,
 )
+from omni_lightning.balance.cost_fit import _nnls, fit_cost_model
 from omni_lightning.balance.workload import SampleMeta, load_workload, sample_metadata
 from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig, VisionEncoderConfig
+from omni_lightning.models.flops import reference_cost_model
 
 MERGE = (("audio", 4), ("image", 4), ("video", 4))
 
@@ -45,7 +47,19 @@ def audio(frames: int, tokens: int = 10) -> SampleMeta:
     return SampleMeta(modality="audio", text_tokens=tokens, audio_frames=frames, merge=MERGE)
 
 
-TINY = CostModel.from_config(ReferenceMLLMConfig.tiny())
+TINY = reference_cost_model(ReferenceMLLMConfig.tiny())
+
+
+def _from_coefficients(coefficients: np.ndarray) -> CostModel:
+    """The vision, audio and LLM cost model with these six coefficients."""
+    names = ("vision", "audio", "llm")
+    return CostModel(**{name: ModuleCost(*coefficients[2 * i : 2 * i + 2]) for i, name in enumerate(names)})
+
+
+def _cost(model: CostModel, meta: SampleMeta) -> SimpleNamespace:
+    """A sample's predicted cost per module, with the encoders' sum and the total."""
+    cost = model.sample_cost(meta)
+    return SimpleNamespace(**cost, encoder=cost["vision"] + cost["audio"], total=sum(cost.values()))
 
 
 # --- coefficients from the config ---------------------------------------------------------------------------
@@ -55,14 +69,14 @@ TINY = CostModel.from_config(ReferenceMLLMConfig.tiny())
     "config", [ReferenceMLLMConfig(), ReferenceMLLMConfig.tiny(), ReferenceMLLMConfig.tiny(moe=True)]
 )
 def test_from_config_coefficients_are_positive(config: ReferenceMLLMConfig) -> None:
-    coefficients = CostModel.from_config(config).coefficients
-    assert coefficients.shape == (len(FEATURES),)
+    coefficients = reference_cost_model(config).coefficients
+    assert coefficients.shape == (len(feature_names(DEFAULT_ENCODERS)),)
     assert (coefficients > 0).all()
 
 
 def test_llm_linear_matches_hand_count_and_moe_adds_router_and_experts() -> None:
     llm = LLMConfig(vocab_size=256, dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=128)
-    dense = CostModel.from_config(ReferenceMLLMConfig(llm=llm))
+    dense = reference_cost_model(ReferenceMLLMConfig(llm=llm))
     # Forward multiply-adds per token, written out: head_dim 8, so q and o are 64x64, k and v 64x32 (GQA).
     q, k, v, o = 64 * 64, 64 * 32, 64 * 32, 64 * 64
     swiglu = 64 * 128 + 64 * 128 + 128 * 64  # w1, w3, w2
@@ -72,7 +86,7 @@ def test_llm_linear_matches_hand_count_and_moe_adds_router_and_experts() -> None
     assert dense.llm.quadratic == 3 * 2 * 4 * (8 * 8 + 8 * 8)
 
     moe_llm = dataclasses.replace(llm, moe_every=2, n_experts=4, moe_top_k=2)
-    moe = CostModel.from_config(ReferenceMLLMConfig(llm=moe_llm))
+    moe = reference_cost_model(ReferenceMLLMConfig(llm=moe_llm))
     # Layers 1 and 3 are MoE: a 64x4 router, and two experts instead of one SwiGLU.
     assert moe.llm.linear - dense.llm.linear == 3 * 2 * 2 * (64 * 4 + (2 - 1) * swiglu)
     assert moe.llm.quadratic == dense.llm.quadratic
@@ -85,7 +99,7 @@ def test_encoder_coefficients_match_hand_count() -> None:
         audio=AudioEncoderConfig(n_mels=10, dim=8, n_layers=2, n_heads=2, mlp_ratio=4.0),
         llm=LLMConfig(dim=32, n_heads=4, n_kv_heads=2),
     )
-    model = CostModel.from_config(config)
+    model = reference_cost_model(config)
     # Vision per patch: patch embed 12->16 (its input is data: forward + weight gradient only), per layer qkv
     # 16->48, proj 16->16, MLP 16->32->16; projector 64->32->32 on a quarter of the patches.
     block = 16 * 48 + 16 * 16 + 16 * 32 + 32 * 16
@@ -102,10 +116,10 @@ def test_encoder_coefficients_match_hand_count() -> None:
 
 
 def test_features_of_each_modality() -> None:
-    assert CostModel.features(text(9)).tolist() == [0, 0, 0, 0, 10, 55]
-    assert CostModel.features(image((4, 6), (2, 2), tokens=1)).tolist() == [28, 24**2 + 4**2, 0, 0, 9, 45]
-    assert CostModel.features(video(3, (4, 4), tokens=1)).tolist() == [48, 3 * 16**2, 0, 0, 14, 105]
-    assert CostModel.features(audio(40, tokens=1)).tolist() == [0, 0, 10, 100, 12, 78]
+    assert sample_features(text(9)).tolist() == [0, 0, 0, 0, 10, 55]
+    assert sample_features(image((4, 6), (2, 2), tokens=1)).tolist() == [28, 24**2 + 4**2, 0, 0, 9, 45]
+    assert sample_features(video(3, (4, 4), tokens=1)).tolist() == [48, 3 * 16**2, 0, 0, 14, 105]
+    assert sample_features(audio(40, tokens=1)).tolist() == [0, 0, 10, 100, 12, 78]
 
 
 @pytest.mark.parametrize("name", ["omni_mix", "vlm_dynres", "video_heavy", "text_heavy"])
@@ -119,46 +133,41 @@ def test_features_agree_with_sample_meta(name: str) -> None:
 
 
 def test_more_text_costs_more_llm() -> None:
-    short, long = TINY.sample_cost(text(100)), TINY.sample_cost(text(200))
+    short, long = _cost(TINY, text(100)), _cost(TINY, text(200))
     assert long.llm > short.llm > 0
     # The causal attention term makes twice the text cost more than twice as much.
     assert long.llm > 2 * short.llm - TINY.llm.linear
 
 
 def test_text_only_has_no_encoder_cost() -> None:
-    cost = TINY.sample_cost(text(500))
+    cost = _cost(TINY, text(500))
     assert cost.vision == cost.audio == cost.encoder == 0
     assert cost.total == cost.llm
 
 
 def test_vision_cost_grows_quadratically_with_patches_per_image() -> None:
-    two_small, one_large = TINY.sample_cost(image((8, 8), (8, 8))), TINY.sample_cost(image((8, 16)))
+    two_small, one_large = _cost(TINY, image((8, 8), (8, 8))), _cost(TINY, image((8, 16)))
     # Same patches and LLM tokens; only the attention pairs differ (2 * 64**2 vs 128**2).
     assert two_small.llm == one_large.llm
     assert one_large.vision - two_small.vision == pytest.approx(TINY.vision.quadratic * (128**2 - 2 * 64**2))
     assert two_small.vision < one_large.vision
     grids = [(2 * s, 2 * s) for s in (2, 4, 8, 16)]
-    vision = [TINY.sample_cost(image(g)).vision for g in grids]
+    vision = [_cost(TINY, image(g)).vision for g in grids]
     patches = [g[0] * g[1] for g in grids]
     assert vision == pytest.approx([TINY.vision.linear * n + TINY.vision.quadratic * n * n for n in patches])
 
 
 def test_video_frames_cost_like_that_many_images() -> None:
-    frames = TINY.sample_cost(video(6, (10, 12)))
-    images = TINY.sample_cost(image(*[(10, 12)] * 6))
+    frames = _cost(TINY, video(6, (10, 12)))
+    images = _cost(TINY, image(*[(10, 12)] * 6))
     assert frames == images
     assert frames.vision > 0 and frames.audio == 0
 
 
 def test_audio_cost_counts_downsampled_frames() -> None:
-    cost = TINY.sample_cost(audio(400))
+    cost = _cost(TINY, audio(400))
     assert cost.audio == TINY.audio.linear * 100 + TINY.audio.quadratic * 100**2
     assert cost.vision == 0
-
-
-def test_sample_cost_properties() -> None:
-    cost = SampleCost(vision=1.0, audio=2.0, llm=4.0)
-    assert (cost.encoder, cost.total) == (3.0, 7.0)
 
 
 def test_costs_vectorised_equals_per_sample() -> None:
@@ -166,7 +175,7 @@ def test_costs_vectorised_equals_per_sample() -> None:
     metas = [sample_metadata(load_workload("omni_mix"), rng, length_scale=0.3) for _ in range(300)]
     costs = TINY.costs(metas)
     assert costs.shape == (300, 3)
-    expected = [[c.vision, c.audio, c.llm] for c in map(TINY.sample_cost, metas)]
+    expected = [[c.vision, c.audio, c.llm] for c in (_cost(TINY, m) for m in metas)]
     np.testing.assert_allclose(costs, expected, rtol=1e-12)
     assert [TINY.total_cost(m) for m in metas] == pytest.approx(costs.sum(axis=1).tolist(), rel=1e-12)
     np.testing.assert_allclose(feature_matrix(metas) @ TINY.coefficients, costs.sum(axis=1), rtol=1e-12)
@@ -188,8 +197,8 @@ def test_module_costs_are_validated_and_overridable() -> None:
             ModuleCost(linear=bad, quadratic=0.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="ModuleCost"):
         CostModel(vision=ModuleCost(1, 0), audio=ModuleCost(1, 0), llm=(1, 0))  # type: ignore[arg-type]
-    free_vision = dataclasses.replace(TINY, vision=ModuleCost(0, 0))
-    assert free_vision.sample_cost(image((8, 8))).vision == 0
+    free_vision = TINY.replace(vision=ModuleCost(0, 0))
+    assert _cost(free_vision, image((8, 8))).vision == 0
     assert free_vision.llm == TINY.llm
 
 
@@ -214,8 +223,8 @@ def step_times(model: CostModel, steps: tuple[tuple[SampleMeta, ...], ...], nois
 
 def test_fit_recovers_config_coefficients() -> None:
     steps = measured_steps()
-    true = CostModel.from_config(ReferenceMLLMConfig.tiny()).coefficients * 1e-12  # seconds at 1 TFLOP/s
-    model = CostModel(*(ModuleCost(*true[i : i + 2]) for i in range(0, 6, 2)))
+    true = reference_cost_model(ReferenceMLLMConfig.tiny()).coefficients * 1e-12  # seconds at 1 TFLOP/s
+    model = _from_coefficients(true)
     exact = fit_cost_model(list(zip(steps, step_times(model, steps), strict=True)))
     np.testing.assert_allclose(exact.coefficients, true, rtol=1e-6)
     noisy = fit_cost_model(list(zip(steps, step_times(model, steps, noise=1e-6), strict=True)))
@@ -227,7 +236,7 @@ def test_fit_recovers_config_coefficients() -> None:
 def test_fit_recovers_random_positive_coefficients(log_factors: list[float]) -> None:
     # Around the config's proportions, each coefficient scaled by up to 100x either way.
     true = TINY.coefficients * 1e-12 * 10.0 ** np.array(log_factors)
-    model = CostModel(*(ModuleCost(*true[i : i + 2]) for i in range(0, 6, 2)))
+    model = _from_coefficients(true)
     steps = measured_steps()
     fitted = fit_cost_model(list(zip(steps, step_times(model, steps), strict=True)))
     np.testing.assert_allclose(fitted.coefficients, true, rtol=1e-3)
@@ -245,7 +254,7 @@ def test_fit_only_the_named_modules() -> None:
 def test_fit_warns_when_the_features_cannot_separate_coefficients(caplog: pytest.LogCaptureFixture) -> None:
     # Every image 16x16: patches and pairs are proportional, so vision linear and quadratic are not identifiable.
     steps = [((image(*[(16, 16)] * k, tokens=5 * k * k),), float(k)) for k in range(1, 8)]
-    with caplog.at_level(logging.WARNING, logger="omni_lightning.balance.cost"):
+    with caplog.at_level(logging.WARNING, logger="omni_lightning.balance.cost_fit"):
         model = fit_cost_model(steps, modules=("vision", "llm"))
     assert "do not determine" in caplog.text
     predicted = [model.costs(s).sum() for s, _ in steps]

@@ -40,7 +40,7 @@ LAYOUTS = {
 
 
 class RecordEncoderPlans(pl.Callback):
-    """Encoder-pool ranks write, each step, how many items their balancer split over SP blocks and how many
+    """Encoder-pool ranks write, each step, how many items their resharder split over SP blocks and how many
     micro-batches' encoder activations were alive at once."""
 
     def __init__(self, out_dir: Path) -> None:
@@ -49,9 +49,8 @@ class RecordEncoderPlans(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
         if not trainer.strategy.is_encoder_rank:
             return
-        balancer = module.model.encoder_balancer
-        self.split.append(balancer.stats.get("items_split", 0.0) if balancer is not None else 0.0)
-        self.in_flight.append(module._pool_worker.peak_in_flight)
+        self.split.append(module.step.encoder_stats.get("items_split", 0.0))
+        self.in_flight.append(module.step.worker.peak_in_flight)
         record = {"split": self.split, "in_flight": self.in_flight}
         (self.out_dir / f"plans_rank{trainer.global_rank}.json").write_text(json.dumps(record))
 

@@ -22,13 +22,19 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from omni_lightning.balance.reshard import plan_encoder_work, plan_item_exchange
+from omni_lightning.batch import BYTE_ROLES
 from omni_lightning.data.packing import DecodedSample, pack_samples
-from omni_lightning.models.config import FIRST_TEXT_ID, ReferenceMLLMConfig
-from omni_lightning.models.mllm import ReferenceMLLM, next_token_loss_sum
+from omni_lightning.models.config import ReferenceMLLMConfig
+from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.module import initial_state_dict
 from omni_lightning.parallel.dims import ParallelDims
-from omni_lightning.parallel.layout import build_meshes
-from omni_lightning.runtime.build import parallelize_mllm
+from omni_lightning.parallel.layout import build_layout
+from omni_lightning.parallel.settings import PipelineSettings, PlacementSettings
+from omni_lightning.runtime.loss import next_token_loss_sum
+from omni_lightning.runtime.step import build_step
+
+# The byte tokens' roles (ids 0-3) and their first text id.
+FIRST_TEXT_ID = BYTE_ROLES.first_free_id
 
 
 # ------------------------------------------------------------------------------------------ bookkeeping
@@ -139,16 +145,18 @@ def _check_parity(rank: int, world: int, layout: dict[str, int], case: str) -> N
     config = ReferenceMLLMConfig.tiny()
     state = initial_state_dict(config, seed=3)
     dims = ParallelDims(world_size=world, **layout)
-    meshes = build_meshes(dims, "cpu")
+    layout = build_layout(dims, "cpu", pipeline=PipelineSettings(), placement=PlacementSettings(), reshard=True)
+    meshes = layout.meshes
     with torch.device("meta"):
         model = ReferenceMLLM(config)
-    parallelize_mllm(model, meshes, encoder_balance=True)
+    step = build_step(model, layout, device=torch.device("cpu"))
     model.to_empty(device="cpu")
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
 
     dp_rank = dims.local_rank_in("dp", rank)
     batch = pack_samples(_rank_samples(case, dp_rank))
-    logits = model(batch)
+    step.source.start([batch], train=True)
+    logits = model(batch, step.source.outputs(0))
     loss_sum, tokens = next_token_loss_sum(logits, batch["labels"])
     dp_group = meshes.get("dp").get_group()
     totals = torch.stack([loss_sum.detach(), tokens.float()])
@@ -158,7 +166,7 @@ def _check_parity(rank: int, world: int, layout: dict[str, int], case: str) -> N
     grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
              for name, p in model.named_parameters()}
 
-    stats = model.encoder_balancer.stats
+    stats = step.encoder_stats
     ref_loss, ref_grads = _reference(case, dims.dp, initial_state_dict(config, seed=3))
     torch.testing.assert_close(float(totals[0] / totals[1]), ref_loss, rtol=1e-5, atol=0)
     for name, ref in ref_grads.items():

@@ -51,7 +51,7 @@ def _check_layer(rank: int, world: int) -> None:
     layer.zero_grad()
 
     meshes = build_meshes(ParallelDims(world_size=world, dp_shard=world, ep=world), "cpu")
-    apply_ep(layer, meshes.ep_mesh, meshes.expert_replica_group, gradient_divide=1)
+    apply_ep([layer.experts], meshes.ep_mesh, meshes.expert_replica_group, gradient_divide=1)
     mine = slice(4 * rank, 4 * rank + 4)
     out = layer(tokens[mine])
     torch.testing.assert_close(out, reference[mine], atol=1e-5, rtol=1e-5)

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from omni_lightning.data.streaming import ShardStream
 from omni_lightning.data.synthetic import make_synthetic_shards
 from omni_lightning.strategies.checkpointing import partial_path, publish_checkpoint
-from omni_lightning.strategies.omni import _NoWeightsMultiProcessingLauncher
+from omni_lightning.strategies.launcher import NoWeightsMultiProcessingLauncher
 
 pytestmark = pytest.mark.distributed
 
@@ -70,7 +70,7 @@ def sigkill_while_writing(name: str, rank: int) -> Iterator[None]:
 def record_worker_errors(out_dir: Path) -> Iterator[None]:
     """Every fork-started worker that fails writes ``error_rank{r}.json``: seconds since the epoch, exception type and
     message (the parent only reports the first worker to fail). Patched before the workers fork."""
-    wrapping_function = _NoWeightsMultiProcessingLauncher._wrapping_function
+    wrapping_function = NoWeightsMultiProcessingLauncher._wrapping_function
 
     def recording(self: Any, process_idx: int, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -81,7 +81,7 @@ def record_worker_errors(out_dir: Path) -> Iterator[None]:
             raise
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_NoWeightsMultiProcessingLauncher, "_wrapping_function", recording)
+        patch.setattr(NoWeightsMultiProcessingLauncher, "_wrapping_function", recording)
         yield
 
 

@@ -9,11 +9,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omni_lightning.data.packing import DecodedSample, pack_samples, patchify
-from omni_lightning.models.config import AUDIO_ID, BOS_ID, IMAGE_ID, ReferenceMLLMConfig
+from omni_lightning.batch import BYTE_ROLES, IGNORE_INDEX
+from omni_lightning.data.packing import DecodedSample, pack_samples
+from omni_lightning.modalities import DEFAULT_PACKING, patchify
+from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.llm import MoEFeedForward
-from omni_lightning.models.mllm import IGNORE_INDEX, ReferenceMLLM, next_token_loss_sum
+from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.parallel.attention import flash_attn_available, varlen_attention
+from omni_lightning.runtime.loss import next_token_loss_sum
+
+# The byte tokens' roles (ids 0-3) and their first text id.
+BOS_ID = BYTE_ROLES.bos
+IMAGE_ID = BYTE_ROLES.placeholder("image")
+AUDIO_ID = BYTE_ROLES.placeholder("audio")
 
 
 def naive_varlen_attention(q, k, v, cu_seqlens, causal):
@@ -80,14 +88,14 @@ def _sample(rng: np.random.Generator, key: str, *, images: int = 0, audio_frames
 
 def test_patchify_groups_each_2x2_window() -> None:
     image = np.arange(28 * 56 * 3, dtype=np.uint8).reshape(28, 56, 3)
-    patches, positions, grid = patchify(image, 14, merge=4)
-    assert grid == (2, 4)
+    patches, positions, grid = patchify(image[None], DEFAULT_PACKING)
+    assert grid.tolist() == [[2, 4]]
     assert positions.tolist()[:8] == [[0, 0], [0, 1], [1, 0], [1, 1], [0, 2], [0, 3], [1, 2], [1, 3]]
     # Patch (row 1, col 2) holds pixels [14:28, 28:42] in (channel, y, x) order.
     expected = torch.from_numpy(image[14:28, 28:42].astype(np.float32)).div(127.5).sub(1).permute(2, 0, 1)
-    torch.testing.assert_close(patches[6], expected.reshape(-1))
+    torch.testing.assert_close(torch.from_numpy(patches[6]), expected.reshape(-1))
     with pytest.raises(ValueError, match="even"):
-        patchify(np.zeros((14, 28, 3), dtype=np.uint8), 14, merge=4)
+        patchify(np.zeros((1, 14, 28, 3), dtype=np.uint8), DEFAULT_PACKING)
 
 
 def test_pack_layout_and_loss_mask() -> None:

@@ -14,11 +14,15 @@ from distributed import free_port
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from omni_lightning import OmniDataModule, OmniModule, OmniStrategy
-from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.workload import SampleMeta
+from omni_lightning.batch import BYTE_ROLES
 from omni_lightning.data.packing import DecodedSample, pack_samples
-from omni_lightning.models.config import FIRST_TEXT_ID, ReferenceMLLMConfig
+from omni_lightning.models.config import ReferenceMLLMConfig
+from omni_lightning.models.flops import reference_cost_model
 from omni_lightning.monitor import BalanceMonitor, ThroughputMonitor, batch_training_flops, loggers_write_this_step
+
+# The byte tokens' roles (ids 0-3) and their first text id.
+FIRST_TEXT_ID = BYTE_ROLES.first_free_id
 
 
 def mixed_samples() -> tuple[list[DecodedSample], list[SampleMeta]]:
@@ -40,7 +44,7 @@ def mixed_samples() -> tuple[list[DecodedSample], list[SampleMeta]]:
 def test_batch_flops_are_the_cost_models_sum_over_its_samples() -> None:
     """The FLOPs read off a packed batch's shapes equal the cost model's prediction from sample metadata."""
     samples, metas = mixed_samples()
-    cost = CostModel.from_config(ReferenceMLLMConfig.tiny())
+    cost = reference_cost_model(ReferenceMLLMConfig.tiny())
     batch = pack_samples(samples)
     assert batch_training_flops(batch, cost) == pytest.approx(float(cost.costs(metas).sum()), rel=1e-9)
     step = {"micro_batches": [pack_samples(samples[:1]), pack_samples(samples[1:])]}

@@ -27,14 +27,18 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 
 from omni_lightning import OmniModule, ReferenceMLLM, ReferenceMLLMConfig
+from omni_lightning.batch import BYTE_ROLES
 from omni_lightning.data.packing import DecodedSample, pack_samples
-from omni_lightning.models.config import FIRST_TEXT_ID
-from omni_lightning.models.mllm import next_token_loss_sum
 from omni_lightning.module import initial_state_dict
 from omni_lightning.parallel.dims import ParallelDims
-from omni_lightning.parallel.layout import build_meshes
-from omni_lightning.runtime.build import parallelize_mllm
-from omni_lightning.strategies.omni import _any_nonfinite_grad
+from omni_lightning.parallel.layout import build_layout
+from omni_lightning.parallel.settings import PipelineSettings, PlacementSettings
+from omni_lightning.runtime.loss import next_token_loss_sum
+from omni_lightning.runtime.step import build_step
+from omni_lightning.strategies.nonfinite import _any_nonfinite_grad
+
+# The byte tokens' roles (ids 0-3) and their first text id.
+FIRST_TEXT_ID = BYTE_ROLES.first_free_id
 
 pytestmark = pytest.mark.distributed
 
@@ -91,7 +95,7 @@ class RecordGuard(pl.Callback):
             def emit(self, record: logging.LogRecord) -> None:
                 recorder.warnings.append(record.getMessage())
 
-        logging.getLogger("omni_lightning.strategies.omni").addHandler(Handler(logging.WARNING))
+        logging.getLogger("omni_lightning.strategies.nonfinite").addHandler(Handler(logging.WARNING))
 
     def _snapshot(self, module: pl.LightningModule) -> None:
         self.weights.append(torch.cat([_local(p.data).flatten().clone() for p in module.model.parameters()]))
@@ -172,10 +176,11 @@ def _samples(rank: int) -> list[DecodedSample]:
 
 def _step_with_an_empty_encoder_batch(rank: int, world: int) -> None:
     config = ReferenceMLLMConfig.tiny()
-    meshes = build_meshes(ParallelDims(world_size=world, dp_shard=world), "cpu")
+    layout = build_layout(ParallelDims(world_size=world, dp_shard=world), "cpu", pipeline=PipelineSettings(),
+                          placement=PlacementSettings(), reshard=False)
     with torch.device("meta"):
         model = ReferenceMLLM(config)
-    parallelize_mllm(model, meshes, encoder_balance=False)
+    build_step(model, layout, device=torch.device("cpu"))
     model.to_empty(device="cpu")
     set_model_state_dict(model, initial_state_dict(config, seed=5),
                          options=StateDictOptions(full_state_dict=True, strict=True))

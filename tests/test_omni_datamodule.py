@@ -31,20 +31,27 @@ from webdataset import TarWriter
 from webdataset.tariterators import tarfile_samples
 
 from omni_lightning import OmniDataModule, OmniModule, OmniStrategy, ReferenceMLLMConfig
-from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.workload import SampleMeta
+from omni_lightning.batch import BYTE_ROLES
 from omni_lightning.data.packing import DecodedSample, pack_samples
 from omni_lightning.data.reorder_stream import BalancedStream, BalanceSettings, apply_length_policy, llm_length
 from omni_lightning.data.resumable import MARKER_KEY, ResumableLoader, commit_consumed
 from omni_lightning.data.shards import existing_shards
 from omni_lightning.data.streaming import BadSample, ByteTokenizer, SampleStream, open_shard
 from omni_lightning.data.synthetic import make_synthetic_shards
-from omni_lightning.models.config import AUDIO_ID, BOS_ID, FIRST_TEXT_ID, IMAGE_ID
+from omni_lightning.modalities import DEFAULT_PACKING
+from omni_lightning.models.flops import reference_cost_model
+
+# The byte tokens' roles (ids 0-3) and their first text id.
+FIRST_TEXT_ID = BYTE_ROLES.first_free_id
+BOS_ID = BYTE_ROLES.bos
+IMAGE_ID = BYTE_ROLES.placeholder("image")
+AUDIO_ID = BYTE_ROLES.placeholder("audio")
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
-COST = CostModel.from_config(ReferenceMLLMConfig.tiny())
-PACK = {"patch_size": 14, "vision_merge": 4, "audio_downsample": 4}
+COST = reference_cost_model(ReferenceMLLMConfig.tiny())
+PACK = DEFAULT_PACKING
 SMALL = {"workload": "omni_mix", "length_scale": 0.03, "max_llm_tokens": 160}
 BALANCE_LOG = "omni_lightning.data.reorder_stream"
 
@@ -58,7 +65,7 @@ Raw = dict[str, Any]
 def sample_stream(paths: list[str], *, dp_rank: int = 0, dp_size: int = 1, num_workers: int = 0,
                   on_bad_sample: str = "skip", tokenizer: Any = None) -> SampleStream:
     return SampleStream(paths, dp_rank=dp_rank, dp_size=dp_size, batch_size=1, num_workers=num_workers,
-                        pack_kwargs=PACK, on_bad_sample=on_bad_sample, tokenizer=tokenizer)
+                        packing=PACK, on_bad_sample=on_bad_sample, tokenizer=tokenizer)
 
 
 def balanced(paths: list[str], *, dp_rank: int = 0, dp_size: int = 1, num_workers: int = 0,
@@ -69,7 +76,7 @@ def balanced(paths: list[str], *, dp_rank: int = 0, dp_size: int = 1, num_worker
                             on_bad_sample=on_bad_sample, tokenizer=tokenizer)
     loader = StatefulDataLoader(samples, batch_size=None, num_workers=num_workers, collate_fn=lambda item: item)
     return BalancedStream(loader, group=group, group_index=0, cost_model=COST, settings=BalanceSettings(**settings),
-                          seed=0, pack_kwargs=PACK)
+                          seed=0, packing=PACK)
 
 
 def take(batches: Iterable[Batch], n: int) -> list[Batch]:
@@ -594,7 +601,7 @@ def test_txt_member_is_tokenized_as_bytes(tmp_path: Path, pool: list[Raw]) -> No
 
 def test_audio_sample_packs_placeholders(shards: list[str]) -> None:
     sample = next(s for s in arrival(shards, 48) if s.mel is not None)
-    (seg,) = segments(pack_samples([sample], **PACK))
+    (seg,) = segments(pack_samples([sample], PACK))
     audio = sample.mel.shape[0] // 4
     assert seg[: 1 + audio].tolist() == [BOS_ID, *[AUDIO_ID] * audio]
 
@@ -683,7 +690,7 @@ def test_balance_group_of_four_ranks(tiny_shards: str, tmp_path: Path) -> None:
     world = json.loads((tmp_path / "world.json").read_text())
     paths = existing_shards(tiny_shards)
     expected_checksum = {
-        s.key: _checksum(segments(pack_samples([s], **PACK))[0])
+        s.key: _checksum(segments(pack_samples([s], PACK))[0])
         for r in range(ranks) for s in arrival(paths, 18, dp_rank=r, dp_size=ranks)
     }
     imbalance = {}

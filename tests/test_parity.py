@@ -18,7 +18,7 @@ import torch
 from lightning_runs import LEARNING_RATE, GradientPresence, RecordBatches, RecordRun, fit, reference_run
 
 from omni_lightning import OmniDataModule, OmniModule, ReferenceMLLM, ReferenceMLLMConfig
-from omni_lightning.models.mllm import next_token_loss_sum
+from omni_lightning.runtime.loss import next_token_loss_sum
 
 pytestmark = pytest.mark.distributed
 

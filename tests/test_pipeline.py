@@ -31,13 +31,20 @@ from test_parity import STEPS, _assert_grads_match
 from omni_lightning import OmniDataModule, OmniModule, ReferenceMLLM
 from omni_lightning.balance.cost import CostModel, ModuleCost
 from omni_lightning.balance.pipeline_order import assign_encoder_items
+from omni_lightning.batch import BYTE_ROLES
 from omni_lightning.data.packing import DecodedSample, pack_samples
-from omni_lightning.data.relay import PAYLOAD_KEYS
-from omni_lightning.models.config import FIRST_TEXT_ID, ReferenceMLLMConfig
-from omni_lightning.models.mllm import next_token_loss_sum
+from omni_lightning.data.relay import payload_keys
+from omni_lightning.modalities import DEFAULT_PACKING
+from omni_lightning.models.config import ReferenceMLLMConfig
+from omni_lightning.models.flops import reference_cost_model
 from omni_lightning.runtime import joint as joint_pipeline
+from omni_lightning.runtime.items import split_micro_batches
 from omni_lightning.runtime.joint import JointEncoders, _item_order, share_items
-from omni_lightning.runtime.pipeline import assign_layers, layer_costs, split_micro_batches, stage_ids_of_rank
+from omni_lightning.runtime.loss import next_token_loss_sum
+from omni_lightning.runtime.pipeline import assign_layers, layer_costs, stage_ids_of_rank
+
+# The byte tokens' roles (ids 0-3) and their first text id.
+FIRST_TEXT_ID = BYTE_ROLES.first_free_id
 
 
 # -------------------------------------------------------------------------------------------------- planning
@@ -92,7 +99,7 @@ def _samples() -> list[DecodedSample]:
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 6])
 def test_split_micro_batches_equals_packing_the_groups(n: int) -> None:
     samples = _samples()
-    parts = split_micro_batches(pack_samples(samples), n)
+    parts = split_micro_batches(pack_samples(samples), n, DEFAULT_PACKING)
     assert len(parts) == n
     keys = [k for part in parts for k in part["keys"]]
     assert keys == [s.key for s in samples]  # every sample once, in order
@@ -169,7 +176,7 @@ def test_relayed_loader_position_resumes_exactly(tmp_path: Path, tiny_shards: st
 
 # ---------------------------------------------------------------------------------------------- joint pipeline
 def test_items_are_shared_by_predicted_cost() -> None:
-    vision = CostModel.from_config(ReferenceMLLMConfig.tiny()).vision
+    vision = reference_cost_model(ReferenceMLLMConfig.tiny()).vision
     loads = np.zeros(2)
     owner = share_items(np.array([64, 64, 4, 4, 4, 4]), vision, loads)
     assert owner[:2].tolist() == [1, 0]  # the two big items go to different ranks, the first one off stage 0
@@ -207,7 +214,7 @@ def test_calibrated_joint_plan_uses_the_measured_costs(monkeypatch: pytest.Monke
     config = ReferenceMLLMConfig.tiny()
     with torch.device("meta"):
         model = ReferenceMLLM(config)
-    flops = CostModel.from_config(config)
+    flops = reference_cost_model(config)
     joint = JointEncoders(model, None, {"vision": flops.vision, "audio": flops.audio},  # type: ignore[arg-type]
                           n_microbatches=8, lag=pp, one_f_one_b=True)
     rng = np.random.default_rng(0)
@@ -222,8 +229,8 @@ def test_calibrated_joint_plan_uses_the_measured_costs(monkeypatch: pytest.Monke
     with pytest.raises(ValueError, match="forward_share=1.0"):
         joint.calibrate(flops, forward_share=1.0, encoder_forward_share=0.5)
     # Measured on a device where the encoders run slowly next to the LLM and forwards take more than a third.
-    measured = CostModel(ModuleCost(flops.vision.linear * 40, flops.vision.quadratic * 40),
-                         ModuleCost(flops.audio.linear * 40, 0.0), flops.llm)
+    measured = CostModel(vision=ModuleCost(flops.vision.linear * 40, flops.vision.quadratic * 40),
+                         audio=ModuleCost(flops.audio.linear * 40, 0.0), llm=flops.llm)
     joint.calibrate(measured, forward_share=0.45, encoder_forward_share=0.4)
     calibrated_plan = _joint_step_plan(joint, micro_batches)
 
@@ -262,7 +269,7 @@ class _JointProbe(pl.Callback):
         self.out_dir, self.steps = out_dir, []
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: object) -> None:
-        joint = module.pipeline.joint
+        joint = module.pipeline.source
         self.steps.append({"done": joint.done, "peak": joint.peak_in_flight})
         if trainer.global_rank == 0:
             (self.out_dir / "joint.json").write_text(json.dumps(self.steps))
@@ -287,7 +294,7 @@ class _CalibrationProbe(pl.Callback):
         self.out_dir, self.steps = out_dir, []
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: object) -> None:
-        joint = module.pipeline.joint
+        joint = module.pipeline.source
         self.steps.append({"vision": [joint.costs["vision"].linear, joint.costs["vision"].quadratic],
                            "llm": [joint.llm_cost.linear, joint.llm_cost.quadratic],
                            "forward_share": joint.forward_share, "stage_shares": joint.stage_shares is not None
@@ -309,7 +316,7 @@ def test_joint_pipeline_calibrates_its_item_plan_from_its_first_steps(layout: di
         devices=devices, max_steps=4, callbacks=[_CalibrationProbe(tmp_path)])
     ranks = [json.loads((tmp_path / f"figures_rank{r}.json").read_text()) for r in range(devices)]
     assert all(rank == ranks[0] for rank in ranks)
-    flops = CostModel.from_config(ReferenceMLLMConfig.tiny())
+    flops = reference_cost_model(ReferenceMLLMConfig.tiny())
     steps = ranks[0]
     assert [s["stage_shares"] for s in steps[:2]] == [False, False]
     assert all(s["llm"] == [flops.llm.linear, flops.llm.quadratic] for s in steps[:2])
@@ -330,7 +337,7 @@ class _EncodedItems(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: object,
                            batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         held = int(batch["vision_grids"].shape[0] + batch["audio_lengths"].numel())
-        joint = module.pipeline.joint
+        joint = module.pipeline.source
         self.steps.append([joint.items_encoded, held, joint.items_moved])
         (self.out_dir / f"items_rank{trainer.global_rank}.json").write_text(json.dumps(self.steps))
 
@@ -379,12 +386,13 @@ def test_balanced_data_module_feeds_whole_steps_to_the_pipeline(encoders: str, t
     ranks = [torch.load(tmp_path / f"batches_rank{r}.pt", weights_only=False) for r in range(4)]
     steps = [ranks[r][0] for r in (0, 1)]  # stage 0, dp 0/1, the first step (the gradients recorded are its)
     assert all(len(step["micro_batches"]) == 4 for step in steps)
+    payloads = set(payload_keys(DEFAULT_PACKING))
     for stage0, stage1 in ((ranks[0], ranks[2]), (ranks[1], ranks[3])):  # pipeline peers (pp is outermost)
         for first, later in zip(stage0, stage1, strict=True):
             for mb0, mb1 in zip(first["micro_batches"], later["micro_batches"], strict=True):
                 assert mb0["keys"] == mb1["keys"]
                 torch.testing.assert_close(mb0["labels"], mb1["labels"])
-                assert set(PAYLOAD_KEYS) <= mb1.keys() if encoders == "joint" else not set(PAYLOAD_KEYS) & mb1.keys()
+                assert payloads <= mb1.keys() if encoders == "joint" else not payloads & mb1.keys()
     micro = [mb for step in steps for mb in step["micro_batches"]]
     model = ReferenceMLLM(ReferenceMLLMConfig.tiny())
     model.load_state_dict(torch.load(seed_checkpoint, weights_only=True))

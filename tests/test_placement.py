@@ -17,13 +17,13 @@ from omni_lightning.balance.allocation import (
     pool_problem,
     pool_step_time,
 )
-from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.workload import load_workload
 from omni_lightning.models.config import ReferenceMLLMConfig
+from omni_lightning.models.flops import reference_cost_model
 from omni_lightning.parallel.dims import ParallelDims
 from omni_lightning.parallel.placement import PoolLayout
 from omni_lightning.runtime.pool import arrival_order, item_owners
-from omni_lightning.strategies.omni import size_encoder_pool
+from omni_lightning.strategies.pool_size import size_encoder_pool
 
 WORKLOADS = ("vlm_dynres", "text_heavy", "omni_mix", "video_heavy")
 
@@ -86,20 +86,21 @@ def test_arrival_order_undoes_the_concatenation_by_server(rows: list[int], serve
 
 def test_item_owners_balance_a_micro_batch_by_cost() -> None:
     config = ReferenceMLLMConfig.tiny()
-    costs = CostModel.from_config(config)
+    costs = reference_cost_model(config)
     batch = {"vision_grids": torch.tensor([[16, 16], [4, 4], [4, 4], [8, 8]]),
              "audio_lengths": torch.tensor([64, 8])}
-    vision, audio = item_owners(batch, config, {"vision": costs.vision, "audio": costs.audio}, 2)
+    owners = item_owners(batch, config.packing(), dict(costs.encoders), 2)
+    vision, audio = owners["vision"], owners["audio"]
     assert vision[0] != vision[3], "the two largest images on one server"
     assert set(vision.tolist()) | set(audio.tolist()) == {0, 1}
-    single = item_owners(batch, config, {"vision": costs.vision, "audio": costs.audio}, 1)
-    assert not any(o.any() for o in single)
+    single = item_owners(batch, config.packing(), dict(costs.encoders), 1)
+    assert not any(o.any() for o in single.values())
 
 
 def _problem(workload: str, world: int) -> object:
     config = ReferenceMLLMConfig.tiny()
     shape = ModuleShape(params=1e6, layers=4, dim=64)
-    return pool_problem(CostModel.from_config(config), load_workload(workload),
+    return pool_problem(reference_cost_model(config), load_workload(workload),
                         world_size=world, memory_bytes=math.inf, device_flops=1.0, intra_node_bandwidth=math.inf,
                         sequences=world, seq_len=4096, encoder=shape, llm=shape, samples=256)
 

@@ -14,6 +14,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 import omni_lightning
 from omni_lightning import OmniStrategy
 from omni_lightning.parallel.dims import ParallelDims
+from omni_lightning.parallel.layout import OmniLayout
 from omni_lightning.strategies import omni as omni_module
 
 
@@ -93,7 +94,8 @@ def test_sampler_follows_the_data_parallel_rank_not_the_global_rank() -> None:
     pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False)
     meshes = mock.Mock()
     meshes.local_rank.side_effect = lambda name: {"dp": 1}[name]
-    strategy._meshes = meshes
+    strategy._layout = OmniLayout(strategy.parallel_dims, meshes, strategy.pipeline_settings,
+                                  strategy.placement_settings, rank=0, reshard=False)
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
 
 

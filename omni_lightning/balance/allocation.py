@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omni_lightning.balance.cost import CostModel
+from omni_lightning.balance.cost import CostModel, meta_items
 from omni_lightning.balance.workload import WorkloadSpec, sample_metadata
 
 __all__ = [
@@ -254,7 +254,7 @@ def pool_problem(
     metas = [sample_metadata(spec, rng, length_scale=length_scale, max_llm_tokens=seq_len) for _ in range(samples)]
     costs = cost_model.costs(metas)
     llm_tokens = float(sum(m.llm_tokens for m in metas))
-    enc_tokens = float(sum(m.vision_patches + m.audio_frames / 4 for m in metas))
+    enc_tokens = float(sum(sum(map(sum, meta_items(m).values())) for m in metas))
     step_tokens = sequences * seq_len
     scale = step_tokens / llm_tokens
     return PoolProblem(
@@ -262,8 +262,8 @@ def pool_problem(
         memory_bytes=memory_bytes,
         device_flops=device_flops,
         intra_node_bandwidth=intra_node_bandwidth,
-        encoder_flops=float(costs[:, :2].sum()) * scale,
-        llm_flops=float(costs[:, 2].sum()) * scale,
+        encoder_flops=float(costs[:, :-1].sum()) * scale,
+        llm_flops=float(costs[:, -1].sum()) * scale,
         encoder_tokens=enc_tokens * scale,
         sequences=sequences,
         seq_len=seq_len,

@@ -12,15 +12,14 @@ loss). :func:`fit_joint_calibration` derives all four from measured steps: every
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
-from omni_lightning.balance.cost import FEATURES, MODULES, CostModel, ModuleCost, fit_cost_model_to_features
+from omni_lightning.balance.cost import CostModel, ModuleCost
+from omni_lightning.balance.cost_fit import fit_cost_model_to_features
 
 __all__ = ["JointCalibration", "fit_joint_calibration"]
-
-_ENCODERS = MODULES[:2]
 
 
 @dataclass(frozen=True)
@@ -43,12 +42,13 @@ def fit_joint_calibration(features: np.ndarray, actions: Sequence[Sequence[tuple
     """The figures of :class:`JointCalibration`, fitted to measured pipeline steps.
 
     Args:
-        features: ``[micro-batches, 6]``, the features (:data:`~omni_lightning.balance.cost.FEATURES`) of every
-            measured micro-batch, the steps' micro-batches one after another.
+        features: ``[micro-batches, 2 * modules]``, the features (:func:`~omni_lightning.balance.cost.work_features`
+            over ``flops``' modules) of every measured micro-batch, the steps' micro-batches one after another.
         actions: for each pipeline rank, in stage order, its ``(kind, micro-batch, seconds)``, the micro-batch
             indexing ``features``. Other kinds (``G``) are ignored.
-        flops: the FLOP model, for an encoder the measured steps did not exercise (or too few micro-batches to
-            fit its two coefficients): its coefficients are scaled by the LLM's measured seconds per FLOP.
+        flops: the FLOP model, which names the encoders, and prices an encoder the measured steps did not exercise
+            (or too few micro-batches to fit its two coefficients): its coefficients are scaled by the LLM's measured
+            seconds per FLOP.
         llm_share: the part of a stage's LLM work one measured rank ran (``1 / (tp * cp)``).
 
     The LLM's coefficients are fitted (:func:`~omni_lightning.balance.cost.fit_cost_model_to_features`) to each
@@ -57,8 +57,10 @@ def fit_joint_calibration(features: np.ndarray, actions: Sequence[Sequence[tuple
     determine the LLM's coefficients (fewer than two micro-batches, no LLM time).
     """
     table = np.asarray(features, dtype=np.float64)
-    if table.ndim != 2 or table.shape[1] != len(FEATURES):
-        raise ValueError(f"features of shape {list(table.shape)} must be [micro-batches, {len(FEATURES)}]")
+    encoders = flops.encoder_names
+    width = 2 * len(flops.modules)
+    if table.ndim != 2 or table.shape[1] != width:
+        raise ValueError(f"features of shape {list(table.shape)} must be [micro-batches, {width}]")
     if not 0.0 < llm_share <= 1.0:
         raise ValueError(f"llm_share={llm_share} must be in (0, 1]: the part of a stage's LLM work one rank runs")
     n = table.shape[0]
@@ -78,18 +80,18 @@ def fit_joint_calibration(features: np.ndarray, actions: Sequence[Sequence[tuple
     if not stage_seconds.all():
         raise ValueError(f"every stage must have recorded LLM time to calibrate from; seconds per stage: "
                          f"{stage_seconds.tolist()}")
-    fitted = fit_cost_model_to_features(table, llm_seconds.tolist(), modules=["llm"])
-    measured = [name for i, name in enumerate(_ENCODERS) if table[:, 2 * i : 2 * i + 2].any()]
+    fitted = fit_cost_model_to_features(table, llm_seconds.tolist(), modules=["llm"], encoders=encoders)
+    measured = [name for i, name in enumerate(encoders) if table[:, 2 * i : 2 * i + 2].any()]
     encoder_seconds = seconds["E"] + seconds["EB"]
     if measured and encoder_seconds.any() and n >= 2 * len(measured):
-        encoders = fit_cost_model_to_features(table, encoder_seconds.tolist(), modules=measured)
+        encoder_fit = fit_cost_model_to_features(table, encoder_seconds.tolist(), modules=measured, encoders=encoders)
     else:
-        measured, encoders = [], fitted
-    llm = FEATURES.index("llm_tokens")
+        measured, encoder_fit = [], fitted
+    llm = 2 * len(encoders)
     llm_flops = float(flops.llm(table[:, llm].sum(), table[:, llm + 1].sum()))
     per_flop = float(llm_seconds.sum()) / llm_flops if llm_flops > 0 else 0.0
-    model = replace(fitted, **{name: getattr(encoders, name) if name in measured
-                               else _scaled(getattr(flops, name), per_flop) for name in _ENCODERS})
+    model = fitted.replace(**{name: getattr(encoder_fit, name) if name in measured
+                              else _scaled(getattr(flops, name), per_flop) for name in encoders})
     return JointCalibration(model, _share(seconds["F"], seconds["B"]), _share(seconds["E"], seconds["EB"]),
                             tuple((stage_seconds / stage_seconds.sum()).tolist()))
 

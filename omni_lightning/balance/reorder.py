@@ -33,7 +33,7 @@ __all__ = [
     "ReorderConfig",
     "GroupPlan",
     "plan_balance_group",
-    "plan_naive",
+    "plan_in_place",
     "balance_groups",
     "lower_bound",
     "PipelineOrder",
@@ -449,16 +449,35 @@ def _best_exchange(
     return None if best is None else (best[1], best[2])
 
 
-def plan_naive(
-    costs: np.ndarray, owners: np.ndarray, *, n_ranks: int, config: ReorderConfig
-) -> np.ndarray:
-    """Per-(rank, step) cost of the naive split: every rank trains on its own samples in arrival order, the same
-    number per step. The baseline the balanced plan is measured against."""
+def plan_in_place(costs: np.ndarray, tokens: np.ndarray, owners: np.ndarray, *, n_ranks: int,
+                  config: ReorderConfig) -> GroupPlan:
+    """The naive split as a plan (what ``OmniDataModule(workload_balance="none")`` trains, and the baseline the
+    balanced plan is measured against): each rank trains on its own samples in arrival order, its micro-batches
+    filled one after another with ``ceil(samples / micro-batches)`` each (the same number where they divide), except
+    that a micro-batch ends early before a sample that would overflow the token budget, and a sample that finds no
+    micro-batch left waits for the next group."""
     costs = np.asarray(costs, dtype=np.float64)
-    owners = np.asarray(owners)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    owners = np.asarray(owners, dtype=np.int64)
+    slots = config.steps * config.micro_batches
+    micro: list[list[list[list[int]]]] = []
+    leftover: list[int] = []
     step_cost = np.zeros((n_ranks, config.steps))
-    for rank in range(n_ranks):
-        mine = costs[owners == rank]
-        for step, chunk in enumerate(np.array_split(mine, config.steps)):
-            step_cost[rank, step] = chunk.sum()
-    return step_cost
+    for r in range(n_ranks):
+        mine = np.flatnonzero(owners == r).tolist()
+        per_slot = -(-len(mine) // slots) if mine else 0
+        batches: list[list[int]] = [[] for _ in range(slots)]
+        slot = used = 0
+        for sample in mine:
+            while slot < slots and (len(batches[slot]) >= per_slot or (
+                    config.token_budget is not None and batches[slot] and used + tokens[sample] > config.token_budget)):
+                slot, used = slot + 1, 0
+            if slot == slots:
+                leftover.append(sample)
+                continue
+            batches[slot].append(sample)
+            used += int(tokens[sample])
+        micro.append([batches[s * config.micro_batches : (s + 1) * config.micro_batches] for s in range(config.steps)])
+        for s in range(config.steps):
+            step_cost[r, s] = sum(costs[ids].sum() for ids in micro[r][s])
+    return GroupPlan(micro, step_cost, leftover, 0, 0)

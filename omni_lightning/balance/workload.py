@@ -26,6 +26,7 @@ import numbers
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, fields, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -458,13 +459,25 @@ class SampleMeta:
         """``merge`` as a ``{modality: factor}`` dict."""
         return dict(self.merge)
 
-    @property
+    def media_shapes(self) -> dict[str, list[tuple[int, ...]]]:
+        """The sample's media items by modality, in the sizes :class:`~omni_lightning.batch.Modality` rules read:
+        images as patch grids ``(h, w)``, a video as ``(frames, h, w)``, a clip as ``(mel_frames,)``."""
+        shapes: dict[str, list[tuple[int, ...]]] = {}
+        if self.images:
+            shapes["image"] = [tuple(grid) for grid in self.images]
+        if self.video_frames:
+            shapes["video"] = [(self.video_frames, *self.video_grid)]
+        if self.audio_frames:
+            shapes["audio"] = [(self.audio_frames,)]
+        return shapes
+
+    @cached_property
     def vision_patches(self) -> int:
         """Patches the vision encoder sees: all images plus all video frames."""
         h, w = self.video_grid
         return sum(ih * iw for ih, iw in self.images) + self.video_frames * h * w
 
-    @property
+    @cached_property
     def llm_tokens(self) -> int:
         """Sequence length in the LLM: BOS, text, one token per merged vision unit and per merged audio unit."""
         merge = self.merge_dict

@@ -15,15 +15,21 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["PAYLOAD_KEYS", "StageRelay", "without_payloads"]
+from omni_lightning.batch import PackingSpec, input_key
 
-# What only the encoders read; everything else in a micro-batch is the token layout every stage uses.
-PAYLOAD_KEYS = ("vision_patches", "vision_positions", "audio_mels")
+__all__ = ["StageRelay", "payload_keys", "without_payloads"]
 
 
-def without_payloads(step: dict[str, Any]) -> dict[str, Any]:
+def payload_keys(spec: PackingSpec) -> tuple[str, ...]:
+    """What only the encoders read (their per-token inputs: pixels, mel frames); everything else in a micro-batch is
+    the token layout every stage uses."""
+    return tuple(input_key(fmt.name, i.name) for fmt in spec.encoders for i in fmt.inputs if not i.per_item)
+
+
+def without_payloads(step: dict[str, Any], spec: PackingSpec) -> dict[str, Any]:
     """A whole pipeline step (``{"micro_batches": [...], ...}``) with the encoder payloads left out."""
-    micro = [{k: v for k, v in mb.items() if k not in PAYLOAD_KEYS} for mb in step["micro_batches"]]
+    payloads = set(payload_keys(spec))
+    micro = [{k: v for k, v in mb.items() if k not in payloads} for mb in step["micro_batches"]]
     return {**step, "micro_batches": micro}
 
 
@@ -34,11 +40,13 @@ class StageRelay:
         stream: the stateful stream of whole steps; built on every stage (so all of them start from, and restore,
             the same state) but iterated on stage 0 only.
         group: a gloo process group of this rank's pipeline peers, stage 0 first.
+        spec: how the micro-batches are packed (which of their tensors are encoder payloads).
     """
 
-    def __init__(self, stream: Any, *, group: dist.ProcessGroup) -> None:
+    def __init__(self, stream: Any, *, group: dist.ProcessGroup, spec: PackingSpec) -> None:
         self.stream = stream
         self.group = group
+        self.spec = spec
         self.source = dist.get_global_rank(group, 0)
         self._state: dict[str, Any] = stream.state_dict()
 
@@ -65,7 +73,7 @@ class StageRelay:
                 # The peers wait in the broadcast: tell them why no step comes, then fail here as well.
                 self._broadcast({"error": f"pipeline stage 0 could not produce a step: {error}"})
                 raise
-            self._broadcast({"step": without_payloads(step), "state": self.stream.state_dict()})
+            self._broadcast({"step": without_payloads(step, self.spec), "state": self.stream.state_dict()})
             yield step
 
     def _receive(self) -> Iterator[dict[str, Any]]:

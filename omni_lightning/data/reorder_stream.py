@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 from omni_lightning.balance.cost import CostModel
-from omni_lightning.balance.reorder import GroupPlan, PipelineOrder, ReorderConfig, plan_balance_group
-from omni_lightning.data.packing import DecodedSample, pack_samples
+from omni_lightning.balance.reorder import GroupPlan, PipelineOrder, ReorderConfig, plan_balance_group, plan_in_place
+from omni_lightning.batch import IGNORE_INDEX, PackingSpec
+from omni_lightning.data.packing import DecodedSample, pack_samples, sample_features, sample_layout
 from omni_lightning.data.streaming import BadSample
-from omni_lightning.models.config import FIRST_TEXT_ID
-from omni_lightning.models.mllm import IGNORE_INDEX
+from omni_lightning.modalities import DEFAULT_PACKING
 
 __all__ = ["BalanceSettings", "BalancedStream", "apply_length_policy", "llm_length"]
 
@@ -81,19 +81,16 @@ class BalanceSettings:
             )
 
 
-def llm_length(sample: DecodedSample, pack_kwargs: dict[str, int]) -> int:
+def llm_length(sample: DecodedSample, spec: PackingSpec = DEFAULT_PACKING) -> int:
     """LLM tokens the sample will occupy once packed (BOS, placeholders, text)."""
-    patch, merge = pack_kwargs.get("patch_size", 14), pack_kwargs.get("vision_merge", 4)
-    vision = sum((img.shape[0] // patch) * (img.shape[1] // patch) // merge for img in sample.images)
-    audio = 0 if sample.mel is None else sample.mel.shape[0] // pack_kwargs.get("audio_downsample", 4)
-    return 1 + vision + audio + len(sample.tokens)
+    return sample_layout(sample, spec).llm_tokens
 
 
 def apply_length_policy(
-    sample: DecodedSample, max_seq_len: int | None, policy: LengthPolicy, pack_kwargs: dict[str, int]
+    sample: DecodedSample, max_seq_len: int | None, policy: LengthPolicy, spec: PackingSpec = DEFAULT_PACKING
 ) -> tuple[DecodedSample | None, str]:
     """``(sample or None, what happened)`` where what happened is ``""``, ``"truncated"`` or ``"dropped"``."""
-    length = llm_length(sample, pack_kwargs)
+    length = llm_length(sample, spec)
     if max_seq_len is None or length <= max_seq_len:
         return sample, ""
     if policy == "error":
@@ -106,14 +103,11 @@ def apply_length_policy(
     return replace(sample, tokens=sample.tokens[:keep_text], meta=meta), "truncated"
 
 
-_FILLER = DecodedSample(key="", tokens=np.array([FIRST_TEXT_ID]))
-
-
-def _pack(samples: list[DecodedSample], pack_kwargs: dict[str, int]) -> dict[str, Any]:
+def _pack(samples: list[DecodedSample], spec: PackingSpec) -> dict[str, Any]:
     if samples:
-        return pack_samples(samples, **pack_kwargs)
+        return pack_samples(samples, spec)
     # An empty micro-batch still runs every module (all ranks must issue the same collectives) but adds no loss.
-    batch = pack_samples([_FILLER], **pack_kwargs)
+    batch = pack_samples([DecodedSample(key="", tokens=np.array([spec.roles.first_free_id]))], spec)
     batch["labels"].fill_(IGNORE_INDEX)
     batch.update(keys=[], num_samples=0)
     return batch
@@ -128,7 +122,7 @@ def _aligned(nbytes: int) -> int:
 
 
 def _arrays(sample: DecodedSample) -> list[np.ndarray]:
-    return [sample.tokens, *sample.images, *([] if sample.mel is None else [sample.mel])]
+    return [sample.tokens, *(np.asarray(item) for items in sample.media.values() for item in items)]
 
 
 class _Wire:
@@ -145,8 +139,8 @@ class _Wire:
         for array in self.arrays:
             layouts.append((array.dtype.str, array.shape, offset))
             offset += _aligned(array.nbytes)
-        self.header = pickle.dumps((sample.key, sample.meta, len(sample.images), sample.mel is not None, layouts),
-                                   protocol=pickle.HIGHEST_PROTOCOL)
+        counts = [(name, len(items)) for name, items in sample.media.items()]
+        self.header = pickle.dumps((sample.key, sample.meta, counts, layouts), protocol=pickle.HIGHEST_PROTOCOL)
         self.nbytes = offset + _aligned(len(self.header) + 8)
 
     def write(self, out: memoryview, start: int) -> None:
@@ -165,11 +159,13 @@ class _Wire:
         """The sample written at ``data[start : start + nbytes]``; its arrays are views of ``data``."""
         end = start + nbytes
         length = int.from_bytes(data[end - 8 : end], "little")
-        key, meta, n_images, has_mel, layouts = pickle.loads(data[end - 8 - length : end - 8])
+        key, meta, counts, layouts = pickle.loads(data[end - 8 - length : end - 8])
         arrays = [np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=start + offset).reshape(shape)
                   for dtype, shape, offset in layouts]
-        return DecodedSample(key=key, tokens=arrays[0], images=arrays[1 : 1 + n_images],
-                             mel=arrays[-1] if has_mel else None, meta=meta)
+        media, next_array = {}, 1
+        for name, count in counts:
+            media[name], next_array = arrays[next_array : next_array + count], next_array + count
+        return DecodedSample(key=key, tokens=arrays[0], meta=meta, media=media)
 
 
 class BalancedStream:
@@ -182,7 +178,7 @@ class BalancedStream:
         cost_model: prices samples; what the plan balances.
         settings: see :class:`BalanceSettings`.
         seed: seeds tie-breaking.
-        pack_kwargs: patch size and merge factors for packing.
+        packing: how samples pack into micro-batches (and whose encoders the cost model prices).
 
     ``state_dict()`` is the position after the last micro-batch yielded: the loader state where the current
     group began, the samples carried into it, the counters then, and how many of its micro-batches were handed
@@ -199,7 +195,7 @@ class BalancedStream:
         cost_model: CostModel,
         settings: BalanceSettings,
         seed: int = 0,
-        pack_kwargs: dict[str, int] | None = None,
+        packing: PackingSpec = DEFAULT_PACKING,
     ) -> None:
         self.loader = loader
         self.group = group
@@ -207,7 +203,13 @@ class BalancedStream:
         self.cost_model = cost_model
         self.settings = settings
         self.seed = seed
-        self.pack_kwargs = pack_kwargs or {}
+        self.packing = packing
+        if cost_model.encoder_names != packing.encoder_names:
+            raise ValueError(f"the cost model prices encoders {list(cost_model.encoder_names)} but samples pack for "
+                             f"{list(packing.encoder_names)}: give OmniDataModule the model's cost model")
+        # Columns of the gathered rows: valid, the cost features, LLM tokens, owner, payload bytes, wire bytes.
+        self._features = slice(1, 1 + len(cost_model.feature_names))
+        self._tokens, self._owner, self._bytes, self._wire = range(self._features.stop, self._features.stop + 4)
         self.counters = {"skipped": 0, "truncated": 0, "dropped": 0, "samples_moved": 0, "bytes_moved": 0}
         self._state: dict[str, Any] = {
             "loader": loader.state_dict(), "carry": [], "group": 0, "counters": dict(self.counters), "yielded": 0
@@ -261,7 +263,7 @@ class BalancedStream:
                     "reorder_seconds": seconds,
                     **{k: float(v) for k, v in self.counters.items()},
                 }
-                packed = [_pack([everything[i] for i in ids], self.pack_kwargs) for ids in micro_batches]
+                packed = [_pack([everything[i] for i in ids], self.packing) for ids in micro_batches]
                 # The module divides by the step's loss tokens (all micro-batches, all ranks), not each micro-batch's,
                 # so accumulated gradients equal one pass over the whole step however the samples were split.
                 step = {"loss_tokens": sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in packed),
@@ -292,31 +294,30 @@ class BalancedStream:
             log.warning("skipping sample %s of shard %s: %s", record.key, record.shard, record.reason)
             return None
         sample, outcome = apply_length_policy(
-            record, self.settings.max_seq_len, self.settings.length_policy, self.pack_kwargs
+            record, self.settings.max_seq_len, self.settings.length_policy, self.packing
         )
         if outcome:
             self.counters[outcome] += 1
         return sample
 
     def _rows(self, samples: list[DecodedSample | None], wires: list[_Wire | None]) -> np.ndarray:
-        """int64 per sample: valid, the six cost features, LLM tokens, owner rank, approximate payload bytes, and
-        the exact size it would travel with (0 where it cannot travel)."""
-        patch = self.pack_kwargs.get("patch_size", 14)
-        downsample = self.pack_kwargs.get("audio_downsample", 4)
+        """int64 per sample: valid, the cost features, LLM tokens, owner rank, approximate payload bytes, and the
+        exact size it would travel with (0 where it cannot travel)."""
         rank = self._rank()
-        table = []
-        for sample, wire in zip(samples, wires, strict=True):
+        width = self._wire + 1
+        table = np.zeros((len(samples), width), dtype=np.int64)
+        for row, (sample, wire) in enumerate(zip(samples, wires, strict=True)):
+            table[row, self._owner] = rank
             if sample is None:
-                table.append([0] * 8 + [rank, 0, 0])
                 continue
-            items = [(img.shape[0] // patch) * (img.shape[1] // patch) for img in sample.images]
-            audio = 0 if sample.mel is None else sample.mel.shape[0] // downsample
-            length = llm_length(sample, self.pack_kwargs)
-            # The cost model's features (see omni_lightning.balance.cost.FEATURES), from the payload itself.
-            table.append([1, sum(items), sum(n * n for n in items), audio, audio * audio, length,
-                          length * (length + 1) // 2, length, rank, sum(a.nbytes for a in _arrays(sample)),
-                          0 if wire is None else wire.nbytes])
-        return np.array(table, dtype=np.int64).reshape(len(samples), 11)
+            # The cost model's features (see omni_lightning.balance.cost.work_features), from the payload itself.
+            features = sample_features(sample, self.cost_model.encoder_names, self.packing)
+            table[row, 0] = 1
+            table[row, self._features] = features.astype(np.int64)
+            table[row, self._tokens] = int(features[-2])
+            table[row, self._bytes] = sum(a.nbytes for a in _arrays(sample))
+            table[row, self._wire] = 0 if wire is None else wire.nbytes
+        return table
 
     def _all_gather(self, rows: np.ndarray) -> np.ndarray:
         """Every member's rows, rank-major. Only integers travel: a few dozen bytes per sample."""
@@ -356,18 +357,20 @@ class BalancedStream:
             pp=self.settings.pp,
             pipeline_order=self.settings.pipeline_order,
         )
+        features = gathered[valid, self._features].astype(np.float64)
+        costs = features @ self.cost_model.coefficients
+        tokens, owners = gathered[valid, self._tokens], gathered[valid, self._owner]
         if self.settings.balance:
-            features = gathered[valid, 1:7].astype(np.float64)
-            costs = features @ self.cost_model.coefficients
-            # The LLM's (tokens, pairs) are the last two features (MODULES order: vision, audio, llm).
-            llm_costs = features[:, 4:] @ self.cost_model.coefficients[4:] if self.settings.llm_micro_batches else None
+            # The LLM's (tokens, pairs) are the last two features.
+            llm = self.settings.llm_micro_batches
+            llm_costs = features[:, -2:] @ self.cost_model.coefficients[-2:] if llm else None
             plan = plan_balance_group(
-                costs, gathered[valid, 7], gathered[valid, 8], gathered[valid, 9], n_ranks=n_ranks, config=config,
+                costs, tokens, owners, gathered[valid, self._bytes], n_ranks=n_ranks, config=config,
                 seed=self.seed, epoch=group_number, group_index=self.group_index, micro_batch_costs=llm_costs,
                 searched_rank=self._rank(),  # the 1F1B search shapes this rank's micro-batches only
             )
         else:
-            plan = _keep_in_place(gathered[valid], n_ranks, config, self.cost_model)
+            plan = plan_in_place(costs, tokens, owners, n_ranks=n_ranks, config=config)
         # Plans index the valid rows; translate back to positions in the gathered arrays.
         plan.micro_batches = [[[valid[mb].tolist() for mb in step] for step in rank] for rank in plan.micro_batches]
         plan.leftover = valid[plan.leftover].tolist()
@@ -387,7 +390,7 @@ class BalancedStream:
             for step in steps:
                 for ids in step:
                     destination[ids] = r
-        owner, nbytes = gathered[:, 8], gathered[:, 10]
+        owner, nbytes = gathered[:, self._owner], gathered[:, self._wire]
         moving = (destination >= 0) & (destination != owner)
         if not moving.any():
             return {}  # every member derives the same plan, so all of them skip the collective
@@ -410,41 +413,13 @@ class BalancedStream:
 
     def _module_costs(self, gathered: np.ndarray, ids: list[int]) -> tuple[float, float]:
         """Predicted (encoders, LLM) cost of the given samples."""
-        per_feature = gathered[ids, 1:7].astype(np.float64).sum(axis=0) * self.cost_model.coefficients
-        return float(per_feature[:4].sum()), float(per_feature[4:].sum())
+        per_feature = gathered[ids, self._features].astype(np.float64).sum(axis=0) * self.cost_model.coefficients
+        return float(per_feature[:-2].sum()), float(per_feature[-2:].sum())
 
     def _rank(self) -> int:
         return 0 if self.group is None else dist.get_rank(self.group)
 
     def _owned_ids(self, gathered: np.ndarray) -> range:
-        mine = np.flatnonzero(gathered[:, 8] == self._rank())
+        mine = np.flatnonzero(gathered[:, self._owner] == self._rank())
         return range(int(mine[0]), int(mine[-1]) + 1) if mine.size else range(0)
 
-
-def _keep_in_place(rows: np.ndarray, n_ranks: int, config: ReorderConfig, cost_model: CostModel) -> GroupPlan:
-    """The naive split as a plan: each rank trains on its own samples in arrival order, the same number per
-    micro-batch, except that a sample which would overflow the token budget waits for the next group."""
-    costs = rows[:, 1:7].astype(np.float64) @ cost_model.coefficients
-    slots = config.steps * config.micro_batches
-    micro: list[list[list[list[int]]]] = []
-    leftover: list[int] = []
-    step_cost = np.zeros((n_ranks, config.steps))
-    for r in range(n_ranks):
-        mine = np.flatnonzero(rows[:, 8] == r).tolist()
-        per_slot = -(-len(mine) // slots) if mine else 0
-        batches: list[list[int]] = [[] for _ in range(slots)]
-        slot = used = 0
-        for sample in mine:
-            tokens = int(rows[sample, 7])
-            while slot < slots and (len(batches[slot]) >= per_slot or (
-                    config.token_budget is not None and batches[slot] and used + tokens > config.token_budget)):
-                slot, used = slot + 1, 0
-            if slot == slots:
-                leftover.append(sample)
-                continue
-            batches[slot].append(sample)
-            used += tokens
-        micro.append([batches[s * config.micro_batches : (s + 1) * config.micro_batches] for s in range(config.steps)])
-        for s in range(config.steps):
-            step_cost[r, s] = sum(costs[ids].sum() for ids in micro[r][s])
-    return GroupPlan(micro, step_cost, leftover, 0, 0)

@@ -21,8 +21,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 from typing_extensions import override
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
+from omni_lightning.batch import BYTE_ROLES, PackingSpec
 from omni_lightning.data.packing import DecodedSample, check_packable, pack_samples
-from omni_lightning.models.config import FIRST_TEXT_ID
+from omni_lightning.modalities import DEFAULT_PACKING
 
 __all__ = [
     "BadSample",
@@ -53,7 +54,7 @@ def assign_shards(shards: list[str], *, dp_rank: int, dp_size: int, num_workers:
 
 
 class Tokenizer(Protocol):
-    """Turns raw sample text (a ``txt`` member) into token ids >= ``FIRST_TEXT_ID``."""
+    """Turns raw sample text (a ``txt`` member) into token ids that are not the token roles' ids."""
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -62,7 +63,7 @@ class ByteTokenizer:
     """UTF-8 bytes as tokens, shifted past the reserved ids: needs no download, covers any text (vocab >= 260)."""
 
     def encode(self, text: str) -> list[int]:
-        return [FIRST_TEXT_ID + byte for byte in text.encode("utf-8")]
+        return [BYTE_ROLES.first_free_id + byte for byte in text.encode("utf-8")]
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,8 @@ def decode_sample(
     """Decode one webdataset sample written by ``make_synthetic_shards`` (or in the same format) and check it
     against its metadata; raises ``ValueError`` naming the sample and the problem.
 
-    Text comes from ``tokens.npy`` or, if absent, from ``txt`` through ``tokenizer`` (bytes by default).
+    Text comes from ``tokens.npy`` or, if absent, from ``txt`` through ``tokenizer`` (bytes by default); images from
+    ``img{i}.png``, a video from ``video.npy`` (uint8 ``[frames, H, W, 3]``), audio from ``mel.npy``.
     """
     key = raw.get("__key__", "?")
     try:
@@ -94,15 +96,18 @@ def decode_sample(
             tokens = np.asarray((tokenizer or ByteTokenizer()).encode(text), dtype=np.int64)
         else:
             raise KeyError("tokens.npy")
-        images = [_decode_image(raw[f"img{i}.png"], key, i) for i in range(len(meta.get("images", [])))]
+        media: dict[str, list[np.ndarray]] = {
+            "image": [_decode_image(raw[f"img{i}.png"], key, i) for i in range(len(meta.get("images", [])))],
+        }
     except KeyError as missing:
         name = missing.args[0]
         alternative = " (and there is no 'txt' to tokenize)" if name == "tokens.npy" else ""
         raise ValueError(f"sample {key}: member '{name}' is missing{alternative}") from None
     if "video.npy" in raw:
-        images.extend(_load_npy(raw, "video.npy", key))
-    mel = _load_npy(raw, "mel.npy", key) if "mel.npy" in raw else None
-    sample = DecodedSample(key=key, tokens=tokens, images=images, mel=mel, meta=meta)
+        media["video"] = [_load_npy(raw, "video.npy", key)]
+    if "mel.npy" in raw:
+        media["audio"] = [_load_npy(raw, "mel.npy", key)]
+    sample = DecodedSample(key=key, tokens=tokens, meta=meta, media=media)
     _check_against_meta(sample, patch_size)
     return sample
 
@@ -129,17 +134,21 @@ def _check_against_meta(sample: DecodedSample, patch_size: int | None) -> None:
         problems.append(f"{len(sample.tokens)} text tokens, metadata says {meta['text_tokens']}")
     if len(sample.tokens) == 0:
         problems.append("no text tokens")
+    images, videos, clips = (sample.media.get(name, []) for name in ("image", "video", "audio"))
     if patch_size is not None:
-        grids = [tuple(g) for g in meta.get("images", [])] + [tuple(meta.get("video_grid", (0, 0)))] * int(
-            meta.get("video_frames", 0)
-        )
-        shapes = [(img.shape[0] // patch_size, img.shape[1] // patch_size) for img in sample.images]
-        if len(shapes) != len(grids) or any(a != b for a, b in zip(shapes, grids, strict=False)):
+        grids = [tuple(g) for g in meta.get("images", [])]
+        shapes = [(img.shape[0] // patch_size, img.shape[1] // patch_size) for img in images]
+        if shapes != grids:
             problems.append(f"image grids {shapes} (in {patch_size}-pixel patches), metadata says {grids}")
-    frames = 0 if sample.mel is None else sample.mel.shape[0]
+        frames = int(meta.get("video_frames", 0))
+        expected = [(frames, *(int(x) for x in meta.get("video_grid", (0, 0))))] if frames else []
+        got = [(v.shape[0], v.shape[1] // patch_size, v.shape[2] // patch_size) for v in videos if v.ndim == 4]
+        if got != expected or len(videos) != len(got):
+            problems.append(f"video (frames, grid) {got} (in {patch_size}-pixel patches), metadata says {expected}")
+    frames = clips[0].shape[0] if clips else 0
     if frames != int(meta.get("audio_frames", frames)):
         problems.append(f"{frames} mel frames, metadata says {meta['audio_frames']}")
-    if sample.mel is not None and frames == 0:
+    if clips and frames == 0:
         problems.append("a zero-length audio clip")
     if problems:
         raise ValueError(f"sample {key}: " + "; ".join(problems))
@@ -205,7 +214,7 @@ class ShardStream(IterableDataset):
         num_workers: int = 0,
         seed: int = 0,
         shuffle_shards: bool = True,
-        pack_kwargs: dict[str, int] | None = None,
+        packing: PackingSpec = DEFAULT_PACKING,
         max_batches: int | None = None,
         on_bad_sample: Literal["skip", "error"] = "error",
         tokenizer: Tokenizer | None = None,
@@ -223,8 +232,7 @@ class ShardStream(IterableDataset):
         self.batch_size = batch_size
         self.seed = seed
         self.shuffle_shards = shuffle_shards
-        self.pack_kwargs = pack_kwargs or {}
-        self.patch_size = self.pack_kwargs.get("patch_size", 14)
+        self.packing = packing
         self.max_batches = max_batches
         self._epoch = 0
         self._consumed = 0
@@ -267,8 +275,9 @@ class ShardStream(IterableDataset):
                             continue  # fast-forward to the resumed position without decoding
                         self._consumed += 1
                         try:
-                            sample = decode_sample(raw, patch_size=self.patch_size, tokenizer=self.tokenizer)
-                            check_packable(sample, **self.pack_kwargs)
+                            sample = decode_sample(raw, patch_size=self.packing.patch_size,
+                                                   tokenizer=self.tokenizer)
+                            check_packable(sample, self.packing)
                         except ValueError as error:
                             yield self._bad(url, key, str(error))
                         else:
@@ -295,7 +304,7 @@ class ShardStream(IterableDataset):
         samples = (s for s in self.iter_samples(info.id if info is not None else 0) if isinstance(s, DecodedSample))
         produced = 0
         while self.max_batches is None or produced < self.max_batches:
-            yield pack_samples([next(samples) for _ in range(self.batch_size)], **self.pack_kwargs)
+            yield pack_samples([next(samples) for _ in range(self.batch_size)], self.packing)
             produced += 1
 
 

@@ -30,12 +30,12 @@ from omni_lightning.balance.workload import (
     load_workload,
     sample_metadata,
 )
+from omni_lightning.batch import BYTE_ROLES
 
 __all__ = ["NUM_CLASSES", "FIRST_TEXT_ID", "make_synthetic_shards"]
 
-# Ids 0..3 are reserved (pad, bos, image placeholder, audio placeholder); kept in sync with models.config, which
-# is not imported so that writing shards never needs torch.
-FIRST_TEXT_ID = 4
+# Text ids start above the byte roles' (pad, bos, the placeholders).
+FIRST_TEXT_ID = BYTE_ROLES.first_free_id
 NUM_CLASSES = 8
 TOKEN_NOISE = 0.05
 

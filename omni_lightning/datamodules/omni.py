@@ -12,7 +12,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from typing_extensions import override
 
 from omni_lightning.balance.cost import CostModel
-from omni_lightning.balance.reorder import PIPELINE_ORDERS, PipelineOrder, balance_groups
+from omni_lightning.balance.reorder import PIPELINE_ORDERS, PipelineOrder
 from omni_lightning.data.relay import StageRelay
 from omni_lightning.data.reorder_stream import BalancedStream, BalanceSettings, LengthPolicy
 from omni_lightning.data.resumable import ResumableLoader
@@ -20,7 +20,9 @@ from omni_lightning.data.shards import SyntheticShards, existing_shards
 from omni_lightning.data.streaming import SampleStream, Tokenizer
 from omni_lightning.datamodules.web import WebDataModule
 from omni_lightning.models.config import ReferenceMLLMConfig
-from omni_lightning.runtime.pipeline import PipelineSettings
+from omni_lightning.models.flops import reference_cost_model
+from omni_lightning.parallel.layout import new_reorder_groups
+from omni_lightning.parallel.settings import PipelineSettings
 
 __all__ = ["OmniDataModule"]
 
@@ -136,22 +138,20 @@ class OmniDataModule(WebDataModule):
             raise ValueError(
                 f"balance_group_size={self.balance_group_size} must divide the data-parallel size {self.dp_size}"
             )
-        dims = getattr(self.trainer.strategy, "parallel_dims", None) if self.trainer is not None else None
-        streamed = getattr(self.trainer.strategy, "placement", None) == "disaggregated" if self.trainer else False
-        if dims is not None and (dims.pp > 1 or streamed):
+        layout = self.omni_layout
+        if layout is not None and layout.pipelined:
             # A disaggregated step streams its micro-batches from the encoder pool to the LLM pool: a two-stage
             # pipeline, planned as one.
-            pipeline = self.trainer.strategy.pipeline_settings
-            self._plan_for_pipeline(max(dims.pp, 2), pipeline)
-            if dims.pp > 1:  # what benchmarks/pipeline.py measures: micro-batches shaped for 1F1B
+            pipeline = layout.pipeline
+            self._plan_for_pipeline(max(layout.dims.pp, 2), pipeline)
+            if layout.dims.pp > 1:  # what benchmarks/pipeline.py measures: micro-batches shaped for 1F1B
                 # The 1F1B profile is no shape for other schedules (GPipe's step grows with its largest
                 # micro-batch): they get even ones.
                 order = self.pipeline_order if pipeline.schedule == "1F1B" else "disttrain"
                 self.settings = replace(self.settings, pipeline_order=order,
                                         llm_micro_batches=pipeline.encoders == "joint")
             if stage == "fit" and pipeline.encoders == "first_stage":
-                # Group creation is collective: every rank creates every pipeline group, in the same order.
-                self.relay_group, _ = dist.new_subgroups_by_enumeration(dims.groups("pp"), backend="gloo")
+                self.relay_group = layout.relay_group()
         elif stage == "fit" and self.trainer is not None:
             accumulate = self.trainer.accumulate_grad_batches
             if self.settings.micro_batches != accumulate:
@@ -163,12 +163,18 @@ class OmniDataModule(WebDataModule):
                     f"{accumulate}) or accumulate_grad_batches={self.settings.micro_batches}"
                 )
         if self.cost_model is None:
-            module = self.trainer.lightning_module if self.trainer is not None else None
-            config = getattr(module, "config", None)
-            config = config if isinstance(config, ReferenceMLLMConfig) else ReferenceMLLMConfig.tiny()
-            self.cost_model = CostModel.from_config(config)
+            self.cost_model = self._model_cost_model()
         if stage == "fit" and self.dp_size > 1:
             self._create_balance_groups()
+
+    def _model_cost_model(self) -> CostModel:
+        """The model's cost model: the layout's, or the reference model's of the module's config (of the tiny one
+        for a module without one)."""
+        if self.omni_layout is not None and self.omni_layout.cost_model is not None:
+            return self.omni_layout.cost_model
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        config = getattr(module, "config", None)
+        return reference_cost_model(config if isinstance(config, ReferenceMLLMConfig) else ReferenceMLLMConfig.tiny())
 
     def _plan_for_pipeline(self, pp: int, pipeline: PipelineSettings) -> None:
         """Under pipeline parallelism a step is the schedule's micro-batches, planned (and ordered for 1F1B) here."""
@@ -188,28 +194,23 @@ class OmniDataModule(WebDataModule):
         self.settings = replace(self.settings, micro_batches=micro_batches, pp=pp)
 
     def _create_balance_groups(self) -> None:
-        """One process group per balance group of every data-parallel group, created in the same order everywhere
-        (group creation is collective). TP/CP/PP peers form parallel balance groups and compute the same plans."""
-        dims = getattr(self.trainer.strategy, "parallel_dims", None)
-        if dims is None and self.dp_size != self.trainer.world_size:
+        """This rank's balance group and its index: the layout creates them (TP/CP/PP peers form parallel balance
+        groups and compute the same plans). Under another strategy, the world when every rank reads its own data."""
+        # A group larger than the data-parallel ranks is all of them (the default of 8 on a small job).
+        size = self.dp_size if self.balance_group_size is None else min(self.balance_group_size, self.dp_size)
+        if self.omni_layout is not None:
+            self.balance_group, self.balance_group_index = self.omni_layout.reorder_groups(size)
+            return
+        if self.dp_size != self.trainer.world_size:
             # Another strategy with model parallelism: which ranks share data is not known here, so plan locally.
             rank_zero_warn(
                 f"{type(self.trainer.strategy).__name__} has {self.dp_size} data-parallel ranks in a world of "
                 f"{self.trainer.world_size}: balancing across ranks needs OmniStrategy, so each rank balances only "
                 "its own steps (balance_group_size=1)"
             )
-            self.balance_group_size = 1
-        dp_groups = dims.groups("dp") if dims is not None else [list(range(self.trainer.world_size))]
-        # A group larger than the data-parallel ranks is all of them (the default of 8 on a small job).
-        size = None if self.balance_group_size is None else min(self.balance_group_size, self.dp_size)
-        chunks = balance_groups(self.dp_size, size)
-        self.balance_group_index = next(i for i, chunk in enumerate(chunks) if self.dp_rank in chunk)
-        if len(chunks[0]) == 1:
-            self.balance_group = None
-            return
-        everyone = [[dp_group[i] for i in chunk] for dp_group in dp_groups for chunk in chunks]
-        # The exchange moves CPU tensors (metadata, serialised samples): gloo, whatever the training backend.
-        self.balance_group, _ = dist.new_subgroups_by_enumeration(everyone, backend="gloo")
+            self.balance_group_size, size = 1, 1
+        self.balance_group, self.balance_group_index = new_reorder_groups([list(range(self.trainer.world_size))],
+                                                                          self.dp_rank, size)
 
     def train_samples(self) -> IterableDataset:
         """This data-parallel rank's training samples, one :class:`DecodedSample` at a time (the extension point).
@@ -224,7 +225,7 @@ class OmniDataModule(WebDataModule):
         """
         return SampleStream(
             existing_shards(self.shards), dp_rank=self.dp_rank, dp_size=self.dp_size, batch_size=1,
-            num_workers=self.num_workers, seed=self.seed, pack_kwargs=self.pack_kwargs,
+            num_workers=self.num_workers, seed=self.seed, packing=self.packing,
             on_bad_sample=self.on_bad_sample, tokenizer=self.tokenizer,
         )
 
@@ -240,8 +241,8 @@ class OmniDataModule(WebDataModule):
             cost_model=self.cost_model,
             settings=self.settings,
             seed=self.seed,
-            pack_kwargs=self.pack_kwargs,
+            packing=self.packing,
         )
         if self.relay_group is not None:  # encoders on stage 0 only: the other stages take shapes from it
-            return ResumableLoader(StageRelay(stream, group=self.relay_group))
+            return ResumableLoader(StageRelay(stream, group=self.relay_group, spec=self.packing))
         return ResumableLoader(stream)

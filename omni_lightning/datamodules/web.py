@@ -14,7 +14,9 @@ from omni_lightning.data.resumable import ResumableLoader
 from omni_lightning.data.shards import SyntheticShards, existing_shards, expand_shards, synthetic_target
 from omni_lightning.data.streaming import ShardStream, assign_shards
 from omni_lightning.data.synthetic import make_synthetic_shards
+from omni_lightning.modalities import packing_spec
 from omni_lightning.models.config import ReferenceMLLMConfig
+from omni_lightning.parallel.layout import OmniLayout
 
 __all__ = ["WebDataModule"]
 
@@ -60,10 +62,10 @@ class WebDataModule(LightningDataModule):
         self.synthetic = synthetic
         self.val_shards = val_shards
         self.val_batches = val_batches
-        self.pack_kwargs = {
-            "patch_size": patch_size, "vision_merge": vision_merge, "audio_downsample": audio_downsample
-        }
+        self.packing = packing_spec(patch_size=patch_size, vision_merge=vision_merge, audio_downsample=audio_downsample)
         self.dp_rank, self.dp_size = 0, 1
+        # OmniStrategy hands its layout over before setup: the ranks, the pipeline, the model's packing and costs.
+        self.omni_layout: OmniLayout | None = None
 
     @override
     def prepare_data(self) -> None:
@@ -82,7 +84,7 @@ class WebDataModule(LightningDataModule):
             seed=self.synthetic.seed,
             length_scale=self.synthetic.length_scale,
             max_llm_tokens=self.synthetic.max_llm_tokens,
-            patch_size=self.pack_kwargs["patch_size"],
+            patch_size=self.packing.patch_size,
             prefix=prefix,
         )
 
@@ -93,7 +95,7 @@ class WebDataModule(LightningDataModule):
             kwargs = trainer.strategy.distributed_sampler_kwargs
             self.dp_rank, self.dp_size = kwargs["rank"], kwargs["num_replicas"]
         if trainer is not None:
-            self._check_matches_model(getattr(trainer.lightning_module, "config", None))
+            self._adopt_model_packing(getattr(trainer.lightning_module, "config", None))
         # Settings that starve a rank's loader fail here, on every rank alike, rather than once the loop has started.
         if stage == "fit" and self.shards is not None:
             assign_shards(existing_shards(self.shards), dp_rank=self.dp_rank, dp_size=self.dp_size,
@@ -101,16 +103,21 @@ class WebDataModule(LightningDataModule):
         if self.val_shards is not None and stage in ("fit", "validate"):
             assign_shards(existing_shards(self.val_shards), dp_rank=self.dp_rank, dp_size=self.dp_size)
 
-    def _check_matches_model(self, config: Any) -> None:
-        """Packing must cut images and audio as the model's encoders expect (else shapes fail deep in a forward)."""
-        if not isinstance(config, ReferenceMLLMConfig):
+    def _adopt_model_packing(self, config: Any) -> None:
+        """Pack as the model's encoders expect (else shapes fail deep in a forward): its packing, when the layout
+        or the model's config says it, after checking this data module's sizes against it."""
+        model = self.omni_layout.packing if self.omni_layout is not None else None
+        if model is None and isinstance(config, ReferenceMLLMConfig):
+            model = config.packing()
+        if model is None:
             return
-        expected = {"patch_size": config.vision.patch_size, "vision_merge": config.vision.merge,
-                    "audio_downsample": config.audio.downsample}
+        expected = {"patch_size": model.patch_size, "vision_merge": model.vision_merge,
+                    "audio_downsample": model.audio_downsample}
         for name, value in expected.items():
-            if self.pack_kwargs[name] != value:
-                raise ValueError(f"{type(self).__name__}({name}={self.pack_kwargs[name]}) but the model expects "
+            if getattr(self.packing, name) != value:
+                raise ValueError(f"{type(self).__name__}({name}={getattr(self.packing, name)}) but the model expects "
                                  f"{name}={value}: set {name}={value} on the data module")
+        self.packing = model
 
     def stream(self, shards: str | list[str], *, dp_rank: int | None = None, dp_size: int | None = None,
                num_workers: int | None = None, max_batches: int | None = None) -> ShardStream:
@@ -122,7 +129,7 @@ class WebDataModule(LightningDataModule):
             batch_size=self.batch_size,
             num_workers=self.num_workers if num_workers is None else num_workers,
             seed=self.seed,
-            pack_kwargs=self.pack_kwargs,
+            packing=self.packing,
             max_batches=max_batches,
         )
 

@@ -1,4 +1,4 @@
-"""Configuration of the reference multimodal LLM and the token ids it reserves."""
+"""Configuration of the reference multimodal LLM."""
 
 from __future__ import annotations
 
@@ -6,29 +6,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = [
-    "PAD_ID",
-    "BOS_ID",
-    "IMAGE_ID",
-    "AUDIO_ID",
-    "FIRST_TEXT_ID",
-    "VisionEncoderConfig",
-    "AudioEncoderConfig",
-    "LLMConfig",
-    "ReferenceMLLMConfig",
-]
+from omni_lightning.batch import BYTE_ROLES, PackingSpec
+from omni_lightning.modalities import packing_spec
 
-# Ids below FIRST_TEXT_ID never appear as text: placeholders mark where encoder outputs replace embeddings.
-PAD_ID = 0
-BOS_ID = 1
-IMAGE_ID = 2  # one per merged vision token (images and video frames)
-AUDIO_ID = 3  # one per downsampled audio frame
-FIRST_TEXT_ID = 4
+__all__ = ["VisionEncoderConfig", "AudioEncoderConfig", "LLMConfig", "ReferenceMLLMConfig"]
 
 
 @dataclass
 class VisionEncoderConfig:
-    """ViT on native-resolution images: patches of ``patch_size`` pixels, a 2x2 spatial merge (``merge=4``)."""
+    """ViT on native-resolution images and video: patches of ``patch_size`` pixels over ``temporal_patch_size``
+    frames (an image fills a temporal patch with copies of itself), a 2x2 spatial merge (``merge=4``)."""
 
     patch_size: int = 14
     in_channels: int = 3
@@ -37,10 +24,11 @@ class VisionEncoderConfig:
     n_heads: int = 4
     mlp_ratio: float = 4.0
     merge: int = 4
+    temporal_patch_size: int = 1
 
     @property
     def patch_dim(self) -> int:
-        return self.in_channels * self.patch_size * self.patch_size
+        return self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
 
 
 @dataclass
@@ -93,7 +81,8 @@ class ReferenceMLLMConfig:
         llm = self.llm
         # Sizes first: a zero would otherwise surface as a division error below.
         sizes = {"llm": ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "n_experts"),
-                 "vision": ("dim", "n_layers", "n_heads", "patch_size"), "audio": ("dim", "n_layers", "n_heads")}
+                 "vision": ("dim", "n_layers", "n_heads", "patch_size", "temporal_patch_size"),
+                 "audio": ("dim", "n_layers", "n_heads")}
         for part, names in sizes.items():
             for name in names:
                 value = getattr(getattr(self, part), name)
@@ -108,8 +97,9 @@ class ReferenceMLLMConfig:
                              " change dim or n_heads")
         if llm.n_heads % llm.n_kv_heads:
             raise ValueError(f"llm.n_heads={llm.n_heads} must be a multiple of llm.n_kv_heads={llm.n_kv_heads}")
-        if llm.vocab_size <= FIRST_TEXT_ID:
-            raise ValueError(f"llm.vocab_size={llm.vocab_size} must exceed the {FIRST_TEXT_ID} reserved ids")
+        if llm.vocab_size <= BYTE_ROLES.first_free_id:
+            raise ValueError(f"llm.vocab_size={llm.vocab_size} must exceed the {BYTE_ROLES.first_free_id} reserved "
+                             "ids")
         if llm.moe_every and not 1 <= llm.moe_top_k <= llm.n_experts:
             raise ValueError(f"llm.moe_top_k={llm.moe_top_k} must be in [1, n_experts={llm.n_experts}]")
         for name, enc in (("vision", self.vision), ("audio", self.audio)):
@@ -121,6 +111,13 @@ class ReferenceMLLMConfig:
             raise ValueError(f"audio.downsample={self.audio.downsample} must be 4 (two stride-2 convolutions)")
         if self.attention_backend not in ("auto", "sdpa", "flash"):
             raise ValueError(f"attention_backend={self.attention_backend!r} must be 'auto', 'sdpa' or 'flash'")
+
+    def packing(self) -> PackingSpec:
+        """How samples pack for this model: its encoders' patch size, merge, temporal patch and downsampling, with
+        the byte tokens' roles."""
+        return packing_spec(patch_size=self.vision.patch_size, vision_merge=self.vision.merge,
+                            temporal_patch_size=self.vision.temporal_patch_size,
+                            audio_downsample=self.audio.downsample)
 
     @classmethod
     def tiny(cls, *, moe: bool = False) -> ReferenceMLLMConfig:

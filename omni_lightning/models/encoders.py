@@ -15,16 +15,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from omni_lightning.balance.cost import (
-    _TRAIN,
-    _TRAIN_FIRST_LAYER,
-    AUDIO_DOWNSAMPLE,
-    ModuleCost,
-    _attention_pair_flops,
-    _encoder_block_flops,
-)
+from omni_lightning.balance.cost import ModuleCost
 from omni_lightning.balance.reshard import SplitChunk
 from omni_lightning.models.config import AudioEncoderConfig, VisionEncoderConfig
+from omni_lightning.models.flops import audio_encoder_cost, vision_encoder_cost
 from omni_lightning.models.layers import EncoderBlock, GeluMLP, sincos_features
 from omni_lightning.parallel.attention import AttentionBackend, cu_seqlens_from_lengths
 
@@ -34,9 +28,10 @@ __all__ = ["VisionEncoder", "AudioEncoder"]
 class VisionEncoder(nn.Module):
     """ViT over native-resolution images.
 
-    Inputs (packed by the collate function): ``patches [n_patches, patch_dim]`` with the patches of each 2x2 merge
-    window adjacent, ``positions [n_patches, 2]`` (row, column) and ``grids [n_items, 2]`` (rows, columns per item;
-    video frames are items too). Output: ``[n_patches // merge, llm_dim]``.
+    Inputs (as :data:`~omni_lightning.modalities.VISION_ENCODER` packs them): ``patches [n_patches, patch_dim]`` with
+    the patches of each 2x2 merge window adjacent, ``positions [n_patches, 2]`` (row, column) and ``grids
+    [n_items, 2]`` (rows, columns per item; each temporal slice of a video is an item). Output:
+    ``[n_patches // merge, llm_dim]``.
     """
 
     def __init__(self, config: VisionEncoderConfig, llm_dim: int, backend: AttentionBackend = "auto") -> None:
@@ -65,14 +60,9 @@ class VisionEncoder(nn.Module):
         return grids[:, 0] * grids[:, 1]
 
     def cost(self) -> ModuleCost:
-        """Training FLOPs per patch and per attention pair, as ``CostModel.from_config`` counts them."""
-        config, llm_dim = self.config, self.projector.fc2.out_features
-        projector = 2.0 * (config.dim * config.merge * llm_dim + llm_dim * llm_dim) / config.merge
-        return ModuleCost(
-            linear=_TRAIN_FIRST_LAYER * 2.0 * config.patch_dim * config.dim
-            + _TRAIN * (config.n_layers * _encoder_block_flops(config.dim, config.mlp_ratio) + projector),
-            quadratic=_attention_pair_flops(config.n_heads, config.dim // config.n_heads, config.n_layers),
-        )
+        """Training FLOPs per patch and per attention pair
+        (:func:`~omni_lightning.models.flops.vision_encoder_cost`)."""
+        return vision_encoder_cost(self.config, self.projector.fc2.out_features)
 
     def forward(self, patches: torch.Tensor, positions: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
         tokens, lengths = self.embed(patches, positions, grids)
@@ -134,16 +124,9 @@ class AudioEncoder(nn.Module):
         return lengths // self.config.downsample
 
     def cost(self) -> ModuleCost:
-        """Training FLOPs per downsampled frame and per attention pair, as ``CostModel.from_config`` counts them."""
-        config, llm_dim = self.config, self.projector.fc2.out_features
-        conv1 = AUDIO_DOWNSAMPLE // 2 * 2.0 * 3 * config.n_mels * config.dim  # two stride-2 outputs per token
-        conv2 = 2.0 * 3 * config.dim * config.dim
-        projector = 2.0 * (config.dim * llm_dim + llm_dim * llm_dim)
-        return ModuleCost(
-            linear=_TRAIN_FIRST_LAYER * conv1
-            + _TRAIN * (conv2 + config.n_layers * _encoder_block_flops(config.dim, config.mlp_ratio) + projector),
-            quadratic=_attention_pair_flops(config.n_heads, config.dim // config.n_heads, config.n_layers),
-        )
+        """Training FLOPs per downsampled frame and per attention pair
+        (:func:`~omni_lightning.models.flops.audio_encoder_cost`)."""
+        return audio_encoder_cost(self.config, self.projector.fc2.out_features)
 
     def forward(self, mels: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         tokens, token_lengths = self.embed(mels, lengths)

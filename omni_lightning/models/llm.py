@@ -13,8 +13,9 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from omni_lightning.balance.cost import CostModel, ModuleCost
-from omni_lightning.models.config import LLMConfig, ReferenceMLLMConfig
+from omni_lightning.balance.cost import ModuleCost
+from omni_lightning.models.config import LLMConfig
+from omni_lightning.models.flops import decoder_cost
 from omni_lightning.models.layers import RMSNorm
 from omni_lightning.models.moe import MoEFeedForward
 from omni_lightning.parallel.attention import AttentionBackend, varlen_attention
@@ -109,6 +110,10 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[tokens, dim]`` (before encoder outputs replace the placeholders')."""
+        return self.tok_embeddings(input_ids)
+
     def forward(
         self, embeddings: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
         cp_shard: ContextShard | None = None,
@@ -157,8 +162,9 @@ class Decoder(nn.Module):
         return plan
 
     def cost(self) -> ModuleCost:
-        """Training FLOPs per token and per causal attention pair, as ``CostModel.from_config`` counts them."""
-        return CostModel.from_config(ReferenceMLLMConfig(llm=self.config)).llm
+        """Training FLOPs per token and per causal attention pair
+        (:func:`~omni_lightning.models.flops.decoder_cost`)."""
+        return decoder_cost(self.config)
 
     def moe_aux_loss(self) -> torch.Tensor:
         """This rank's share of the load-balance loss of the last forward, summed over MoE layers (0 if none)."""

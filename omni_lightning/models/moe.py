@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["GroupedExperts", "MoEFeedForward"]
+from omni_lightning.parallel.expert_parallel import ExpertCompute
 
-ExpertCompute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+__all__ = ["GroupedExperts", "MoEFeedForward"]
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

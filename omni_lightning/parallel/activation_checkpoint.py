@@ -1,4 +1,4 @@
-"""Activation checkpointing of transformer blocks and ``torch.compile`` of their MLPs (applied in place).
+"""Activation checkpointing of transformer blocks and ``torch.compile`` of modules (applied in place).
 
 Both go after tensor parallelism and before FSDP, as torchtitan orders them: checkpointing a block stores only its
 input and recomputes the rest in the backward, and FSDP's hooks on the block then gather the weights for that
@@ -13,9 +13,6 @@ from functools import partial
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from omni_lightning.models.layers import GeluMLP
-from omni_lightning.models.llm import FeedForward
-
 __all__ = ["apply_ac", "apply_compile"]
 
 
@@ -26,14 +23,10 @@ def apply_ac(blocks: Iterable[nn.Module]) -> None:
         block.forward = partial(checkpoint, block.forward, use_reentrant=False)  # type: ignore[method-assign]
 
 
-def apply_compile(blocks: Iterable[nn.Module], backend: str = "inductor") -> None:
-    """Compile the dense MLPs inside ``blocks`` (with dynamic token counts).
-
-    Only the MLPs: attention over packed items of varying lengths loops over them (SDPA) or calls flash-attn's
-    varlen kernel, which compilation would cut into pieces and recompile per item count, and MoE layers route a
-    data-dependent number of tokens to each expert.
-    """
-    for block in blocks:
-        for module in block.modules():
-            if isinstance(module, GeluMLP | FeedForward):
-                module.compile(backend=backend, dynamic=True)
+def apply_compile(modules: Iterable[nn.Module], backend: str = "inductor") -> None:
+    """Compile each of ``modules`` (with dynamic token counts). The model's plan chooses them: dense MLPs, since
+    attention over packed items of varying lengths loops over them (SDPA) or calls flash-attn's varlen kernel, which
+    compilation would cut into pieces and recompile per item count, and MoE layers route a data-dependent number of
+    tokens to each expert."""
+    for module in modules:
+        module.compile(backend=backend, dynamic=True)

@@ -14,6 +14,8 @@ divides by the data-parallel size, matching the average FSDP takes of every othe
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -22,9 +24,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from omni_lightning.models.moe import ExpertCompute, GroupedExperts
+__all__ = ["ExpertCompute", "ExpertDispatcher", "apply_ep", "expert_major_order", "sync_expert_gradients"]
 
-__all__ = ["ExpertDispatcher", "apply_ep", "expert_major_order", "sync_expert_gradients"]
+# Runs the experts held here on rows sorted by (local) expert, given the rows per expert.
+ExpertCompute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def expert_major_order(received_counts: np.ndarray) -> np.ndarray:
@@ -63,15 +66,14 @@ class ExpertDispatcher:
         return funcol.all_to_all_single_autograd(restored, send_counts, recv_counts, self.group)
 
 
-def apply_ep(decoder: nn.Module, ep_mesh: DeviceMesh, replica_group: dist.ProcessGroup | None,
+def apply_ep(experts: Iterable[nn.Module], ep_mesh: DeviceMesh, replica_group: dist.ProcessGroup | None,
              gradient_divide: int) -> list[nn.Parameter]:
-    """Shard every :class:`GroupedExperts` of ``decoder`` over ``ep_mesh`` (in place); returns their parameters,
-    which FSDP must leave alone."""
+    """Shard every stacked-experts module of ``experts`` over ``ep_mesh`` (in place): its ``w1``, ``w3`` and ``w2``
+    along the expert dimension, and its ``dispatcher`` set to move rows to their experts' rank. Returns their
+    parameters, which FSDP must leave alone."""
     ep = ep_mesh.size()
     sharded: list[nn.Parameter] = []
-    for module in decoder.modules():
-        if not isinstance(module, GroupedExperts):
-            continue
+    for module in experts:
         if module.n_experts % ep:
             raise ValueError(f"llm.n_experts={module.n_experts} is not divisible by ep={ep}; pick ep dividing it")
         for name in ("w1", "w3", "w2"):
@@ -87,7 +89,7 @@ def sync_expert_gradients(model: nn.Module) -> None:
     step, after the last accumulated backward)."""
     for module in model.modules():
         dispatcher = getattr(module, "dispatcher", None)
-        if not isinstance(module, GroupedExperts) or not isinstance(dispatcher, ExpertDispatcher):
+        if not isinstance(dispatcher, ExpertDispatcher):
             continue
         for param in module.parameters():
             if param.grad is None:

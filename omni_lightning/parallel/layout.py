@@ -1,17 +1,41 @@
-"""Materialise the groups computed by :class:`ParallelDims` as a DeviceMesh and encoder process groups."""
+"""The layout of a job: every process group, created here and nowhere else, and the one object that hands them on.
+
+:func:`build_layout` materialises the groups :class:`ParallelDims` computes (the LLM's DeviceMesh and its views, the
+encoder groups, the encoder pool's) in the same order on every rank, since group creation is collective. The groups
+later steps need and only they know the shape of (the loader's reorder groups, the pipeline's point-to-point and
+relay groups) are created on first request by :class:`OmniLayout`'s methods, which every rank calls in the same
+order; a second request returns the same group.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from omni_lightning.balance.reorder import balance_groups
 from omni_lightning.parallel.dims import FLATTENED_DIMS, ParallelDims
 from omni_lightning.parallel.placement import PoolLayout
+from omni_lightning.parallel.settings import PipelineSettings, PlacementSettings
 
-__all__ = ["OmniMeshes", "EncoderPool", "build_meshes", "build_encoder_pool"]
+if TYPE_CHECKING:
+    from omni_lightning.balance.cost import CostModel
+    from omni_lightning.batch import PackingSpec
+
+__all__ = ["EncoderPool", "ModelGroups", "OmniLayout", "OmniMeshes", "build_encoder_pool", "build_layout",
+           "build_meshes", "new_reorder_groups"]
+
+
+@dataclass(frozen=True)
+class ModelGroups:
+    """The process groups a model's own forward uses: its context-parallel peers (whose tokens it attends over) and
+    the ranks whose tokens make one global batch (``dp_cp``: global statistics such as MoE routing)."""
+
+    cp: dist.ProcessGroup | None = None
+    batch: dist.ProcessGroup | None = None
 
 
 @dataclass
@@ -179,3 +203,98 @@ def _new_subgroups(groups: list[list[int]], rank: int) -> dist.ProcessGroup | No
     if rank not in dist.get_process_group_ranks(mine):
         raise AssertionError(f"rank {rank} landed in the wrong subgroup {dist.get_process_group_ranks(mine)}")
     return mine
+
+
+@dataclass
+class OmniLayout:
+    """This rank's place in the job, handed by the strategy to the module and the data module.
+
+    ``dims`` are the LLM's degrees (the whole world, or the LLM pool of the disaggregated placement); ``meshes``
+    this rank's LLM mesh and encoder groups; ``pool`` the encoder pool's groups (disaggregated only). ``reshard``:
+    each step's encoder items are resharded over the encoder group. ``cost_model`` and ``packing`` are the model's,
+    for the loader's plans.
+    """
+
+    dims: ParallelDims
+    meshes: OmniMeshes
+    pipeline: PipelineSettings
+    placement: PlacementSettings
+    rank: int
+    reshard: bool
+    pool: EncoderPool | None = None
+    cost_model: CostModel | None = None
+    packing: PackingSpec | None = None
+    _created: dict[tuple[object, ...], dist.ProcessGroup | None] = field(default_factory=dict, repr=False)
+
+    @property
+    def is_encoder_rank(self) -> bool:
+        """Whether this rank belongs to the encoder pool of the disaggregated placement."""
+        return self.pool is not None and self.pool.layout.is_encoder_rank(self.rank)
+
+    @property
+    def dp_rank(self) -> int:
+        """The data-parallel rank whose samples this rank reads. An encoder-pool rank reads the stream of the first
+        LLM data-parallel rank it serves, so that both pools run the same number of batches an epoch."""
+        if self.pool is not None and self.is_encoder_rank:
+            return self.pool.layout.served_by(self.rank)[0]
+        return self.meshes.local_rank("dp")
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether a step is a stream of micro-batches: a pipeline, or the pools' stream (a two-stage pipeline)."""
+        return self.dims.pp > 1 or self.placement.disaggregated
+
+    @property
+    def model_groups(self) -> ModelGroups:
+        cp, batch = self.meshes.get("cp"), self.meshes.get("dp_cp")
+        return ModelGroups(cp=cp.get_group() if cp is not None else None,
+                           batch=batch.get_group() if batch is not None else None)
+
+    def reorder_groups(self, size: int) -> tuple[dist.ProcessGroup | None, int]:
+        """This rank's reorder group (see :func:`new_reorder_groups`) and its index in its data-parallel group."""
+        key = ("reorder", size)
+        if key not in self._created:
+            self._created[key] = new_reorder_groups(self.dims.groups("dp"), self.dp_rank, size)  # type: ignore[assignment]
+        return self._created[key]  # type: ignore[return-value]
+
+    def relay_group(self) -> dist.ProcessGroup | None:
+        """A gloo group of this rank's pipeline peers (stage 0 first): stage 0 relays each step's shapes over it."""
+        return self._subgroups(("relay",), self.dims.groups("pp"), backend="gloo")
+
+    def pipeline_transfer_group(self) -> dist.ProcessGroup | None:
+        """A group of this rank's pipeline peers for the joint pipeline's transfers alone, so they never meet the
+        schedule's."""
+        return self._subgroups(("pipeline_transfers",), self.dims.groups("pp"), backend=None)
+
+    def _subgroups(self, key: tuple[object, ...], groups: list[list[int]], *,
+                   backend: str | None) -> dist.ProcessGroup | None:
+        if key not in self._created:
+            # An encoder-pool rank takes part in creating the LLM pool's groups (collective) without being in one.
+            mine, _ = dist.new_subgroups_by_enumeration(groups, backend=backend)
+            self._created[key] = mine if any(self.rank in group for group in groups) else None
+        return self._created[key]
+
+
+def new_reorder_groups(dp_groups: list[list[int]], dp_rank: int, size: int) -> tuple[dist.ProcessGroup | None, int]:
+    """Reorder groups of ``size`` consecutive data-parallel ranks in every data-parallel group, created in the same
+    order on every rank (collective), on gloo (the loader exchanges host tensors): this rank's (``None`` alone) and
+    its index among those of its data-parallel group (:func:`~omni_lightning.balance.reorder.balance_groups`)."""
+    chunks = balance_groups(len(dp_groups[0]), size)
+    index = next(i for i, chunk in enumerate(chunks) if dp_rank in chunk)
+    if size == 1:
+        return None, index
+    mine, _ = dist.new_subgroups_by_enumeration([[group[i] for i in chunk] for group in dp_groups for chunk in chunks],
+                                                backend="gloo")
+    return mine, index
+
+
+def build_layout(dims: ParallelDims, device_type: str, *, pipeline: PipelineSettings, placement: PlacementSettings,
+                 reshard: bool, pool: PoolLayout | None = None, pool_enc_sp: int = 1) -> OmniLayout:
+    """Create the job's groups (collective: every rank calls it with the same arguments) and this rank's layout."""
+    meshes = build_meshes(dims, device_type, pool=pool)
+    encoder_pool = build_encoder_pool(pool, pool_enc_sp, device_type) if pool is not None else None
+    return OmniLayout(dims, meshes, pipeline, placement, dist.get_rank(), reshard, encoder_pool)

@@ -1,12 +1,12 @@
-"""Tensor parallelism (Megatron-style column/row splits) for a decoder LLM, following the plans it declares.
+"""Tensor parallelism (Megatron-style column/row splits): the linear styles the models' plans use.
 
 Attention heads and MLP hidden units are split over the TP mesh; activations between blocks stay replicated,
 so the encoders' outputs can be written into the embeddings without any resharding. The LM head's logits stay
 sharded over the vocabulary (a DTensor) and the loss is computed under ``loss_parallel``. Encoders are not split:
 they are small, and their balance comes from data and sequence parallelism instead (see DESIGN.md).
-The plans themselves belong to the model (:class:`~omni_lightning.models.adapters.LLMAdapter`): the reference
-decoder keeps MoE feed-forward layers replicated over TP (expert parallelism is a separate dimension); Hugging Face
-decoders follow their ``base_model_tp_plan``.
+The plans themselves belong to the model (:class:`~omni_lightning.models.adapters.LLMAdapter`, applied by
+:func:`omni_lightning.models.parallelize.apply_tp`): the reference decoder keeps MoE feed-forward layers replicated
+over TP (expert parallelism is a separate dimension); Hugging Face decoders follow their ``base_model_tp_plan``.
 
 The blocks' projections use :class:`ColwiseLinear` and :class:`RowwiseLinear` rather than DTensor's
 ``ColwiseParallel``/``RowwiseParallel``: their weights are the same DTensors (so FSDP, checkpoints and optimizers see
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from functools import partial
 from types import MethodType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,24 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle
 from typing_extensions import override
 
-if TYPE_CHECKING:  # the models import these styles for their plans
-    from omni_lightning.models.adapters.protocol import LLMAdapter
-
-__all__ = ["ColwiseLinear", "RowwiseLinear", "apply_tp"]
-
-
-def apply_tp(llm: LLMAdapter, tp_mesh: DeviceMesh) -> None:
-    """Split the LLM's embedding, head and block projections over ``tp_mesh`` (in place), by its TP plans."""
-    llm.check_tp(tp_mesh.size())
-    # A pipeline stage may hold neither the embedding (not first) nor the head (not last).
-    plan = {name: style for name, style in llm.tp_plan().items() if hasattr(llm, name)}
-    if plan:
-        parallelize_module(llm, tp_mesh, plan)
-    for block in llm.layers.values():
-        parallelize_module(block, tp_mesh, llm.layer_tp_plan(block))
+__all__ = ["ColwiseLinear", "RowwiseLinear"]
 
 
 class _CopyToTensorParallel(torch.autograd.Function):

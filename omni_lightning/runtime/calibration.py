@@ -19,8 +19,10 @@ import numpy as np
 import torch.distributed as dist
 
 from omni_lightning.balance.calibration import fit_joint_calibration
-from omni_lightning.balance.cost import CostModel
+from omni_lightning.balance.cost import CostModel, work_features
+from omni_lightning.batch import PackedBatch, PackingSpec
 from omni_lightning.parallel.timing import ActionLog
+from omni_lightning.runtime.items import item_layout
 
 if TYPE_CHECKING:
     from omni_lightning.runtime.joint import JointEncoders
@@ -32,14 +34,11 @@ logger = logging.getLogger(__name__)
 _ENCODER_KINDS = ("E", "EB")
 
 
-def micro_batch_features(batch: dict[str, Any], *, audio_downsample: int) -> np.ndarray:
-    """The six cost features (:data:`~omni_lightning.balance.cost.FEATURES` order) of a packed micro-batch: the sums
-    of its samples' (:func:`~omni_lightning.balance.cost.feature_matrix`)."""
-    sequences = np.diff(batch["cu_seqlens"].cpu().numpy().astype(np.float64))
-    patches = batch["vision_grids"].cpu().numpy().astype(np.float64).reshape(-1, 2).prod(axis=1)
-    clips = batch["audio_lengths"].cpu().numpy().astype(np.float64) / audio_downsample
-    return np.array([patches.sum(), (patches**2).sum(), clips.sum(), (clips**2).sum(), sequences.sum(),
-                     (sequences * (sequences + 1) / 2).sum()])
+def micro_batch_features(batch: PackedBatch, spec: PackingSpec) -> np.ndarray:
+    """The cost features (:func:`~omni_lightning.balance.cost.work_features`) of a packed micro-batch: every
+    encoder's items, and the LLM's sequences."""
+    items = {fmt.name: item_layout(batch, spec, fmt.name)[0].tolist() for fmt in spec.encoders}
+    return work_features(spec.encoder_names, items, np.diff(batch["cu_seqlens"].cpu().numpy()).tolist())
 
 
 class JointCalibrator:
@@ -76,8 +75,8 @@ class JointCalibrator:
         if self.log is None:
             return
         offset = sum(f.shape[0] for f in self._features)
-        downsample = self.joint.model.audio.config.downsample
-        self._features.append(np.stack([micro_batch_features(b, audio_downsample=downsample) for b in micro_batches]))
+        spec = self.joint.model.packing
+        self._features.append(np.stack([micro_batch_features(b, spec) for b in micro_batches]))
         self._actions += [(kind, offset + m, seconds) for kind, m, seconds in self.log.actions]
         self.log = None
         if self.seen == self.skip + self.steps:

@@ -12,7 +12,7 @@ asynchronously, so no stage waits for another's encoder work unless stage 0 woul
 tensor parallelism a stage's TP peers hold the same micro-batches: they split the stage's items between them (LPT
 over the step), all-gather the outputs at the insertion (they reach it together, as they do every TP collective),
 and each backpropagates its own items from the share's gradient, which every peer of stage 0 holds whole. With an
-encoder balancer, a stage's data-parallel peers (the same stage of other replicas, in step with it through the
+resharder, a stage's data-parallel peers (the same stage of other replicas, in step with it through the
 stage's FSDP collectives) also plan each insertion's items together, long ones split with sequence parallelism,
 exactly as the encoders do without a pipeline (:mod:`omni_lightning.runtime.reshard`).
 
@@ -47,12 +47,12 @@ from torch.distributed.tensor import DTensor
 
 from omni_lightning.balance.cost import CostModel, ModuleCost
 from omni_lightning.balance.pipeline_order import assign_encoder_items, lpt_ranks, stage_shares_of
+from omni_lightning.batch import EncoderOutputs
 from omni_lightning.parallel.timing import ActionLog, timed, waiting
-from omni_lightning.runtime.reshard import EncoderBalancer, EncoderStep
+from omni_lightning.runtime.items import item_layout, select_items
+from omni_lightning.runtime.reshard import EncoderStep, Resharder
 
 __all__ = ["JointEncoders", "share_items"]
-
-_MODALITIES = ("vision", "audio")
 
 
 def share_items(token_counts: np.ndarray, cost: ModuleCost, loads: np.ndarray, *,
@@ -75,21 +75,15 @@ def _item_costs(token_counts: np.ndarray, cost: ModuleCost) -> np.ndarray:
 
 
 class _Items:
-    """One modality's items of a micro-batch: their input rows, output rows, and which rank encodes each."""
+    """One encoder's items of a micro-batch: their inputs, output rows, and which rank encodes each."""
 
-    def __init__(self, name: str, batch: dict[str, Any], encoder: nn.Module, cost: ModuleCost) -> None:
-        self.name, self.encoder = name, encoder
-        if name == "vision":
-            self.grids = batch["vision_grids"]
-            self.input_rows = (self.grids[:, 0] * self.grids[:, 1]).tolist()
-            self.tokens = np.array(self.input_rows, dtype=np.int64)
-            self.sources = (batch["vision_patches"], batch["vision_positions"])
-        else:
-            self.lengths = batch["audio_lengths"]
-            self.input_rows = self.lengths.tolist()
-            self.tokens = np.array(self.input_rows, dtype=np.int64) // encoder.config.downsample
-            self.sources = (batch["audio_mels"],)
-        self.output_rows = (self.tokens // encoder.tokens_per_output).astype(np.int64)
+    def __init__(self, name: str, batch: dict[str, Any], model: nn.Module, cost: ModuleCost) -> None:
+        self.name, self.encoder = name, model.encoders[name]
+        spec = model.packing
+        self.inputs = model.encoder_inputs(batch, name)
+        self.tokens, self.input_rows = item_layout(batch, spec, name)
+        self.device = self.inputs[0].device
+        self.output_rows = (self.tokens // spec.encoder(name).tokens_per_output(spec)).astype(np.int64)
         self.costs = _item_costs(self.tokens, cost)
         # Set by JointEncoders' plan of the step: the pipeline rank whose stage encodes each item, and which of that
         # stage's tensor-parallel peers does.
@@ -109,7 +103,7 @@ class _Items:
         """Row index that turns the peers' outputs of ``rank``'s share, concatenated peer by peer, into item order."""
         mine = np.flatnonzero(self.owner == rank)
         order = _item_order(self.output_rows[mine], self.peer[mine], tp)
-        return torch.as_tensor(order, device=self.sources[0].device)
+        return torch.as_tensor(order, device=self.device)
 
     def peer_rows_in_share(self, rank: int, peer: int) -> torch.Tensor:
         """Rows of ``rank``'s share (in item order) that tensor-parallel peer ``peer`` encodes."""
@@ -118,21 +112,15 @@ class _Items:
         starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         pieces = [np.arange(starts[k], starts[k + 1]) for k in np.flatnonzero(self.peer[mine] == peer)]
         index = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-        return torch.as_tensor(index, device=self.sources[0].device)
+        return torch.as_tensor(index, device=self.device)
 
     def inputs_of(self, rank: int, peer: int = 0) -> tuple[torch.Tensor, ...] | None:
         items = np.flatnonzero((self.owner == rank) & (self.peer == peer))
-        if items.size == 0:
-            return None
-        starts = np.concatenate([[0], np.cumsum(self.input_rows)]).astype(int)
-        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in items.tolist()])
-        picked = tuple(source[rows.to(source.device)] for source in self.sources)
-        index = torch.as_tensor(items, device=self.sources[0].device)
-        return (*picked, self.grids[index]) if self.name == "vision" else (*picked, self.lengths[index])
+        return select_items(self.inputs, self.input_rows, items) if items.size else None
 
     def item_order(self, pp: int) -> torch.Tensor:
         """Row index that turns the shares, concatenated by rank, into item order."""
-        return torch.as_tensor(_item_order(self.output_rows, self.owner, pp), device=self.sources[0].device)
+        return torch.as_tensor(_item_order(self.output_rows, self.owner, pp), device=self.device)
 
 
 class JointEncoders:
@@ -151,8 +139,8 @@ class JointEncoders:
         dp_group: the data-parallel peers whose FSDP collectives the encoders share (``None`` without them).
         tp_group: this stage's tensor-parallel peers (``None`` without them). They hold the same micro-batches, so
             instead of each encoding all of its stage's share they split its items (LPT) and all-gather the outputs.
-        balancer: reshards each insertion's items over this stage's data-parallel peers, splitting long ones with
-            sequence parallelism (:class:`~omni_lightning.runtime.reshard.EncoderBalancer`; ``None``: each
+        resharder: reshards each insertion's items over this stage's data-parallel peers, splitting long ones with
+            sequence parallelism (:class:`~omni_lightning.runtime.reshard.Resharder`; ``None``: each
             rank encodes its own items). The peers reach every insertion together: their stage's FSDP collectives
             keep them in step.
     """
@@ -160,17 +148,17 @@ class JointEncoders:
     def __init__(self, model: nn.Module, p2p_group: dist.ProcessGroup, costs: dict[str, ModuleCost], *,
                  n_microbatches: int, lag: int, one_f_one_b: bool = False, llm_share: float = 1.0,
                  dtype: torch.dtype = torch.float32, dp_group: dist.ProcessGroup | None = None,
-                 tp_group: dist.ProcessGroup | None = None, balancer: EncoderBalancer | None = None) -> None:
+                 tp_group: dist.ProcessGroup | None = None, resharder: Resharder | None = None) -> None:
         self.model, self.group, self.costs = model, p2p_group, costs
         # Predicted LLM cost of each micro-batch, in the unit of the encoders' FLOP costs, for the plan of a 1F1B step;
         # a rank runs ``llm_share`` of a stage's LLM work (1 / (tp * cp)) but every item it is given whole.
-        self.llm_cost, self.llm_share = CostModel.from_config(model.config).llm, llm_share
+        self.llm_cost, self.llm_share = model.llm.cost(), llm_share
         self.forward_share = self.encoder_forward_share = 1 / 3  # FLOPs: the backward computes two gradients
         self.stage_shares: np.ndarray | None = None  # each stage's share of a micro-batch's LLM work; None: equal
         self.one_f_one_b = one_f_one_b
         self.pp, self.rank = dist.get_world_size(p2p_group), dist.get_rank(p2p_group)
         self.n_microbatches, self.lag, self.dtype, self.dp_group = n_microbatches, lag, dtype, dp_group
-        self.tp_group, self.balancer = tp_group, balancer
+        self.tp_group, self.resharder = tp_group, resharder
         self.tp, self.tp_rank = (dist.get_world_size(tp_group), dist.get_rank(tp_group)) if tp_group else (1, 0)
         self._runs: np.ndarray = np.zeros(0, dtype=bool)  # [micro-batch, modality]: this rank runs the encoder
         self.micro_batches: list[dict[str, Any]] = []
@@ -178,8 +166,8 @@ class JointEncoders:
         self.encoded: dict[int, tuple[torch.Tensor, ...]] = {}  # stage 0: leaves fed to the embedding
         self.peak_in_flight = 0  # most micro-batches whose encoder activations were alive at once, this step
         self.done: list[int] = []  # micro-batches whose share this rank encoded, in order
-        # Images, frames and clips of this rank's part of its stage's shares this step (wherever the balancer had
-        # them encoded), and how many items the balancer moved between the stage's data-parallel peers (all of them).
+        # Images, frames and clips of this rank's part of its stage's shares this step (wherever the resharder had
+        # them encoded), and how many items the resharder moved between the stage's data-parallel peers (all of them).
         self.items_encoded = self.items_moved = 0
         self._items: dict[int, list[_Items]] = {}
         self._retained: dict[int, list[tuple[torch.Tensor | None, bool]]] = {}
@@ -203,7 +191,7 @@ class JointEncoders:
             if not 0.0 < share < 1.0:
                 raise ValueError(f"{name}={share} must be strictly between 0 and 1")
         shares = None if stage_shares is None else stage_shares_of(stage_shares, self.pp)
-        self.costs = {name: getattr(cost_model, name) for name in _MODALITIES}
+        self.costs = {name: getattr(cost_model, name) for name in self.model.encoder_names}
         self.llm_cost = cost_model.llm
         self.forward_share, self.encoder_forward_share = forward_share, encoder_forward_share
         self.stage_shares = shares
@@ -218,7 +206,7 @@ class JointEncoders:
         """Before the schedule: plan every micro-batch, post the receives, encode the first shares."""
         self.micro_batches, self.train, self.done, self.peak_in_flight = micro_batches, train, [], 0
         self.items_encoded = self.items_moved = 0
-        self._items = {m: [_Items(name, batch, getattr(self.model, name), self.costs[name]) for name in _MODALITIES]
+        self._items = {m: [_Items(name, batch, self.model, self.costs[name]) for name in self.model.encoder_names]
                        for m, batch in enumerate(micro_batches)}
         self._plan(micro_batches)
         mine = np.array([[items.peer_rows(self.rank, self.tp)[self.tp_rank] > 0 for items in self._items[m]]
@@ -311,20 +299,26 @@ class JointEncoders:
         self._items.clear()
         self.micro_batches = []
 
-    def outputs(self, micro_batch: int) -> tuple[torch.Tensor, ...]:
-        """Stage 0: the vision and audio outputs of ``micro_batch`` (leaves that collect their gradients)."""
-        return self.encoded[micro_batch]
+    def outputs(self, micro_batch: int) -> EncoderOutputs:
+        """Stage 0: every encoder's outputs of ``micro_batch`` (leaves that collect their gradients)."""
+        leaves = self.encoded[micro_batch]
+        return EncoderOutputs({name: (leaf,) for name, leaf in zip(self.model.encoder_names, leaves, strict=True)})
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Items this rank encoded and items the resharder moved between the stage's data-parallel peers, this step."""
+        return {"items_encoded": float(self.items_encoded), "items_moved": float(self.items_moved)}
 
     # ------------------------------------------------------------------------------------------------ work
     def _tag(self, micro_batch: int, modality: int, backward: bool) -> int:
-        return (micro_batch * len(_MODALITIES) + modality) * 2 + int(backward)
+        return (micro_batch * len(self.model.encoder_names) + modality) * 2 + int(backward)
 
     def _post_receives(self, m: int) -> None:
         """Stage 0 receives every other rank's shares of ``m``; the others receive their shares' gradients."""
         posted = []
         width = self.model.config.llm.dim
         for modality, items in enumerate(self._items[m]):
-            device = items.sources[0].device
+            device = items.device
             if self.rank == 0:
                 buffers = [torch.empty(items.rows_of(r), width, dtype=self.dtype, device=device)
                            for r in range(self.pp)]
@@ -346,21 +340,21 @@ class JointEncoders:
     def _encode_share(self, m: int) -> None:
         retained = []
         with torch.set_grad_enabled(self.train):
-            steps = self._balancer_plan(m)
-            previous: torch.Tensor | None = None  # the chain that orders the balancer's collectives in backward
+            steps = self._reshard_plan(m)
+            previous: torch.Tensor | None = None  # the chain that orders the resharder's collectives in backward
             for modality, items in enumerate(self._items[m]):
                 inputs, encoder = items.inputs_of(self.rank, self.tp_rank), items.encoder
                 out = None
                 if not self._runs[m, modality]:  # neither this rank nor its data-parallel peers have work here
                     retained.append((None, True))
                 elif steps is not None:  # every peer runs it, own items or not (then with a dummy)
-                    encoded = self.balancer.encode(  # type: ignore[union-attr]
-                        encoder, inputs or encoder.dummy_inputs(items.sources[0].device), steps[items.name],
+                    encoded = self.resharder.encode(  # type: ignore[union-attr]
+                        encoder, inputs or encoder.dummy_inputs(items.device), steps[items.name],
                         dependency=previous)
                     previous, out = encoded, encoded if inputs is not None else None
                     retained.append((encoded, inputs is None))
                 elif inputs is None:  # nothing for this rank: a dummy item keeps its FSDP collectives in line
-                    retained.append((encoder(*encoder.dummy_inputs(items.sources[0].device)), True))
+                    retained.append((encoder(*encoder.dummy_inputs(items.device)), True))
                 else:
                     out = encoder(*inputs)
                     retained.append((out, False))
@@ -379,16 +373,16 @@ class JointEncoders:
         self.done.append(m)
         self.peak_in_flight = max(self.peak_in_flight, len(self._retained))
 
-    def _balancer_plan(self, m: int) -> dict[str, EncoderStep] | None:
-        """The balancer's plan of this insertion's items over the stage's data-parallel peers (``None`` without a
-        balancer, or where no peer runs an encoder here). The peers agree on which encoders run (``_runs``)."""
+    def _reshard_plan(self, m: int) -> dict[str, EncoderStep] | None:
+        """The resharder's plan of this insertion's items over the stage's data-parallel peers (``None`` without a
+        resharder, or where no peer runs an encoder here). The peers agree on which encoders run (``_runs``)."""
         running = [items for modality, items in enumerate(self._items[m]) if self._runs[m, modality]]
-        if self.balancer is None or not running:
+        if self.resharder is None or not running:
             return None
         own = {items.name: torch.as_tensor(items.tokens[(items.owner == self.rank) & (items.peer == self.tp_rank)],
-                                           device=items.sources[0].device) for items in running}
-        steps = self.balancer.plan(own, {items.name: items.encoder.tokens_per_output for items in running})
-        self.items_moved += int(self.balancer.stats.get("items_moved", 0))
+                                           device=items.device) for items in running}
+        steps = self.resharder.plan(own, {items.name: items.encoder.tokens_per_output for items in running})
+        self.items_moved += int(self.resharder.stats.get("items_moved", 0))
         return steps
 
     def _stage_share(self, items: _Items, out: torch.Tensor | None) -> torch.Tensor:
@@ -399,7 +393,7 @@ class JointEncoders:
             return out.detach().contiguous()
         rows = items.peer_rows(self.rank, self.tp)
         width = self.model.config.llm.dim
-        mine = torch.zeros(max(rows), width, dtype=self.dtype, device=items.sources[0].device)
+        mine = torch.zeros(max(rows), width, dtype=self.dtype, device=items.device)
         if out is not None:
             mine[: out.shape[0]] = out.detach()
         parts = [torch.empty_like(mine) for _ in range(self.tp)]
@@ -474,8 +468,8 @@ class JointEncoders:
     def sync_gradients(self) -> None:
         """Sum the encoders' gradients over the pipeline ranks and their tensor-parallel peers (each encoded a part
         of every micro-batch)."""
-        for name in _MODALITIES:
-            for param in getattr(self.model, name).parameters():
+        for encoder in self.model.encoders.values():
+            for param in encoder.parameters():
                 if param.grad is None:  # no share of this encoder's work here this step; the others had some
                     param.grad = torch.zeros_like(param)
                 local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad

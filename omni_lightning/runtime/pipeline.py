@@ -14,7 +14,6 @@ micro-batch (encoder inputs included) from the runner, so images and audio never
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,26 +29,20 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleavedZeroBubble,
 )
 
-from omni_lightning.balance.cost import CostModel
-from omni_lightning.models.config import AUDIO_ID, BOS_ID, IMAGE_ID, LLMConfig
+from omni_lightning.batch import PackedBatch
+from omni_lightning.models.config import LLMConfig
 from omni_lightning.models.llm import rotary_embedding
-from omni_lightning.models.mllm import IGNORE_INDEX, ReferenceMLLM, next_token_loss_sum
+from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.models.moe import MoEFeedForward
 from omni_lightning.parallel.context_parallel import shard_for_context_parallel
-from omni_lightning.parallel.timing import ActionLog, action_clock, timed
+from omni_lightning.parallel.settings import PipelineSettings
+from omni_lightning.parallel.timing import ActionLog, timed
 from omni_lightning.runtime.calibration import JointCalibrator
+from omni_lightning.runtime.encoders import EncoderSource
 from omni_lightning.runtime.joint import JointEncoders
-from omni_lightning.runtime.reshard import EncoderBalancer
+from omni_lightning.runtime.loss import StepLoss, next_token_loss_sum
 
-__all__ = [
-    "PIPELINE_SCHEDULES",
-    "PipelineRunner",
-    "PipelineSettings",
-    "assign_layers",
-    "layer_costs",
-    "split_micro_batches",
-    "stage_ids_of_rank",
-]
+__all__ = ["PIPELINE_SCHEDULES", "PipelineRunner", "assign_layers", "layer_costs", "stage_ids_of_rank"]
 
 PIPELINE_SCHEDULES = {
     "GPipe": ScheduleGPipe,
@@ -57,27 +50,6 @@ PIPELINE_SCHEDULES = {
     "Interleaved1F1B": ScheduleInterleaved1F1B,
     "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
 }
-_MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble")
-
-
-@dataclass(frozen=True)
-class PipelineSettings:
-    """How a pipeline runs: ``schedule`` (a key of :data:`PIPELINE_SCHEDULES`), micro-batches per step (``None``:
-    ``pp``), stages per rank (``virtual_stages`` > 1 for the interleaved schedules), the padded length of the
-    stage-to-stage buffers (``max_tokens``: the most tokens a micro-batch may hold), and where encoders run:
-    ``"joint"`` (inserted into the schedule on every stage's rank; 1F1B and GPipe, see
-    :mod:`omni_lightning.runtime.joint`), ``"first_stage"`` (inside stage 0, torchtitan's way) or
-    ``"pool"`` (another pool of ranks encodes and stage 0 receives the outputs: the disaggregated placement, see
-    :mod:`omni_lightning.runtime.pool`). ``calibration_steps``: with the joint pipeline under 1F1B, how many
-    training steps (after the first) are timed to calibrate its item plan
-    (:class:`~omni_lightning.runtime.calibration.JointCalibrator`); 0 keeps the FLOP model."""
-
-    schedule: str = "1F1B"
-    microbatches: int | None = None
-    virtual_stages: int = 1
-    max_tokens: int = 4096
-    encoders: str = "joint"
-    calibration_steps: int = 0
 
 
 # ------------------------------------------------------------------------------------------------- planning
@@ -134,63 +106,6 @@ def stage_ids_of_rank(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
     return [pp_rank + v * pp for v in range(virtual_stages)]
 
 
-def _filler(device: torch.device) -> dict[str, Any]:
-    """A micro-batch of one BOS token and no loss, for a step with fewer samples than micro-batches."""
-    return {
-        "input_ids": torch.tensor([BOS_ID], device=device), "labels": torch.tensor([IGNORE_INDEX], device=device),
-        "position_ids": torch.zeros(1, dtype=torch.long, device=device),
-        "cu_seqlens": torch.tensor([0, 1], dtype=torch.int32, device=device),
-        "vision_patches": torch.zeros(0, 0, device=device), "vision_positions": torch.zeros(0, 2, dtype=torch.long),
-        "vision_grids": torch.zeros(0, 2, dtype=torch.long, device=device),
-        "audio_mels": torch.zeros(0, 0, device=device), "audio_lengths": torch.zeros(0, dtype=torch.long),
-        "keys": [], "num_samples": 0,
-    }
-
-
-def split_micro_batches(batch: dict[str, Any], n: int, *, vision_merge: int = 4,
-                        audio_downsample: int = 4) -> list[dict[str, Any]]:
-    """Cut one packed batch into ``n`` packed micro-batches of whole samples, contiguous and even by tokens."""
-    cu = batch["cu_seqlens"].long().tolist()
-    samples = len(cu) - 1
-    ids = batch["input_ids"]
-    vision_tokens = [int((ids[a:b] == IMAGE_ID).sum()) for a, b in zip(cu[:-1], cu[1:], strict=True)]
-    audio_tokens = [int((ids[a:b] == AUDIO_ID).sum()) for a, b in zip(cu[:-1], cu[1:], strict=True)]
-    # Which vision items (images, frames) and audio clips belong to each sample, in packing order.
-    item_tokens = (batch["vision_grids"].prod(1) // vision_merge).tolist()
-    item_bounds, item = [0], 0
-    for tokens in vision_tokens:
-        while tokens > 0:
-            tokens -= item_tokens[item]
-            item += 1
-        item_bounds.append(item)
-    clip_bounds = np.concatenate([[0], np.cumsum([t > 0 for t in audio_tokens])]).tolist()
-    patch_bounds = np.concatenate([[0], np.cumsum(batch["vision_grids"].prod(1).tolist())]).astype(int).tolist()
-    frame_bounds = np.concatenate([[0], np.cumsum(batch["audio_lengths"].tolist())]).astype(int).tolist()
-    # Even by tokens: sample s goes to the group its token midpoint falls in.
-    midpoints = [(a + b) / 2 / max(cu[-1], 1) for a, b in zip(cu[:-1], cu[1:], strict=True)]
-    groups = [[s for s in range(samples) if min(int(midpoints[s] * n), n - 1) == g] for g in range(n)]
-    out = []
-    for group in groups:
-        if not group:
-            out.append(_filler(ids.device))
-            continue
-        first, last = group[0], group[-1]
-        tokens = slice(cu[first], cu[last + 1])
-        items = slice(item_bounds[first], item_bounds[last + 1])
-        clips = slice(clip_bounds[first], clip_bounds[last + 1])
-        out.append({
-            "input_ids": ids[tokens], "labels": batch["labels"][tokens], "position_ids": batch["position_ids"][tokens],
-            "cu_seqlens": (batch["cu_seqlens"][first : last + 2] - cu[first]).to(torch.int32),
-            "vision_patches": batch["vision_patches"][patch_bounds[items.start] : patch_bounds[items.stop]],
-            "vision_positions": batch["vision_positions"][patch_bounds[items.start] : patch_bounds[items.stop]],
-            "vision_grids": batch["vision_grids"][items],
-            "audio_mels": batch["audio_mels"][frame_bounds[clips.start] : frame_bounds[clips.stop]],
-            "audio_lengths": batch["audio_lengths"][clips],
-            "keys": list(batch.get("keys", []))[first : last + 1], "num_samples": len(group),
-        })
-    return out
-
-
 # ------------------------------------------------------------------------------------------------ runtime
 def _pad_rows(x: torch.Tensor, rows: int, value: float = 0, dim: int = 0) -> torch.Tensor:
     """``x`` padded along ``dim`` to ``rows`` (a new tensor)."""
@@ -212,8 +127,8 @@ class _StageModule(nn.Module):
         self.is_first, self.is_last = is_first, is_last
         if is_first:
             self.tok_embeddings = model.llm.tok_embeddings
-            if runner.joint is None:  # joint encoders are their own FSDP roots, on every pipeline rank
-                self.vision, self.audio = model.vision, model.audio
+            if runner.settings.encoders == "first_stage":  # else the encoders are roots of their own, or elsewhere
+                self.encoders = nn.ModuleDict(model.encoders)
         if is_last:
             self.norm, self.output = model.llm.norm, model.llm.output
         self._model = (model,)  # not registered: the model is not part of this stage
@@ -236,15 +151,17 @@ class _StageModule(nn.Module):
         (model,), (runner,) = self._model, self._runner
         number = inputs[-1]
         batch = runner.micro_batches[index]
-        if runner.joint is not None:
-            runner.joint.before_forward(index)
+        if runner.source is not None:
+            runner.source.before_forward(index)
         cu, positions = batch["cu_seqlens"].long(), batch["position_ids"]
-        shard = shard_for_context_parallel(cu, model.cp_group) if model.cp_group is not None else None
+        cp_group = model.groups.cp
+        shard = shard_for_context_parallel(cu, cp_group) if cp_group is not None else None
         local = shard.local_index if shard is not None else None
         if local is not None:
             positions = positions[local]
         if self.is_first:
-            x = model.embed(batch, runner.joint.outputs(index) if runner.joint is not None else None)
+            assert runner.source is not None, "the first stage embeds: it needs an encoder source"
+            x = model.embed(batch, runner.source.outputs(index))
             x = x[local] if local is not None else x
         else:
             x = inputs[0][0, : positions.numel()]
@@ -264,7 +181,8 @@ class _StageModule(nn.Module):
     def _moe_aux_share(self) -> torch.Tensor:
         shares = [layer.feed_forward.aux_loss for layer in self.layers.values()
                   if isinstance(layer.feed_forward, MoEFeedForward) and layer.feed_forward.aux_loss is not None]
-        return torch.stack(shares).sum() if shares else torch.zeros(())
+        (runner,) = self._runner
+        return torch.stack(shares).sum() if shares else torch.zeros((), device=runner.device)
 
     def example_io(self, max_tokens: int, dtype: torch.dtype, device: torch.device) -> tuple[tuple, tuple]:
         """Shapes of this stage's inputs and outputs, given to PipelineStage so no inference forward is needed."""
@@ -302,71 +220,43 @@ class _AddAuxGradient(torch.autograd.Function):
 
 
 class PipelineRunner:
-    """The stages this rank runs and the schedule that drives them; ``step`` trains on one step's micro-batches."""
+    """The stages this rank runs and the schedule that drives them; ``step`` trains on one step's micro-batches.
 
-    def __init__(self, model: ReferenceMLLM, pp_group: dist.ProcessGroup, *, schedule: str, n_microbatches: int,
-                 virtual_stages: int, max_tokens: int, device: torch.device,
-                 dtype: torch.dtype = torch.float32, encoders: str = "first_stage",
-                 encoder_group: dist.ProcessGroup | None = None,
-                 data_parallel_group: dist.ProcessGroup | None = None, encoder_source: Any = None,
-                 llm_share: float = 1.0, calibration_steps: int = 0,
-                 tensor_parallel_group: dist.ProcessGroup | None = None,
-                 encoder_balancer: EncoderBalancer | None = None) -> None:
-        """``encoder_source`` (with ``encoders="pool"``, on stage 0's ranks) supplies each micro-batch's encoder
-        outputs as :class:`JointEncoders` does: ``start``, ``before_forward``, ``outputs``, ``finish`` and
-        ``sync_gradients`` (e.g. :class:`~omni_lightning.runtime.pool.EncoderPoolLink`). ``llm_share``:
-        the part of a stage's LLM work one rank runs (``1 / (tp * cp)``), for the joint pipeline's item plan.
-        ``calibration_steps``: see :class:`PipelineSettings`. ``tensor_parallel_group``: this stage's TP peers,
-        which split the joint pipeline's encoder work of their stage; ``encoder_balancer`` reshards it over the
-        stage's data-parallel peers (see :class:`JointEncoders`)."""
-        if schedule not in PIPELINE_SCHEDULES:
-            raise ValueError(f"pp_schedule={schedule!r} must be one of {sorted(PIPELINE_SCHEDULES)}")
+    Args:
+        model: the whole model; the runner prunes it to what this rank's stages run (and, by ``settings.encoders``,
+            keeps the encoders on every rank, on the first stage, or on none).
+        pp_group: this rank's pipeline peers, stage order.
+        settings: the pipeline's settings, resolved for its degree.
+        device, dtype: where the stage-to-stage buffers live, and their dtype (the FSDP compute dtype).
+        source: on the ranks that run the first stage, the micro-batches' encoder outputs (with the joint pipeline,
+            on every rank: each encodes a share); ``None`` elsewhere.
+        calibrator: times the joint pipeline's first steps and calibrates its item plan (``None``: FLOPs).
+    """
+
+    def __init__(self, model: ReferenceMLLM, pp_group: dist.ProcessGroup, *, settings: PipelineSettings,
+                 device: torch.device, dtype: torch.dtype = torch.float32, source: EncoderSource | None = None,
+                 calibrator: JointCalibrator | None = None) -> None:
         pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
-        if schedule not in _MULTI_STAGE and virtual_stages != 1:
-            raise ValueError(f"pp_schedule={schedule!r} runs one stage per rank: use pp_virtual_stages=1")
-        if schedule in _MULTI_STAGE and n_microbatches % pp:
-            raise ValueError(f"{schedule} needs micro-batches ({n_microbatches}) to be a multiple of pp={pp}")
-        self.max_tokens = max_tokens
-        self.micro_batches: list[dict[str, Any]] = []
-        n_stages = pp * virtual_stages
+        self.settings = settings.resolved(pp)
+        self.max_tokens = settings.max_tokens
+        self.micro_batches: list[PackedBatch] = []
+        n_stages = pp * settings.virtual_stages
         costs, head = layer_costs(model.config.llm)
         self.layers_by_stage = assign_layers(costs, n_stages, last_cost=head)
-        self.stage_ids = stage_ids_of_rank(pp_rank, pp, virtual_stages)
-        self.joint: JointEncoders | None = None
-        self.calibrator: JointCalibrator | None = None
+        self.stage_ids = stage_ids_of_rank(pp_rank, pp, settings.virtual_stages)
+        self.source, self.calibrator = source, calibrator
         # While set, every stage forward and backward and every joint-pipeline action of a step is timed into it.
         self.action_log: ActionLog | None = None
-        if encoders == "joint":
-            if schedule not in ("1F1B", "GPipe"):
-                raise ValueError(f"pp_encoders='joint' inserts encoder work into 1F1B or GPipe, not {schedule}: use "
-                                 "pp_encoders='first_stage' with it")
-            if encoder_group is None:
-                raise ValueError("the joint pipeline needs its own process group over the pipeline ranks")
-            costs = CostModel.from_config(model.config)
-            # 1F1B has finished micro-batch T - pp's backward on stage 0 when it starts T; GPipe only at the end.
-            self.joint = JointEncoders(model, encoder_group, {"vision": costs.vision, "audio": costs.audio},
-                                       n_microbatches=n_microbatches, lag=pp if schedule == "1F1B" else n_microbatches,
-                                       one_f_one_b=schedule == "1F1B", llm_share=llm_share, dtype=dtype,
-                                       dp_group=data_parallel_group, tp_group=tensor_parallel_group,
-                                       balancer=encoder_balancer)
-            if calibration_steps and schedule == "1F1B":  # GPipe's plan is plain LPT: nothing to calibrate
-                self.calibrator = JointCalibrator(self.joint, encoder_group, steps=calibration_steps,
-                                                  clock=action_clock(device), flops=costs, llm_share=llm_share)
-        elif encoders == "pool":
-            self.joint = encoder_source  # type: ignore[assignment]  # None off stage 0: it embeds nothing
-        elif encoders != "first_stage":
-            raise ValueError(f"pp_encoders={encoders!r} must be 'joint' or 'first_stage'")
         self.stage_modules = [
             _StageModule(model, self, self.layers_by_stage[s], stage_index=s, is_first=s == 0,
                          is_last=s == n_stages - 1)
             for s in self.stage_ids
         ]
-        self._schedule_name, self._n_microbatches = schedule, n_microbatches
-        self._device, self._group, self._n_stages, self._dtype = device, pp_group, n_stages, dtype
+        self._model = (model,)
+        self.device, self._group, self._n_stages, self._dtype = device, pp_group, n_stages, dtype
         self._prune(model)
         self.schedule: Any = None
-        self._loss_scale = 1.0
-        self.aux_scale = 0.0
+        self._loss = StepLoss(1.0, 1)
         self._loss_sums: list[torch.Tensor] = []
 
     @property
@@ -381,10 +271,12 @@ class PipelineRunner:
         """Drop what this rank's stages do not run, so it holds (and checkpoints) only its own parameters."""
         keep = {str(i) for s in self.stage_ids for i in self.layers_by_stage[s]}
         model.llm.layers = nn.ModuleDict({k: v for k, v in model.llm.layers.items() if k in keep})
+        places = self.settings.encoders
+        if places == "pool" or (places == "first_stage" and not self.has_first_stage):
+            for name in model.encoders:  # the encoder pool's ranks (or stage 0) hold the encoders
+                delattr(model, name)
         if not self.has_first_stage:
             del model.llm.tok_embeddings
-            if self.joint is None and hasattr(model, "vision"):  # the encoder pool's ranks hold the encoders
-                del model.vision, model.audio
         if not self.has_last_stage:
             del model.llm.norm, model.llm.output
 
@@ -392,68 +284,74 @@ class PipelineRunner:
         """Wrap the stages (after TP/FSDP were applied to them) and create the schedule."""
         stages = []
         for index, module in zip(self.stage_ids, self.stage_modules, strict=True):
-            inputs, outputs = module.example_io(self.max_tokens, self._dtype, self._device)
-            stages.append(_TimedStage(module, index, self._n_stages, self._device, input_args=inputs,
+            inputs, outputs = module.example_io(self.max_tokens, self._dtype, self.device)
+            stages.append(_TimedStage(module, index, self._n_stages, self.device, input_args=inputs,
                                       output_args=outputs, group=self._group))
-        schedule_class = PIPELINE_SCHEDULES[self._schedule_name]
-        first = stages if self._schedule_name in _MULTI_STAGE else stages[0]
+        schedule_class = PIPELINE_SCHEDULES[self.settings.schedule]
+        first = stages if not self.settings.one_stage_per_rank else stages[0]
         # Loss scaling is ours (tokens of the whole step), so the schedule must not average over micro-batches.
-        self.schedule = schedule_class(first, n_microbatches=self._n_microbatches, loss_fn=self._loss,
+        self.schedule = schedule_class(first, n_microbatches=self.n_microbatches, loss_fn=self._scaled_loss,
                                        scale_grads=False)
 
-    def _loss(self, output: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+    def _scaled_loss(self, output: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
         loss_sum, aux = output[0, 0], output[0, 1]
         self._loss_sums.append(loss_sum.detach())
-        return loss_sum * self._loss_scale + aux * self.aux_scale
+        return self._loss(loss_sum, aux)
+
+    @property
+    def aux_scale(self) -> float:
+        """The factor of a stage's MoE load-balance share (fed to the stages that hold no loss)."""
+        return self._loss.aux_scale
 
     @property
     def n_microbatches(self) -> int:
-        return self._n_microbatches
+        assert self.settings.microbatches is not None  # resolved
+        return self.settings.microbatches
 
     def sync_gradients(self) -> None:
         """Reduce gradients of weights replicated over the pipeline ranks (the joint pipeline's encoders)."""
-        if self.joint is not None:
-            self.joint.sync_gradients()
+        if self.source is not None:
+            self.source.sync_gradients()
 
     def replicated_parameters(self) -> set[nn.Parameter]:
         """Parameters every pipeline rank holds a copy of (counted once in a global gradient norm)."""
-        if self.joint is None:
+        if self.settings.encoders != "joint":
             return set()
-        return {*self.joint.model.vision.parameters(), *self.joint.model.audio.parameters()}
+        (model,) = self._model
+        return {p for encoder in model.encoders.values() for p in encoder.parameters()}
 
-    def step(self, micro_batches: list[dict[str, Any]], loss_scale: float, aux_scale: float = 0.0) -> torch.Tensor:
-        """Run the schedule over ``micro_batches``, forward and backward; returns this rank's summed token loss
-        (non-zero on the last stage only). ``loss_scale`` multiplies every micro-batch's summed token loss,
-        ``aux_scale`` every MoE load-balance share."""
-        self.aux_scale = aux_scale
-        return self._run(micro_batches, loss_scale, train=True)
+    def step(self, micro_batches: list[PackedBatch], loss: StepLoss) -> torch.Tensor:
+        """Run the schedule over ``micro_batches``, forward and backward, scaling each micro-batch's summed token
+        loss and MoE load-balance share by ``loss``; returns this rank's summed token loss (non-zero on the last
+        stage only)."""
+        return self._run(micro_batches, loss, train=True)
 
-    def evaluate(self, micro_batches: list[dict[str, Any]]) -> torch.Tensor:
+    def evaluate(self, micro_batches: list[PackedBatch]) -> torch.Tensor:
         """Forward only; returns this rank's summed token loss, as :meth:`step` does."""
         with torch.no_grad():
-            return self._run(micro_batches, 1.0, train=False)
+            return self._run(micro_batches, StepLoss(1.0, 1), train=False)
 
-    def _run(self, micro_batches: list[dict[str, Any]], loss_scale: float, *, train: bool) -> torch.Tensor:
-        if len(micro_batches) != self._n_microbatches:
-            raise ValueError(f"the pipeline schedule runs {self._n_microbatches} micro-batches a step, got "
+    def _run(self, micro_batches: list[PackedBatch], loss: StepLoss, *, train: bool) -> torch.Tensor:
+        if len(micro_batches) != self.n_microbatches:
+            raise ValueError(f"the pipeline schedule runs {self.n_microbatches} micro-batches a step, got "
                              f"{len(micro_batches)}: set OmniStrategy(pp_microbatches=...) to match the data")
-        self.micro_batches, self._loss_scale, self._loss_sums = micro_batches, loss_scale, []
+        self.micro_batches, self._loss, self._loss_sums = micro_batches, loss, []
         calibrator = self.calibrator if train else None
         if calibrator is not None:
             self.action_log = calibrator.begin_step()
-        if isinstance(self.joint, JointEncoders):
-            self.joint.log = self.action_log
+        if isinstance(self.source, JointEncoders):
+            self.source.log = self.action_log
         device = micro_batches[0]["input_ids"].device
         args = (torch.arange(len(micro_batches), device=device)[:, None],) if self.has_first_stage else ()
         kwargs: dict[str, Any] = {}
         if self.has_last_stage:  # the last stage reads labels itself; the schedule only needs one target each
             kwargs["target"] = torch.zeros(len(micro_batches), 1, device=device)
         try:
-            if self.joint is not None:
-                self.joint.start(micro_batches, train=train)
+            if self.source is not None:
+                self.source.start(micro_batches, train=train)
             (self.schedule.step if train else self.schedule.eval)(*args, return_outputs=False, **kwargs)
-            if self.joint is not None:
-                self.joint.finish()
+            if self.source is not None:
+                self.source.finish()
             if calibrator is not None:
                 calibrator.end_step(micro_batches)
         finally:

@@ -4,9 +4,9 @@ See :mod:`omni_lightning.parallel.placement` for who serves whom. A training ste
 every rank of both pools, as:
 
 * **LLM data-parallel leader** (the first LLM rank of a data-parallel rank): at the start of the step it sends, for
-  every micro-batch, each serving encoder rank the inputs of the items it is to encode (image grids and clip lengths,
-  then patches, patch positions and mel frames), all at once and asynchronously; the items of a micro-batch are
-  shared among the serving ranks by predicted cost (:func:`share_items`).
+  every micro-batch, each serving encoder rank the inputs of the items it is to encode (for every encoder a header
+  of its inputs' shapes, then the inputs), all at once and asynchronously; the items of a micro-batch are shared
+  among the serving ranks by predicted cost (:func:`~omni_lightning.runtime.joint.share_items`).
 * **Encoder rank**: receives micro-batch ``j``'s items from every LLM data-parallel rank it serves, encodes them
   all in one pass per encoder (evened out over the pool by the encoder balancer), sends each LLM rank its outputs,
   then runs the backward of ``j - 1`` once its gradients are back. So the encoder forward of ``j + 1`` overlaps the
@@ -36,30 +36,36 @@ import torch
 import torch.distributed as dist
 
 from omni_lightning.balance.cost import ModuleCost
-from omni_lightning.models.config import ReferenceMLLMConfig
+from omni_lightning.batch import EncoderOutputs, PackedBatch, PackingSpec, input_key
 from omni_lightning.parallel.placement import PoolLayout
+from omni_lightning.runtime.encoders import LocalEncoders
+from omni_lightning.runtime.items import item_layout, select_items
 from omni_lightning.runtime.joint import share_items
 
-__all__ = ["EncoderPoolLink", "EncoderPoolWorker", "item_owners", "arrival_order"]
-
-_COUNTS, _SHAPES, _PATCHES, _POSITIONS, _MELS, _VISION_OUT, _AUDIO_OUT, _VISION_GRAD, _AUDIO_GRAD = range(9)
-_KINDS = 9
+__all__ = ["EncoderPoolLink", "EncoderPoolWorker", "arrival_order", "item_owners"]
 
 
-def _tag(micro_batch: int, kind: int) -> int:
-    return micro_batch * _KINDS + kind
+class _Tags:
+    """Tags of a micro-batch's transfers: per encoder a header, its inputs, its outputs and their gradients."""
+
+    def __init__(self, spec: PackingSpec) -> None:
+        self.per_encoder = [len(fmt.inputs) + 3 for fmt in spec.encoders]
+        self.per_micro_batch = sum(self.per_encoder)
+
+    def of(self, micro_batch: int, encoder: int, kind: str, input_index: int = 0) -> int:
+        offset = sum(self.per_encoder[:encoder])
+        slot = {"header": 0, "output": 1, "gradient": 2}.get(kind, 3 + input_index)
+        return micro_batch * self.per_micro_batch + offset + slot
 
 
-def item_owners(batch: dict[str, Any], config: ReferenceMLLMConfig, costs: dict[str, ModuleCost],
-                n_servers: int) -> tuple[np.ndarray, np.ndarray]:
-    """Which serving encoder rank (by position in :meth:`PoolLayout.serving`) encodes each vision item and each
-    audio clip of a micro-batch (pure): longest first onto the least-loaded server, the same on every LLM rank."""
-    grids = batch["vision_grids"].cpu().numpy().reshape(-1, 2)
-    clip_tokens = batch["audio_lengths"].cpu().numpy() // config.audio.downsample
+def item_owners(batch: PackedBatch, spec: PackingSpec, costs: dict[str, ModuleCost], n_servers: int
+                ) -> dict[str, np.ndarray]:
+    """Which serving encoder rank (by position in :meth:`PoolLayout.serving`) encodes each item of each encoder of a
+    micro-batch (pure): longest first onto the least-loaded server, over all encoders in turn, the same on every LLM
+    rank."""
     loads = np.zeros(n_servers)
-    vision = share_items(grids.prod(1) if len(grids) else np.zeros(0), costs["vision"], loads)
-    audio = share_items(clip_tokens, costs["audio"], loads)
-    return vision, audio
+    return {fmt.name: share_items(item_layout(batch, spec, fmt.name)[0], costs[fmt.name], loads)
+            for fmt in spec.encoders}
 
 
 def arrival_order(rows: np.ndarray, owner: np.ndarray, n_servers: int) -> np.ndarray:
@@ -72,10 +78,9 @@ def arrival_order(rows: np.ndarray, owner: np.ndarray, n_servers: int) -> np.nda
     return np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, dtype=np.int64)
 
 
-def _output_rows(batch: dict[str, Any], config: ReferenceMLLMConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Embeddings each vision item and audio clip of a micro-batch produce (placeholder tokens)."""
-    grids = batch["vision_grids"].cpu().numpy().reshape(-1, 2)
-    return grids.prod(1) // config.vision.merge, batch["audio_lengths"].cpu().numpy() // config.audio.downsample
+def _output_rows(batch: PackedBatch, spec: PackingSpec, encoder: str) -> np.ndarray:
+    """Outputs (placeholder tokens) each of ``encoder``'s items in a micro-batch produces."""
+    return item_layout(batch, spec, encoder)[0] // spec.encoder(encoder).tokens_per_output(spec)
 
 
 class EncoderPoolLink:
@@ -84,64 +89,68 @@ class EncoderPoolLink:
     Args:
         layout: both pools' ranks.
         group: a process group over the whole world, for these transfers only.
-        config: the model's configuration (item sizes, output widths).
+        spec: how micro-batches are packed (the encoders, their inputs).
         costs: the encoders' cost models, to share a micro-batch's items among serving ranks.
+        width: the width of the encoder outputs (the LLM's embedding width).
         dtype: dtype of the encoder outputs.
         cp_group: this rank's CP peers, whose output gradients are summed (``None`` without CP).
         gradient_scale: factor applied to the outputs' gradients before they travel (see :meth:`send_gradients`).
     """
 
-    def __init__(self, layout: PoolLayout, group: dist.ProcessGroup, config: ReferenceMLLMConfig,
-                 costs: dict[str, ModuleCost], *, dtype: torch.dtype, cp_group: dist.ProcessGroup | None,
-                 gradient_scale: float) -> None:
+    def __init__(self, layout: PoolLayout, group: dist.ProcessGroup, spec: PackingSpec, costs: dict[str, ModuleCost],
+                 *, width: int, dtype: torch.dtype, cp_group: dist.ProcessGroup | None, gradient_scale: float) -> None:
         rank = dist.get_rank()
-        self.layout, self.group, self.config, self.costs, self.dtype = layout, group, config, costs, dtype
-        self.cp_group, self.gradient_scale = cp_group, gradient_scale
+        self.layout, self.group, self.spec, self.costs, self.dtype = layout, group, spec, costs, dtype
+        self.width, self.cp_group, self.gradient_scale = width, cp_group, gradient_scale
+        self.tags = _Tags(spec)
         dp_rank = layout.dp_rank_of(rank)
         self.servers = layout.serving(dp_rank)
         self.is_leader = layout.consumers(dp_rank)[0] == rank
         self._plans: list[dict[str, Any]] = []
         self._sends: list[dist.Work] = []
-        self._leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._leaves: dict[int, tuple[torch.Tensor, ...]] = {}
 
-    def start(self, micro_batches: list[dict[str, Any]], *, train: bool) -> None:
+    @property
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def start(self, micro_batches: list[PackedBatch], *, train: bool) -> None:
         """Before the first micro-batch: the leader sends every micro-batch's items; every rank posts receives."""
         self.train = train
         self._plans = []
-        width = self.config.llm.dim
         for m, batch in enumerate(micro_batches):
-            owners = item_owners(batch, self.config, self.costs, len(self.servers))
-            rows = _output_rows(batch, self.config)
+            owners = item_owners(batch, self.spec, self.costs, len(self.servers))
+            rows = {fmt.name: _output_rows(batch, self.spec, fmt.name) for fmt in self.spec.encoders}
             device = batch["input_ids"].device
             incoming = []
-            for modality, kind in ((0, _VISION_OUT), (1, _AUDIO_OUT)):
-                buffers = [torch.empty(int(rows[modality][owners[modality] == s].sum()), width, dtype=self.dtype,
+            for e, fmt in enumerate(self.spec.encoders):
+                buffers = [torch.empty(int(rows[fmt.name][owners[fmt.name] == s].sum()), self.width, dtype=self.dtype,
                                        device=device) for s in range(len(self.servers))]
-                works = [self._irecv(buffer, server, _tag(m, kind))
+                works = [self._irecv(buffer, server, self.tags.of(m, e, "output"))
                          for buffer, server in zip(buffers, self.servers, strict=True) if buffer.shape[0]]
                 incoming.append((buffers, works))
             self._plans.append({"owners": owners, "rows": rows, "incoming": incoming})
             if self.is_leader:
                 for s, server in enumerate(self.servers):
-                    self._send_items(batch, m, server, owners[0] == s, owners[1] == s)
+                    self._send_items(batch, m, server, {name: owner == s for name, owner in owners.items()})
 
-    def outputs(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Micro-batch ``m``'s vision and audio outputs in item order, as leaves that collect their gradients."""
+    def before_forward(self, m: int) -> None:
+        """Nothing to do before a stage's forward: the outputs are already on their way (pipeline interface)."""
+
+    def outputs(self, m: int) -> EncoderOutputs:
+        """Micro-batch ``m``'s outputs of every encoder in item order, as leaves that collect their gradients."""
         plan, leaves = self._plans[m], []
-        for modality in (0, 1):
-            buffers, works = plan["incoming"][modality]
+        for e, fmt in enumerate(self.spec.encoders):
+            buffers, works = plan["incoming"][e]
             for work in works:
                 work.wait()
-            order = arrival_order(plan["rows"][modality], plan["owners"][modality], len(self.servers))
+            order = arrival_order(plan["rows"][fmt.name], plan["owners"][fmt.name], len(self.servers))
             leaf = torch.cat(buffers)[torch.as_tensor(order, device=buffers[0].device)].requires_grad_(self.train)
             if self.train:
                 leaf.register_post_accumulate_grad_hook(lambda _, m=m: self._gradient_ready(m))
             leaves.append(leaf)
-        self._leaves[m] = (leaves[0], leaves[1])
-        return self._leaves[m]
-
-    def before_forward(self, m: int) -> None:
-        """Nothing to do before a stage's forward: the outputs are already on their way (pipeline interface)."""
+        self._leaves[m] = tuple(leaves)
+        return EncoderOutputs({fmt.name: (leaf,) for fmt, leaf in zip(self.spec.encoders, leaves, strict=True)})
 
     def sync_gradients(self) -> None:
         """Nothing to reduce here: the encoder pool owns the encoders' gradients (pipeline interface)."""
@@ -159,22 +168,21 @@ class EncoderPoolLink:
         FSDP size / LLM data-parallel size: the encoders' averaged gradients are then those of the global loss.
         """
         plan = self._plans[m]
-        for modality, kind in ((0, _VISION_GRAD), (1, _AUDIO_GRAD)):
-            leaf = self._leaves[m][modality]
+        for e, fmt in enumerate(self.spec.encoders):
+            leaf = self._leaves[m][e]
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             if self.cp_group is not None:  # each CP peer's loss covers its share of the tokens
                 dist.all_reduce(grad, group=self.cp_group)
             if not self.is_leader:
                 continue
-            owner, rows = plan["owners"][modality], plan["rows"][modality]
+            owner, rows = plan["owners"][fmt.name], plan["rows"][fmt.name]
             order = arrival_order(rows, owner, len(self.servers))
             by_arrival = torch.empty_like(grad)
             by_arrival[torch.as_tensor(order, device=grad.device)] = grad * self.gradient_scale
             sizes = [int(rows[owner == s].sum()) for s in range(len(self.servers))]
             for piece, server in zip(by_arrival.split(sizes), self.servers, strict=True):
                 if piece.shape[0]:
-                    self._sends.append(dist.isend(piece.contiguous(), dst=server, group=self.group,
-                                                  tag=_tag(m, kind)))
+                    self._isend(piece, server, self.tags.of(m, e, "gradient"))
         del self._leaves[m]
 
     def finish(self) -> None:
@@ -189,24 +197,19 @@ class EncoderPoolLink:
         self._leaves.clear()
         self._plans = []
 
-    def _send_items(self, batch: dict[str, Any], m: int, server: int, vision: np.ndarray, audio: np.ndarray) -> None:
-        grids = batch["vision_grids"].reshape(-1, 2)
-        lengths = batch["audio_lengths"]
-        vision_items, audio_items = np.flatnonzero(vision), np.flatnonzero(audio)
-        device = grids.device  # every transfer on the device: NCCL moves device tensors only
-        counts = torch.tensor([len(vision_items), len(audio_items)], dtype=torch.int64, device=device)
-        shapes = torch.cat([grids[torch.as_tensor(vision_items, dtype=torch.long, device=device)].reshape(-1),
-                            lengths[torch.as_tensor(audio_items, dtype=torch.long, device=device)]]).to(torch.int64)
-        self._isend(counts, server, _tag(m, _COUNTS))
-        if shapes.numel():
-            self._isend(shapes, server, _tag(m, _SHAPES))
-        patch_rows = _rows_of(grids.prod(1), vision_items).to(device)
-        if patch_rows.numel():
-            self._isend(batch["vision_patches"][patch_rows], server, _tag(m, _PATCHES))
-            self._isend(batch["vision_positions"][patch_rows], server, _tag(m, _POSITIONS))
-        frame_rows = _rows_of(lengths, audio_items).to(device)
-        if frame_rows.numel():
-            self._isend(batch["audio_mels"][frame_rows], server, _tag(m, _MELS))
+    def _send_items(self, batch: PackedBatch, m: int, server: int, mine: dict[str, np.ndarray]) -> None:
+        """The server's items of every encoder: a header of its inputs' shapes, then each non-empty input (every
+        transfer on the device: NCCL moves device tensors only)."""
+        device = batch["input_ids"].device
+        for e, fmt in enumerate(self.spec.encoders):
+            inputs = tuple(batch[input_key(fmt.name, n)] for n in fmt.input_names)
+            _, rows = item_layout(batch, self.spec, fmt.name)
+            picked = select_items(inputs, rows, np.flatnonzero(mine[fmt.name]))
+            header = torch.tensor([d for x in picked for d in x.shape], dtype=torch.int64, device=device)
+            self._isend(header, server, self.tags.of(m, e, "header"))
+            for i, tensor in enumerate(picked):
+                if tensor.numel():
+                    self._isend(tensor, server, self.tags.of(m, e, "input", i))
 
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         self._sends.append(dist.isend(tensor.contiguous(), dst=dst, group=self.group, tag=tag))
@@ -215,30 +218,25 @@ class EncoderPoolLink:
         return dist.irecv(buffer, src=src, group=self.group, tag=tag)
 
 
-def _rows_of(sizes: torch.Tensor, items: np.ndarray) -> torch.Tensor:
-    """Row indices of ``items`` in a tensor holding every item's ``sizes[i]`` rows back to back."""
-    starts = np.concatenate([[0], np.cumsum(sizes.cpu().numpy())]).astype(np.int64)
-    pieces = [np.arange(starts[i], starts[i + 1]) for i in items.tolist()]
-    return torch.as_tensor(np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64), dtype=torch.long)
-
-
 class EncoderPoolWorker:
     """The encoder side: encodes the items the LLM pool sends, a micro-batch at a time (see module docstring).
 
     Args:
         layout: both pools' ranks.
         group: the same world-wide transfer group as the LLM side's.
-        model: the MLLM pruned to its encoders; ``model.encode_items(batch)`` encodes a packed batch of items.
-        config: the model's configuration.
+        source: encodes a packed batch of items (:class:`~omni_lightning.runtime.encoders.LocalEncoders` over the
+            model pruned to its encoders, resharding over the pool).
+        spec: how micro-batches are packed (the encoders, their inputs).
         device: where the inputs go.
         dtype: dtype of the outputs sent.
     """
 
-    def __init__(self, layout: PoolLayout, group: dist.ProcessGroup, model: torch.nn.Module,
-                 config: ReferenceMLLMConfig, *, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, layout: PoolLayout, group: dist.ProcessGroup, source: LocalEncoders, spec: PackingSpec, *,
+                 device: torch.device, dtype: torch.dtype) -> None:
         rank = dist.get_rank()
-        self.layout, self.group, self.model, self.config = layout, group, model, config
+        self.layout, self.group, self.source, self.spec = layout, group, source, spec
         self.device, self.dtype = device, dtype
+        self.tags = _Tags(spec)
         self.clients = layout.served_by(rank)  # LLM data-parallel ranks, in the order outputs are concatenated
         self.consumers = [layout.consumers(d) for d in self.clients]
         self.leaders = [consumers[0] for consumers in self.consumers]
@@ -248,21 +246,24 @@ class EncoderPoolWorker:
     def step(self, n_microbatches: int, *, train: bool, lag: int = 1) -> None:
         """Encode ``n_microbatches`` micro-batches as they arrive; the backward of each ``lag`` micro-batches later,
         once its gradients are back (1 without a pipeline, ``pp`` under 1F1B, every micro-batch under GPipe)."""
-        in_flight: dict[int, tuple[torch.Tensor, torch.Tensor, list[list[int]]]] = {}
+        in_flight: dict[int, tuple[list[torch.Tensor], list[list[int]]]] = {}
         sends: list[dist.Work] = []
         self.peak_in_flight = 0
         for m in range(n_microbatches):
             batch, per_client_rows = self._receive_items(m)
+            self.source.start([batch], train=train)
             with torch.set_grad_enabled(train):
-                vision, audio = self.model.encode_items(batch)
-            for modality, (out, kind) in enumerate(((vision, _VISION_OUT), (audio, _AUDIO_OUT))):
-                pieces = out.detach().to(self.dtype).split([rows[modality] for rows in per_client_rows])
+                encoded = self.source.outputs(0)
+            self.source.finish()
+            outputs = [encoded[fmt.name][0] for fmt in self.spec.encoders]
+            for e, out in enumerate(outputs):
+                pieces = out.detach().to(self.dtype).split([rows[e] for rows in per_client_rows])
                 for consumers, piece in zip(self.consumers, pieces, strict=True):
                     if piece.shape[0]:
-                        sends += [dist.isend(piece.contiguous(), dst=consumer, group=self.group, tag=_tag(m, kind))
-                                  for consumer in consumers]
+                        sends += [dist.isend(piece.contiguous(), dst=consumer, group=self.group,
+                                             tag=self.tags.of(m, e, "output")) for consumer in consumers]
             if train:
-                in_flight[m] = (vision, audio, per_client_rows)
+                in_flight[m] = (outputs, per_client_rows)
                 self.peak_in_flight = max(self.peak_in_flight, len(in_flight))
                 if m >= lag:
                     self._backward(m - lag, *in_flight.pop(m - lag))
@@ -271,47 +272,44 @@ class EncoderPoolWorker:
         for work in sends:
             work.wait()
 
-    def _receive_items(self, m: int) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
-        """Micro-batch ``m``'s items from every client, packed client after client, and each client's output rows."""
-        vision, audio = self.config.vision, self.config.audio
-        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("grids", "lengths", "patches", "positions", "mels")}
+    def _receive_items(self, m: int) -> tuple[PackedBatch, list[list[int]]]:
+        """Micro-batch ``m``'s items from every client, packed client after client, and each client's output rows
+        of every encoder."""
+        spec, device = self.spec, self.device
+        parts: dict[str, list[torch.Tensor]] = {}
         per_client_rows = []
-        device = self.device
         for leader in self.leaders:
-            counts = torch.empty(2, dtype=torch.int64, device=device)
-            dist.recv(counts, src=leader, group=self.group, tag=_tag(m, _COUNTS))
-            n_vision, n_audio = counts.tolist()
-            shapes = torch.empty(2 * n_vision + n_audio, dtype=torch.int64, device=device)
-            if shapes.numel():
-                dist.recv(shapes, src=leader, group=self.group, tag=_tag(m, _SHAPES))
-            grids, lengths = shapes[: 2 * n_vision].view(-1, 2), shapes[2 * n_vision:]
-            patch_rows, frame_rows = int(grids.prod(1).sum()), int(lengths.sum())
-            patches = torch.empty(patch_rows, vision.patch_dim, device=device)
-            positions = torch.empty(patch_rows, 2, dtype=torch.long, device=device)
-            mels = torch.empty(frame_rows, audio.n_mels, device=device)
-            if patch_rows:
-                dist.recv(patches, src=leader, group=self.group, tag=_tag(m, _PATCHES))
-                dist.recv(positions, src=leader, group=self.group, tag=_tag(m, _POSITIONS))
-            if frame_rows:
-                dist.recv(mels, src=leader, group=self.group, tag=_tag(m, _MELS))
-            for key, value in (("grids", grids), ("lengths", lengths), ("patches", patches),
-                               ("positions", positions), ("mels", mels)):
-                parts[key].append(value)
-            per_client_rows.append([int(grids.prod(1).sum()) // vision.merge, frame_rows // audio.downsample])
-        batch = {"vision_grids": torch.cat(parts["grids"]), "audio_lengths": torch.cat(parts["lengths"]),
-                 "vision_patches": torch.cat(parts["patches"]), "vision_positions": torch.cat(parts["positions"]),
-                 "audio_mels": torch.cat(parts["mels"])}
-        return batch, per_client_rows
+            client: PackedBatch = {}
+            for e, fmt in enumerate(spec.encoders):
+                templates = fmt.empty(spec)
+                header = torch.empty(sum(t.ndim for t in templates), dtype=torch.int64, device=device)
+                dist.recv(header, src=leader, group=self.group, tag=self.tags.of(m, e, "header"))
+                dims = header.tolist()
+                for i, (name, template) in enumerate(zip(fmt.input_names, templates, strict=True)):
+                    shape, dims = dims[: template.ndim], dims[template.ndim :]
+                    tensor = torch.empty(shape, dtype=getattr(torch, str(template.dtype)), device=device)
+                    if tensor.numel():
+                        dist.recv(tensor, src=leader, group=self.group, tag=self.tags.of(m, e, "input", i))
+                    client[input_key(fmt.name, name)] = tensor
+                    parts.setdefault(input_key(fmt.name, name), []).append(tensor)
+            per_client_rows.append([int(_output_rows(client, spec, fmt.name).sum()) for fmt in spec.encoders])
+        return {key: _cat(tensors) for key, tensors in parts.items()}, per_client_rows
 
-    def _backward(self, m: int, vision: torch.Tensor, audio: torch.Tensor, per_client_rows: list[list[int]]) -> None:
+    def _backward(self, m: int, outputs: list[torch.Tensor], per_client_rows: list[list[int]]) -> None:
         grads = []
-        for modality, (out, kind) in enumerate(((vision, _VISION_GRAD), (audio, _AUDIO_GRAD))):
+        for e, out in enumerate(outputs):
             pieces = []
             for leader, rows in zip(self.leaders, per_client_rows, strict=True):
-                piece = torch.empty(rows[modality], out.shape[1], dtype=self.dtype, device=out.device)
+                piece = torch.empty(rows[e], out.shape[1], dtype=self.dtype, device=out.device)
                 if piece.shape[0]:
-                    dist.recv(piece, src=leader, group=self.group, tag=_tag(m, kind))
+                    dist.recv(piece, src=leader, group=self.group, tag=self.tags.of(m, e, "gradient"))
                 pieces.append(piece)
             grads.append(torch.cat(pieces).to(out.dtype))
         # Outputs of no item still carry their dummy encoder pass: an empty gradient keeps the FSDP hooks in line.
-        torch.autograd.backward([vision, audio], grads)
+        torch.autograd.backward(outputs, grads)
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Clients' inputs back to back; empty ones may lack the data's trailing width (a mel width nobody sent)."""
+    wide = [t for t in tensors if t.numel()]
+    return torch.cat(wide) if wide else tensors[0]

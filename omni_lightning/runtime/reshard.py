@@ -30,7 +30,7 @@ from omni_lightning.balance.cost import ModuleCost
 from omni_lightning.balance.reshard import ItemExchange, plan_encoder_work, plan_item_exchange
 from omni_lightning.parallel.attention import cu_seqlens_from_lengths
 
-__all__ = ["EncoderBalancer", "EncoderStep"]
+__all__ = ["EncoderStep", "Resharder"]
 
 
 @dataclass
@@ -50,7 +50,7 @@ def _device_of(inputs: tuple[torch.Tensor, ...]) -> torch.device:
     return inputs[0].device
 
 
-class EncoderBalancer:
+class Resharder:
     """Plans and runs the encoders of one micro-batch over an encoder group.
 
     Args:

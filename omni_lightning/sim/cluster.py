@@ -1,7 +1,8 @@
 """The hardware, model and layout a simulated step runs on, and the memory and communication it costs (pure).
 
 Compute is priced by :class:`omni_lightning.balance.cost.CostModel` (training FLOPs per sample, built with
-``CostModel.from_config`` from the model's shapes) and turned into seconds at ``Cluster.effective_flops``.
+:func:`~omni_lightning.models.flops.reference_cost_model` from the model's shapes) and turned into seconds at
+``Cluster.effective_flops``.
 Communication is priced with ring collectives: ``2 (n - 1) / n`` of the payload crosses each link, over NVLink
 inside a node and over the per-GPU network share across nodes (hierarchically when a group has several GPUs in
 each node).

@@ -18,8 +18,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from omni_lightning.balance.cost import AUDIO_DOWNSAMPLE, CostModel
+from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.workload import WorkloadSpec, sample_metadata
+from omni_lightning.modalities import DEFAULT_PACKING
 
 __all__ = ["SamplePool", "StepDraw", "draw_step"]
 
@@ -57,26 +58,22 @@ class SamplePool:
             by_modality.append(np.arange(start, len(metas)))
         costs = cost_model.costs(metas)
         item_sample, item_cost, item_tokens, item_llm = [], [], [], []
+        packing = DEFAULT_PACKING
         for index, meta in enumerate(metas):
-            merge = meta.merge_dict
-            h, w = meta.video_grid
-            patches = [gh * gw for gh, gw in meta.images] + [h * w] * meta.video_frames
-            merges = [merge["image"]] * len(meta.images) + [merge["video"]] * meta.video_frames
-            for n, factor in zip(patches, merges, strict=True):
-                item_sample.append(index)
-                item_cost.append(cost_model.vision(n, n * n))
-                item_tokens.append(n)
-                item_llm.append(n // factor)
-            if meta.audio_frames:
-                n = meta.audio_frames / AUDIO_DOWNSAMPLE
-                item_sample.append(index)
-                item_cost.append(cost_model.audio(n, n * n))
-                item_tokens.append(n)
-                item_llm.append(meta.audio_frames // merge["audio"])
+            for name, shapes in meta.media_shapes().items():  # every encoder item, by its modality's rule
+                modality = packing.modality(name)
+                cost = cost_model.module(modality.encoder)
+                for shape in shapes:
+                    outputs = _llm_tokens(name, shape, meta.merge_dict)
+                    for n, llm in zip(modality.item_tokens(shape, packing), outputs, strict=True):
+                        item_sample.append(index)
+                        item_cost.append(cost(n, n * n))
+                        item_tokens.append(n)
+                        item_llm.append(llm)
         order = np.argsort(np.asarray(item_sample, dtype=np.int64), kind="stable")
         return cls(
-            llm=costs[:, 2].copy(),
-            encoder=costs[:, :2].sum(axis=1),
+            llm=costs[:, -1].copy(),
+            encoder=costs[:, :-1].sum(axis=1),
             tokens=np.array([m.llm_tokens for m in metas], dtype=np.int64),
             item_sample=np.asarray(item_sample, dtype=np.int64)[order],
             item_cost=np.asarray(item_cost, dtype=np.float64)[order],
@@ -94,6 +91,14 @@ class SamplePool:
         position = np.repeat(np.arange(samples.size), counts)
         offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
         return np.repeat(starts, counts) + offsets, position
+
+
+def _llm_tokens(modality: str, shape: tuple[int, ...], merge: dict[str, int]) -> list[int]:
+    """What each item of a media item of ``shape`` becomes in the LLM, by the workload's merge factors (as
+    :attr:`~omni_lightning.balance.workload.SampleMeta.llm_tokens` counts)."""
+    if modality == "audio":
+        return [shape[0] // merge["audio"]]
+    return [shape[-2] * shape[-1] // merge[modality]] * (shape[0] if modality == "video" else 1)
 
 
 @dataclass

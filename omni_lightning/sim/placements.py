@@ -44,9 +44,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from omni_lightning.balance import allocation, reorder, reshard
-from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.pipeline_replay import Action, replay_pipeline
 from omni_lightning.balance.workload import WorkloadSpec
+from omni_lightning.models.flops import reference_cost_model
 from omni_lightning.sim.cluster import (
     Cluster,
     GiB,
@@ -141,7 +141,7 @@ class Simulation:
     def __init__(self, scenario: Scenario) -> None:
         self.scenario = scenario
         config = scenario.model.config
-        self.cost_model = CostModel.from_config(config)
+        self.cost_model = reference_cost_model(config)
         layout, cluster = scenario.layout, scenario.cluster
         self.dp = layout.dp_of(cluster.gpus)
         group = min(layout.balance_group, self.dp)

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.strategies.fsdp import _METADATA_FILENAME
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
@@ -33,8 +35,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-__all__ = ["load_sharded_checkpoint", "optimizer_state_by_name", "partial_path", "publish_checkpoint",
-           "remove_path"]
+from omni_lightning.parallel.dims import ParallelDims
+
+__all__ = ["LOADER_STATE_PATH", "dims_record", "get_path", "load_sharded_checkpoint", "loader_state_for_rank",
+           "optimizer_state_by_name", "partial_path", "publish_checkpoint", "remove_path"]
+
+# Where Lightning keeps the train loader state inside a checkpoint (written from rank 0 only).
+LOADER_STATE_PATH = ("loops", "fit_loop", "state_dict", "combined_loader")
 
 _BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
 
@@ -90,3 +97,50 @@ def remove_path(path: Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)
+
+
+def loader_state_for_rank(saved: dict[str, Any], dp_rank: int, dp_size: int, *, encoder_pool: bool = False) -> Any:
+    """The loader state a resuming data-parallel rank continues from, or ``None`` to restart its stream.
+
+    Ranks are matched by data-parallel rank (TP/CP/PP peers share a stream), so any layout with the same
+    data-parallel size resumes exactly: the same samples in the same order as an uninterrupted run.
+
+    With another data-parallel size (another world size, or the same one with other degrees) each rank reads other
+    shards (``shards[dp_rank::dp_size]``) and no saved position applies: every rank restarts its stream from the
+    beginning of the data (epoch 0), as a fresh run under the new layout would, with a warning; model, optimizer and
+    step count are still restored. What that guarantees: no sample is lost (the first epoch after the resume trains
+    every sample once), and the samples the interrupted epoch had trained before the checkpoint are trained once
+    more (none when the checkpoint fell on an epoch boundary of every rank). Mapping positions exactly would need a
+    new rank to finish the streams of the old ranks it inherits, whose epochs, shuffles and balance groups differ.
+    """
+    saved_dp = saved["parallel_dims"]["dp"]
+    if saved_dp != dp_size:
+        rank_zero_warn(
+            f"the checkpoint was written with {saved_dp} data-parallel ranks and this run has {dp_size}: loader "
+            "positions cannot be mapped, so every data-parallel rank restarts its shard stream from the beginning "
+            "(model, optimizer and step count are restored)"
+        )
+        return None
+    # An LLM rank resumes from an LLM rank's stream; an encoder-pool rank, which reads a copy of a stream to keep the
+    # pools' epochs in step, from that stream (a checkpoint of the other placement holds no encoder-pool ranks).
+    saved_ranks = [rank for rank in saved["ranks"] if rank["dp_rank"] == dp_rank]
+    state = next((rank for rank in saved_ranks if rank.get("encoder_pool", False) == encoder_pool),
+                 saved_ranks[0] if saved_ranks else None)
+    if state is None:
+        raise ValueError(f"the checkpoint holds no loader state for data-parallel rank {dp_rank} of {dp_size}")
+    return state["loader"]
+
+
+def dims_record(dims: ParallelDims) -> dict[str, int]:
+    record = {k: v for k, v in asdict(dims).items() if not k.startswith("_")}
+    record["dp_shard"] = dims.dp_shard_size
+    record["dp"] = dims.dp
+    return record
+
+
+def get_path(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree

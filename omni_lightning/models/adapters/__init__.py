@@ -34,12 +34,19 @@ __all__ = [
     "packed_attention_mask",
 ]
 
-_HF_ADAPTERS = {"HFCausalLMAdapter": "hf_llm", "SiglipVisionAdapter": "hf_vision", "WhisperEncoderAdapter": "hf_audio"}
-
 
 def __getattr__(name: str) -> Any:
-    if name in _HF_ADAPTERS:
-        import importlib
+    # Imported on first use, so that importing this package never imports transformers.
+    if name == "HFCausalLMAdapter":
+        from omni_lightning.models.adapters.hf_llm import HFCausalLMAdapter
 
-        return getattr(importlib.import_module(f"omni_lightning.models.adapters.{_HF_ADAPTERS[name]}"), name)
+        return HFCausalLMAdapter
+    if name == "SiglipVisionAdapter":
+        from omni_lightning.models.adapters.hf_vision import SiglipVisionAdapter
+
+        return SiglipVisionAdapter
+    if name == "WhisperEncoderAdapter":
+        from omni_lightning.models.adapters.hf_audio import WhisperEncoderAdapter
+
+        return WhisperEncoderAdapter
     raise AttributeError(f"module 'omni_lightning.models.adapters' has no attribute {name!r}")

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
-from omni_lightning.balance.cost import AUDIO_DOWNSAMPLE, ModuleCost
+from omni_lightning.balance.cost import ModuleCost
 from omni_lightning.balance.reshard import SplitChunk
-from omni_lightning.models.adapters.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair_flops, matmul_flops
 from omni_lightning.models.adapters.masks import packed_attention_mask
+from omni_lightning.models.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair_flops, matmul_flops
 from omni_lightning.models.layers import GeluMLP
 from omni_lightning.parallel.attention import cu_seqlens_from_lengths
 
@@ -21,8 +21,9 @@ __all__ = ["WhisperEncoderAdapter"]
 
 # Whisper's convolutions halve the frame rate; averaging pairs of encoder outputs (as Qwen2-Audio does) makes the
 # 4 mel frames per audio placeholder token that the data packing and the cost model use.
+_MELS_PER_TOKEN = 4
 _STEM_STRIDE = 2
-_POOL = AUDIO_DOWNSAMPLE // _STEM_STRIDE
+_POOL = _MELS_PER_TOKEN // _STEM_STRIDE
 
 
 class WhisperEncoderAdapter(nn.Module):
@@ -63,9 +64,9 @@ class WhisperEncoderAdapter(nn.Module):
         return lengths // _STEM_STRIDE
 
     def embed(self, mels: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if lengths.numel() == 0 or bool((lengths % AUDIO_DOWNSAMPLE).any()) or int(lengths.max()) > self.max_frames:
+        if lengths.numel() == 0 or bool((lengths % _MELS_PER_TOKEN).any()) or int(lengths.max()) > self.max_frames:
             raise ValueError(f"audio clip lengths {lengths.tolist()} must be non-empty multiples of "
-                             f"{AUDIO_DOWNSAMPLE} of at most {self.max_frames} frames (Whisper's position table)")
+                             f"{_MELS_PER_TOKEN} of at most {self.max_frames} frames (Whisper's position table)")
         clips = [F.gelu(self.conv2(F.gelu(self.conv1(clip.t()[None].to(self.conv1.weight.dtype)))))[0].t()
                  for clip in mels.split(lengths.tolist())]
         x = torch.cat([clip + self.embed_positions[: clip.shape[0]].to(clip.dtype) for clip in clips])
@@ -85,14 +86,14 @@ class WhisperEncoderAdapter(nn.Module):
 
     def dummy_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """One clip of 4 mel frames, for a rank that has no audio."""
-        return (torch.zeros(AUDIO_DOWNSAMPLE, self.config.num_mel_bins, device=device),
-                torch.tensor([AUDIO_DOWNSAMPLE], device=device))
+        return (torch.zeros(_MELS_PER_TOKEN, self.config.num_mel_bins, device=device),
+                torch.tensor([_MELS_PER_TOKEN], device=device))
 
     def cost(self) -> ModuleCost:
         """Per cost-model audio token (4 mel frames, 2 encoder positions) and per pair of such tokens (4 pairs of
         encoder positions each)."""
         config, dim = self.config, self.config.d_model
-        conv1 = AUDIO_DOWNSAMPLE * 3 * matmul_flops(config.num_mel_bins, dim)  # kernel 3, stride 1
+        conv1 = _MELS_PER_TOKEN * 3 * matmul_flops(config.num_mel_bins, dim)  # kernel 3, stride 1
         conv2 = _STEM_STRIDE * 3 * matmul_flops(dim, dim)
         layer = 4 * matmul_flops(dim, dim) + 2 * matmul_flops(dim, config.encoder_ffn_dim)
         llm_dim = self.projector.fc2.out_features

@@ -9,8 +9,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from transformers import PreTrainedModel
 
 from omni_lightning.balance.cost import ModuleCost
-from omni_lightning.models.adapters.flops import TRAIN, attention_pair_flops, matmul_flops
 from omni_lightning.models.adapters.masks import packed_attention_mask
+from omni_lightning.models.flops import TRAIN, attention_pair_flops, matmul_flops
 from omni_lightning.parallel.tensor_parallel import ColwiseLinear, RowwiseLinear
 
 __all__ = ["HFCausalLMAdapter"]
@@ -53,6 +53,9 @@ class HFCausalLMAdapter(nn.Module):
         self.rotary_emb = base.rotary_emb
         self.output = model.get_output_embeddings()
         self.tied = self.output.weight is self.tok_embeddings.weight
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(input_ids)
 
     def forward(self, embeddings: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """``embeddings [tokens, dim]`` -> logits ``[tokens, vocab]`` (vocabulary-sharded under TP)."""

@@ -12,8 +12,8 @@ from transformers import SiglipVisionModel
 
 from omni_lightning.balance.cost import ModuleCost
 from omni_lightning.balance.reshard import SplitChunk
-from omni_lightning.models.adapters.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair_flops, matmul_flops
 from omni_lightning.models.adapters.masks import packed_attention_mask
+from omni_lightning.models.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair_flops, matmul_flops
 from omni_lightning.models.layers import GeluMLP
 from omni_lightning.parallel.attention import cu_seqlens_from_lengths
 

@@ -3,13 +3,14 @@
 The reference modules (:class:`~omni_lightning.models.encoders.VisionEncoder`,
 :class:`~omni_lightning.models.encoders.AudioEncoder`, :class:`~omni_lightning.models.llm.Decoder`) implement them,
 and so do the Hugging Face adapters of this package. :class:`~omni_lightning.models.mllm.ReferenceMLLM` takes any of
-them in place of its own components, and :func:`~omni_lightning.runtime.build.parallelize_mllm` parallelises
-through these members only, except for pipeline, context and expert parallelism, which need the reference decoder.
+them in place of its own components, and :func:`~omni_lightning.models.parallelize.parallelize_reference`
+parallelises through these members only, except for pipeline, context and expert parallelism, which need the
+reference decoder.
 
-Data format: encoders take the packed tensors of :func:`~omni_lightning.data.packing.pack_samples`
-(vision: ``patches [n_patches, 3 * 14 * 14]`` with each 2x2 merge window adjacent, ``positions [n_patches, 2]``,
-``grids [n_items, 2]``; audio: ``mels [n_frames, n_mels]``, ``lengths [n_clips]``) and return one LLM-width
-embedding per placeholder token of their modality, in item order.
+Data format: encoders take their inputs as :mod:`omni_lightning.modalities` packs them (vision: ``patches
+[n_patches, 3 * 14 * 14]`` with each 2x2 merge window adjacent, ``positions [n_patches, 2]``, ``grids [n_items, 2]``;
+audio: ``mels [n_frames, n_mels]``, ``lengths [n_clips]``) and return one LLM-width embedding per placeholder token
+of their modalities, in item order.
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ class LLMAdapter(Protocol):
     layers: nn.ModuleDict
     norm: nn.Module
     output: nn.Module
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[tokens, dim]``, into which the model writes the encoders' outputs."""
+        ...
 
     def forward(self, embeddings: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """``embeddings [tokens, dim]``, positions reset per packed sample -> logits ``[tokens, vocab]``; attention

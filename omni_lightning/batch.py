@@ -1,0 +1,256 @@
+"""Leaf types of a training step: token roles, the modalities and encoder formats a batch is packed by, and the
+packed batch itself. Pure Python and numpy: every layer above reads these.
+
+A *packed micro-batch* is a dict (:data:`PackedBatch`) of ``input_ids``, ``labels``, ``position_ids`` (``[tokens]``;
+positions restart in every sample), ``cu_seqlens`` (int32 ``[samples + 1]``), ``keys`` and ``num_samples``, and for
+every encoder ``e`` of the :class:`PackingSpec` each of its inputs ``n`` under :func:`input_key` ``(e, n)``
+(``vision_patches``, ``vision_positions``, ``vision_grids``, ``audio_mels``, ``audio_lengths`` for the built-in
+encoders), the items of all samples back to back in placeholder order. A pipeline step is a dict whose
+``micro_batches`` lists the step's packed micro-batches in run order.
+
+A sample's sequence is ``[BOS]``, then for every modality in the spec's order each of its media items as that
+modality's placeholder token, once per encoder output (an image of ``h x w`` patches merged 2x2 gives ``h * w / 4``),
+then the text. Labels are the next token where that token is text, :data:`IGNORE_INDEX` elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "BYTE_ROLES",
+    "Encoded",
+    "EncoderOutputs",
+    "IGNORE_INDEX",
+    "MediaShape",
+    "EncoderFormat",
+    "EncoderInput",
+    "Modality",
+    "PackedBatch",
+    "PackingSpec",
+    "TokenRoles",
+    "input_key",
+]
+
+IGNORE_INDEX = -100
+
+PackedBatch = dict[str, Any]
+
+# What an encoder stage hands the model for one micro-batch: for each encoder, its outputs in placeholder order. The
+# first replaces the placeholders' embeddings; a model may want more per item (features it injects at deeper
+# decoder layers, as Qwen3-VL's DeepStack does).
+Encoded = Mapping[str, tuple["torch.Tensor", ...]]
+
+
+class EncoderOutputs(Mapping[str, tuple["torch.Tensor", ...]]):
+    """:data:`Encoded` as an encoder stage hands it to a model.
+
+    Deliberately not a ``dict``: FSDP2 hooks its root's gradient reduction onto the tensors among the root's forward
+    arguments, which it finds by flattening dicts, lists and tuples. Hooked there, the reduction would run once these
+    outputs' gradients are ready, before the encoders' own parameters (and the token embedding) have theirs. A
+    mapping of another type is one opaque argument.
+    """
+
+    def __init__(self, outputs: Mapping[str, tuple[torch.Tensor, ...]]) -> None:
+        self._outputs = dict(outputs)
+
+    def __getitem__(self, name: str) -> tuple[torch.Tensor, ...]:
+        return self._outputs[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._outputs)
+
+    def __len__(self) -> int:
+        return len(self._outputs)
+
+MediaShape = tuple[int, ...]
+
+
+def input_key(encoder: str, name: str) -> str:
+    """The key of encoder ``encoder``'s input ``name`` in a packed batch (``vision_patches``)."""
+    return f"{encoder}_{name}"
+
+
+@dataclass(frozen=True)
+class TokenRoles:
+    """Token ids that are not text: padding, the start of a sample, and each modality's placeholder (several
+    modalities may share one id, as image and video do in the byte roles).
+
+    The byte roles (the default) keep ids 0-3 for these, so a byte tokenizer's text starts at :attr:`first_free_id`.
+    """
+
+    pad: int = 0
+    bos: int = 1
+    placeholders: tuple[tuple[str, int], ...] = (("image", 2), ("video", 2), ("audio", 3))
+
+    def __post_init__(self) -> None:
+        ids = {"pad": self.pad, "bos": self.bos, **{f"placeholder {m}": i for m, i in self.placeholders}}
+        for name, value in ids.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"token role {name} must be a non-negative integer id, got {value!r}")
+        names = [m for m, _ in self.placeholders]
+        if len(set(names)) != len(names):
+            raise ValueError(f"modalities {names} have more than one placeholder each")
+        if {self.pad, self.bos} & {i for _, i in self.placeholders} or self.pad == self.bos:
+            raise ValueError(f"pad ({self.pad}), bos ({self.bos}) and the placeholders {dict(self.placeholders)} "
+                             "must be distinct ids")
+
+    def placeholder(self, modality: str) -> int:
+        """The placeholder id of ``modality``."""
+        for name, token in self.placeholders:
+            if name == modality:
+                return token
+        raise ValueError(f"no placeholder token for modality {modality!r}; the roles name "
+                         f"{[m for m, _ in self.placeholders]}")
+
+    @property
+    def special_ids(self) -> np.ndarray:
+        """Every id with a role, sorted: never text, never a target."""
+        return np.unique([self.pad, self.bos, *(i for _, i in self.placeholders)])
+
+    @property
+    def first_free_id(self) -> int:
+        """The smallest id above every role (where a byte tokenizer's text starts)."""
+        return int(self.special_ids.max()) + 1
+
+
+BYTE_ROLES = TokenRoles()
+
+
+@dataclass(frozen=True)
+class EncoderInput:
+    """One input tensor of an encoder: its rows are either one per item (``per_item``: image grids, clip lengths)
+    or :attr:`EncoderFormat.rows_per_token` per stem token of an item (patches, mel frames), concatenated item after
+    item. ``trailing`` is its shape after the rows, ``dtype`` a numpy dtype name."""
+
+    name: str
+    per_item: bool
+    dtype: str
+    trailing: Callable[[PackingSpec], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class EncoderFormat:
+    """How an encoder's items sit in a packed batch.
+
+    ``item_tokens(per_item, spec)`` gives each item's stem tokens (the tokens its attention runs over) from its
+    per-item inputs (numpy, by name: small, so the sizes are read without touching pixels); ``rows_per_token`` the
+    rows of every per-token input per stem token; ``tokens_per_output`` the stem tokens merged into one output
+    embedding (one placeholder).
+    """
+
+    name: str
+    inputs: tuple[EncoderInput, ...]
+    item_tokens: Callable[[Mapping[str, np.ndarray], PackingSpec], np.ndarray]
+    rows_per_token: Callable[[PackingSpec], int]
+    tokens_per_output: Callable[[PackingSpec], int]
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(i.name for i in self.inputs)
+
+    def empty(self, spec: PackingSpec) -> tuple[np.ndarray, ...]:
+        """Inputs of no item."""
+        return tuple(np.zeros((0, *i.trailing(spec)), dtype=i.dtype) for i in self.inputs)
+
+    @property
+    def per_item_names(self) -> tuple[str, ...]:
+        return tuple(i.name for i in self.inputs if i.per_item)
+
+    def item_rows(self, per_item: Mapping[str, np.ndarray], spec: PackingSpec) -> list[np.ndarray]:
+        """For every input, the rows each item takes in it, from the per-item inputs."""
+        tokens = np.asarray(self.item_tokens(per_item, spec), dtype=np.int64)
+        per_token = tokens * self.rows_per_token(spec)
+        return [np.ones_like(tokens) if i.per_item else per_token for i in self.inputs]
+
+
+@dataclass(frozen=True)
+class Modality:
+    """One kind of media and how it becomes encoder items (see :mod:`omni_lightning.modalities` for the built-in ones).
+
+    Args:
+        name: the modality (``"image"``); its placeholder is ``TokenRoles.placeholder(name)``.
+        encoder: the encoder that encodes it (several modalities may share one).
+        shape: a decoded media item's size in encoder units (an image's patch grid), from the item alone; raises
+            ``ValueError`` naming the problem if it cannot be packed.
+        item_tokens: the stem tokens of each encoder item a media item of that size becomes (a video of ``F``
+            frames is ``ceil(F / temporal patch)`` items); the planners read sizes from metadata through it.
+        build: the media item as encoder inputs, one array per input of its encoder's format, in that order.
+    """
+
+    name: str
+    encoder: str
+    shape: Callable[[Any, PackingSpec], MediaShape]
+    item_tokens: Callable[[MediaShape, PackingSpec], list[int]]
+    build: Callable[[Any, PackingSpec], tuple[np.ndarray, ...]]
+
+
+@dataclass(frozen=True)
+class PackingSpec:
+    """How samples pack into micro-batches: token roles, the modalities in sequence order, their encoders' formats,
+    and the sizes the encoders cut media by (pixels per patch side, vision tokens merged into one, frames per
+    temporal patch, mel frames per audio token). Build the built-in one with
+    :func:`omni_lightning.modalities.packing_spec`."""
+
+    modalities: tuple[Modality, ...]
+    encoders: tuple[EncoderFormat, ...]
+    roles: TokenRoles = BYTE_ROLES
+    patch_size: int = 14
+    vision_merge: int = 4
+    temporal_patch_size: int = 1
+    audio_downsample: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("patch_size", "vision_merge", "temporal_patch_size", "audio_downsample"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.vision_merge not in (1, 4):
+            raise ValueError(f"vision_merge={self.vision_merge} must be 1 or 4 (a 2x2 spatial merge)")
+        encoders = [e.name for e in self.encoders]
+        if len(set(encoders)) != len(encoders):
+            raise ValueError(f"encoders {encoders} are not distinct")
+        modalities = [m.name for m in self.modalities]
+        if len(set(modalities)) != len(modalities):
+            raise ValueError(f"modalities {modalities} are not distinct")
+        for modality in self.modalities:
+            if modality.encoder not in encoders:
+                raise ValueError(f"modality {modality.name!r} is encoded by {modality.encoder!r}, which is not one of "
+                                 f"the encoders {encoders}")
+            self.roles.placeholder(modality.name)
+
+    @property
+    def encoder_names(self) -> tuple[str, ...]:
+        return tuple(e.name for e in self.encoders)
+
+    @property
+    def modality_names(self) -> tuple[str, ...]:
+        return tuple(m.name for m in self.modalities)
+
+    def modality(self, name: str) -> Modality:
+        for modality in self.modalities:
+            if modality.name == name:
+                return modality
+        raise ValueError(f"unknown modality {name!r}; this packing has {list(self.modality_names)}")
+
+    def encoder(self, name: str) -> EncoderFormat:
+        for encoder in self.encoders:
+            if encoder.name == name:
+                return encoder
+        raise ValueError(f"unknown encoder {name!r}; this packing has {list(self.encoder_names)}")
+
+    def placeholder_ids(self, encoder: str) -> tuple[int, ...]:
+        """The placeholder ids whose positions take ``encoder``'s outputs (in sequence order, whichever the id)."""
+        return tuple(sorted({self.roles.placeholder(m.name) for m in self.modalities if m.encoder == encoder}))
+
+    def placeholders(self, modality: Modality, shape: MediaShape) -> list[int]:
+        """Placeholder tokens (encoder outputs) of each encoder item of a media item of ``shape``."""
+        merge = self.encoder(modality.encoder).tokens_per_output(self)
+        return [tokens // merge for tokens in modality.item_tokens(shape, self)]

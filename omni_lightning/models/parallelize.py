@@ -1,0 +1,127 @@
+"""The reference MLLM's parallelize plan (kept beside the model, as torchtitan keeps one beside each family): tensor
+parallelism of the decoder, expert parallelism of its MoE layers, compile and activation checkpointing of the blocks,
+then FSDP2, in that order. It serves the reference components and the adapted ones alike, through the adapter
+protocols; which ranks hold which parts (pipeline stages, pools) is the runtime's business, which calls this on
+what a rank holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import register_fsdp_forward_method
+from torch.distributed.tensor.parallel import parallelize_module
+
+from omni_lightning.models.adapters.protocol import LLMAdapter
+from omni_lightning.models.encoders import AudioEncoder, VisionEncoder
+from omni_lightning.models.layers import GeluMLP
+from omni_lightning.models.llm import Decoder, FeedForward
+from omni_lightning.models.mllm import ReferenceMLLM
+from omni_lightning.models.moe import GroupedExperts
+from omni_lightning.parallel.activation_checkpoint import apply_ac, apply_compile
+from omni_lightning.parallel.dims import ParallelDims
+from omni_lightning.parallel.expert_parallel import apply_ep
+from omni_lightning.parallel.fsdp import apply_fsdp
+
+__all__ = ["apply_tp", "check_model_fits_layout", "parallelize_reference"]
+
+
+def check_model_fits_layout(model: ReferenceMLLM, dims: ParallelDims, *, reshard: bool = False) -> None:
+    """Raise ``ValueError`` naming the model size or degree that the layout ``dims`` cannot serve (``reshard``:
+    encoder items are resharded, as ``enc_sp > 1`` needs)."""
+    model.llm.check_tp(dims.tp)
+    reference_llm = isinstance(model.llm, Decoder)
+    encoders = model.encoders  # an LLM-pool rank of the disaggregated placement holds none
+    reference_encoders = all(isinstance(e, VisionEncoder | AudioEncoder) for e in encoders.values())
+    # CP, EP and the pipeline drive the reference modules' own signatures (CP shards, experts, RoPE tables, stems).
+    for name, supported, what in (("cp", reference_llm, "decoder"), ("ep", reference_llm, "decoder"),
+                                  ("pp", reference_llm and reference_encoders, "decoder and encoders")):
+        if getattr(dims, name) > 1 and not supported:
+            parts = ", ".join(type(part).__name__ for part in (*encoders.values(), model.llm))
+            raise ValueError(f"{name}={getattr(dims, name)} needs the reference {what}, not {parts}; adapted models "
+                             "train with tp, dp_replicate and dp_shard")
+    if reference_llm:
+        llm = model.llm.config
+        if dims.ep > 1 and not llm.moe_every:
+            raise ValueError(f"ep={dims.ep} shards MoE experts but the LLM has no MoE layers (set llm.moe_every)")
+        if llm.moe_every and llm.n_experts % dims.ep:
+            raise ValueError(f"llm.n_experts={llm.n_experts} is not divisible by ep={dims.ep}; pick ep dividing it")
+    if dims.enc_sp > 1 and not reshard:
+        raise ValueError(f"enc_sp={dims.enc_sp} splits items planned by the encoder balancer: set encoder_balance=True")
+    for name, encoder in encoders.items():
+        if dims.enc_sp > 1 and not encoder.supports_sequence_parallel:
+            raise ValueError(f"enc_sp={dims.enc_sp} splits long items, which {type(encoder).__name__} cannot encode "
+                             "in pieces: use enc_sp=1 (whole-item encoder balancing still works)")
+        if encoder.n_heads % dims.enc_sp:
+            raise ValueError(
+                f"{name}.n_heads={encoder.n_heads} is not divisible by enc_sp={dims.enc_sp}: Ulysses attention gives "
+                "each member of an SP group a share of the heads; pick enc_sp dividing the encoder heads"
+            )
+
+
+def apply_tp(llm: LLMAdapter, tp_mesh: DeviceMesh) -> None:
+    """Split the LLM's embedding, head and block projections over ``tp_mesh`` (in place), by its TP plans."""
+    llm.check_tp(tp_mesh.size())
+    # A pipeline stage may hold neither the embedding (not first) nor the head (not last).
+    plan = {name: style for name, style in llm.tp_plan().items() if hasattr(llm, name)}
+    if plan:
+        parallelize_module(llm, tp_mesh, plan)
+    for block in llm.layers.values():
+        parallelize_module(block, tp_mesh, llm.layer_tp_plan(block))
+
+
+def parallelize_reference(
+    model: ReferenceMLLM, *, tp_mesh: DeviceMesh | None = None, ep_mesh: DeviceMesh | None = None,
+    expert_replicas: dist.ProcessGroup | None = None, gradient_divide: int = 1, fsdp_mesh: DeviceMesh | None = None,
+    stages: Sequence[nn.Module] = (), param_dtype: torch.dtype | None = None, activation_checkpointing: bool = False,
+    compile_backend: str | None = None,
+) -> None:
+    """Parallelise what this rank holds of ``model`` (in place): TP over ``tp_mesh``, experts sharded over
+    ``ep_mesh`` (their gradients summed over ``expert_replicas`` and divided by ``gradient_divide``, the ranks FSDP
+    averages over), MLPs compiled with ``compile_backend``, every block checkpointed, then FSDP2 over ``fsdp_mesh``
+    (1-D, or 2-D for HSDP; experts are left to their own synchronisation).
+
+    FSDP roots: without ``stages``, the model itself, each block its own unit; the runtime's encoder stage enters
+    through :meth:`~omni_lightning.models.mllm.ReferenceMLLM.encoder_stage`, so the root's parameters (stems,
+    projectors, embedding, head) are gathered for it. With pipeline ``stages`` (modules holding a run of decoder
+    blocks as ``layers``, the first maybe the ``encoders`` too), each stage is a root that keeps its weights gathered
+    between micro-batches, and encoders outside every stage are roots of their own.
+    """
+    llm = getattr(model, "llm", None)  # an encoder-pool rank of the disaggregated placement holds none
+    if tp_mesh is not None and llm is not None:
+        apply_tp(llm, tp_mesh)
+    experts: list[nn.Parameter] = []
+    if ep_mesh is not None and llm is not None:
+        experts = apply_ep([m for m in llm.modules() if isinstance(m, GroupedExperts)], ep_mesh, expert_replicas,
+                           gradient_divide=gradient_divide)
+    encoders = model.encoders
+    blocks = [*(llm.layers.values() if llm is not None else ()),
+              *(block for encoder in encoders.values() for block in encoder.blocks)]
+    if compile_backend is not None:
+        apply_compile([m for block in blocks for m in block.modules() if isinstance(m, GeluMLP | FeedForward)],
+                      compile_backend)
+    if activation_checkpointing:
+        apply_ac(blocks)
+    if fsdp_mesh is None:
+        return
+    ignored = set(experts) or None
+    if not stages:
+        apply_fsdp(model, fsdp_mesh, blocks=blocks, param_dtype=param_dtype, ignored_params=ignored)
+        register_fsdp_forward_method(model, "encoder_stage")
+        return
+    in_stages = {id(e) for stage in stages for e in getattr(stage, "encoders", {}).values()}
+    for encoder in encoders.values():
+        if id(encoder) not in in_stages:
+            apply_fsdp(encoder, fsdp_mesh, blocks=[*encoder.blocks], param_dtype=param_dtype)
+            # The encoder stage may run the stem and the rest apart, around its exchange of items.
+            register_fsdp_forward_method(encoder, "embed")
+            register_fsdp_forward_method(encoder, "encode")
+    for stage in stages:
+        stage_blocks = [*stage.layers.values(), *(b for e in getattr(stage, "encoders", {}).values() for b in e.blocks)]
+        # Micro-batches of a step reuse the gathered weights: no reshard between forwards (torchtitan's choice).
+        apply_fsdp(stage, fsdp_mesh, blocks=stage_blocks, param_dtype=param_dtype, reshard_after_forward=False,
+                   ignored_params=ignored)

@@ -1,0 +1,90 @@
+"""The non-finite guard: every step, all ranks agree whether any loss or gradient is NaN or infinite, then skip the
+optimizer step on every rank or stop."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+__all__ = ["NonFiniteGuard", "NonFinitePolicy"]
+
+log = logging.getLogger(__name__)
+
+NonFinitePolicy = Literal["skip", "stop"]
+
+_LOSS_NONFINITE, _GRADS_NONFINITE = 1, 2  # bits of a rank's flag in the guard's all-reduce
+
+
+class NonFiniteGuard:
+    """``policy="skip"`` drops a bad step's gradients on every rank (the optimizer then changes neither weights nor
+    state), logs a warning with the step and the ranks and counts it in ``guard/skipped_steps``; ``"stop"`` raises
+    ``FloatingPointError`` on every rank."""
+
+    def __init__(self, policy: NonFinitePolicy) -> None:
+        if policy not in ("skip", "stop"):
+            raise ValueError(f"on_nonfinite={policy!r} must be 'skip' or 'stop'")
+        self.policy = policy
+        self.skipped_steps = 0
+
+    def check(self, module: pl.LightningModule, optimizer: Optimizer, loss: Any, *, rank: int, world_size: int,
+              device: torch.device) -> None:
+        """After the step's last backward, before its optimizer step (every rank, every step).
+
+        Every rank enters the one all-reduce every step, whatever it found, so no rank can skip a collective the
+        others enter. Gradients are checked after their reduction: a NaN from one rank reaches its data-parallel
+        peers' gradients too, so the loss flag is the one that names where it started.
+        """
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        flags = torch.zeros(world_size, dtype=torch.int32, device=device)
+        # Computed on the device: the flags are read back once, after the all-reduce (one host sync per step).
+        flags[rank] = (_LOSS_NONFINITE * _nonfinite(loss, flags.device)
+                       + _GRADS_NONFINITE * _any_nonfinite_grad(params, flags.device))
+        if dist.is_initialized():
+            dist.all_reduce(flags)
+        by_rank = flags.tolist()
+        step = module.trainer.global_step
+        if not any(by_rank):
+            module.log("guard/skipped_steps", float(self.skipped_steps), batch_size=1)
+            return
+        bad_loss = [r for r, f in enumerate(by_rank) if f & _LOSS_NONFINITE]
+        bad_grads = [r for r, f in enumerate(by_rank) if f & _GRADS_NONFINITE]
+        found = "; ".join(f"{what} on rank(s) {ranks}" for what, ranks in
+                          (("non-finite loss", bad_loss), ("non-finite gradients", bad_grads)) if ranks)
+        if self.policy == "stop":
+            raise FloatingPointError(
+                f"{found} at global_step={step}: stopping on every rank (OmniStrategy(on_nonfinite='stop')); pass "
+                "on_nonfinite='skip' to skip such steps, or look for bad data, a too high learning rate or overflow "
+                "in low precision"
+            )
+        for p in params:  # the optimizer leaves parameters without gradients alone: weights and state unchanged
+            p.grad = None
+        self.skipped_steps += 1
+        module.log("guard/skipped_steps", float(self.skipped_steps), batch_size=1)
+        if rank == 0:
+            log.warning("skipped optimizer step at global_step=%d on every rank: %s (%d skipped so far)",
+                        step, found, self.skipped_steps)
+
+
+def _nonfinite(value: Any, device: torch.device) -> Tensor:
+    """1 if ``value`` is a tensor holding a NaN or an infinity, else 0 (an int32 scalar on ``device``)."""
+    if not isinstance(value, Tensor):
+        return torch.zeros((), dtype=torch.int32, device=device)
+    return (~torch.isfinite(value.detach()).all()).to(device=device, dtype=torch.int32)
+
+
+def _any_nonfinite_grad(params: list[Tensor], device: torch.device) -> Tensor:
+    """1 if this rank's part of any gradient holds a NaN or an infinity, else 0 (an int32 scalar on ``device``)."""
+    local = [g for g in (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params) if g.numel()]
+    if not local:  # an FSDP rank may hold an empty shard of every gradient
+        return torch.zeros((), dtype=torch.int32, device=device)
+    # One fused kernel per device and dtype instead of a Python loop over every gradient: a NaN anywhere makes
+    # that tensor's max-norm NaN, an infinity makes it infinite.
+    largest = torch.stack([n.to(device) for n in torch._foreach_norm(local, float("inf"))])
+    return (~torch.isfinite(largest).all()).to(torch.int32)
