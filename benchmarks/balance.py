@@ -6,11 +6,11 @@ prints max/mean predicted (rank, step) cost for
 
 * naive: every rank trains on what it read, in arrival order (what a plain data loader does);
 * llm-only: the grouped planner balancing LLM cost alone (what an LLM-only balancer would do);
-* grouped: the grouped planner on the full per-sample cost, in balance groups of ``--group`` ranks;
+* grouped: the grouped planner on the full per-sample cost, in reorder groups of ``--group`` ranks;
 
 beside the lower bound max(mean load, largest sample) / mean, and, because ranks wait for each other every step,
 the time each plan takes relative to perfect balance: sum over steps of the busiest rank / (total work / ranks).
-It also times planning one balance group and one
+It also times planning one reorder group and one
 global plan over the largest data-parallel size. The last line is ``worst grouped/bound: X``, the largest ratio of
 grouped max cost to the bound over rows with 64 or more ranks.
 
@@ -26,7 +26,13 @@ import numpy as np
 from common import WORKLOAD_A, default_workloads
 
 from omni_lightning.balance.cost import feature_matrix
-from omni_lightning.balance.reorder import ReorderConfig, balance_groups, lower_bound, plan_balance_group, plan_in_place
+from omni_lightning.balance.reorder import (
+    ReorderConfig,
+    lower_bound,
+    plan_in_place,
+    plan_reorder_group,
+    reorder_group_ranks,
+)
 from omni_lightning.balance.workload import load_workload, sample_metadata
 from omni_lightning.models.flops import reference_cost_model
 
@@ -43,13 +49,13 @@ def step_costs(plan_micro_batches: list, costs: np.ndarray) -> np.ndarray:
 def plan_groups(
     balance_costs: np.ndarray, true_costs: np.ndarray, tokens: np.ndarray, dp: int, group: int, config: ReorderConfig
 ) -> np.ndarray:
-    """Plan every balance group independently; return the true (rank, step) costs of the whole job."""
+    """Plan every reorder group independently; return the true (rank, step) costs of the whole job."""
     per_rank = balance_costs.size // dp
     result = np.zeros((dp, config.steps))
-    for index, ranks in enumerate(balance_groups(dp, group)):
+    for index, ranks in enumerate(reorder_group_ranks(dp, group)):
         ids = np.arange(ranks[0] * per_rank, (ranks[-1] + 1) * per_rank)
         owners = np.repeat(np.arange(len(ranks)), per_rank)
-        plan = plan_balance_group(balance_costs[ids], tokens[ids], owners, tokens[ids], n_ranks=len(ranks),
+        plan = plan_reorder_group(balance_costs[ids], tokens[ids], owners, tokens[ids], n_ranks=len(ranks),
                                   config=config, seed=0, epoch=0, group_index=index)
         result[ranks] = step_costs(plan.micro_batches, true_costs[ids])
     return result
@@ -59,7 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", nargs="+", default=default_workloads())
     parser.add_argument("--dp", nargs="+", type=int, default=[8, 64, 512])
-    parser.add_argument("--group", type=int, default=8, help="ranks per balance group")
+    parser.add_argument("--group", type=int, default=8, help="ranks per reorder group")
     parser.add_argument("--steps", type=int, default=64, help="steps planned together")
     parser.add_argument("--samples-per-step", type=int, default=16, help="samples per rank and step")
     parser.add_argument("--seed", type=int, default=0)
@@ -102,7 +108,7 @@ def main() -> None:
     costs = np.random.default_rng(1).lognormal(0.0, 1.0, n)
     tokens = np.random.default_rng(2).integers(16, 4096, n)
     started = time.process_time()
-    plan_balance_group(costs, tokens, np.repeat(np.arange(timing_group), per_rank), tokens, n_ranks=timing_group,
+    plan_reorder_group(costs, tokens, np.repeat(np.arange(timing_group), per_rank), tokens, n_ranks=timing_group,
                        config=config, seed=0, epoch=0, group_index=0)
     group_ms = (time.process_time() - started) * 1e3
     big = max(args.dp)
@@ -110,10 +116,10 @@ def main() -> None:
     costs = np.random.default_rng(3).lognormal(0.0, 1.0, n)
     tokens = np.random.default_rng(4).integers(16, 4096, n)
     started = time.process_time()
-    plan_balance_group(costs, tokens, np.repeat(np.arange(big), per_rank), tokens, n_ranks=big, config=config,
+    plan_reorder_group(costs, tokens, np.repeat(np.arange(big), per_rank), tokens, n_ranks=big, config=config,
                        seed=0, epoch=0, group_index=0)
     global_s = time.process_time() - started
-    print(f"plan one balance group ({timing_group} ranks x {args.steps} steps x {args.samples_per_step} samples): "
+    print(f"plan one reorder group ({timing_group} ranks x {args.steps} steps x {args.samples_per_step} samples): "
           f"{group_ms:.1f} ms CPU")
     print(f"plan globally over {big} ranks (same steps and samples): {global_s:.2f} s CPU")
     print(f"worst grouped/bound: {worst:.4f}")

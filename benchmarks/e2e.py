@@ -4,7 +4,7 @@ Trains the same reference MLLM on the same synthetic shards for the same steps a
 fork-started CPU processes, under
 
 * (a) Lightning's ``ModelParallelStrategy`` with FSDP2 over every rank and the plain per-rank data split;
-* (b) OmniStrategy (FSDP2) with balancing off (``OmniDataModule(workload_balance="none")``, no encoder resharding);
+* (b) OmniStrategy (FSDP2) with balancing off (``OmniDataModule(reorder="none")``, no encoder resharding);
 * (c) OmniStrategy with grouped reordering in the loader;
 * (d) (c) plus encoder resharding with long-short sequence parallelism (``enc_sp``);
 * (e) DistTrain's disaggregated placement (``OmniStrategy(placement="disaggregated")``): an encoder pool sized by
@@ -20,7 +20,7 @@ fork-started CPU processes, under
 This machine has 2 cores and runs more ranks than that, so wall time is not what dedicated devices would see.
 Each rank's compute per step is its training thread's CPU time (a rank blocked in a collective uses none); the
 *modeled step time* is the slowest rank's, i.e. the step time on dedicated devices when communication overlaps
-or is small (the CPU a rank spends inside collectives is included). The timed steps are whole balance groups after a
+or is small (the CPU a rank spends inside collectives is included). The timed steps are whole reorder groups after a
 warm-up of whole groups: grouped reordering spreads a group's samples over its steps, so a window that cut a group
 would time (c)-(e) on other samples than (a) and (b). Every configuration runs ``--repeats`` times, interleaved with
 the others, and each (step, rank) keeps its least CPU time over the repeats (the same samples and plans each time):
@@ -67,7 +67,7 @@ from omni_lightning.models.config import (
     VisionEncoderConfig,
 )
 from omni_lightning.module import initial_state_dict
-from omni_lightning.monitor import BalanceMonitor
+from omni_lightning.monitor import LoadMonitor
 from omni_lightning.strategies.launcher import NoWeightsMultiProcessingLauncher
 from omni_lightning.strategies.pool_size import size_encoder_pool
 
@@ -139,7 +139,7 @@ def batch_metas(batch: dict[str, Any]) -> list[dict[str, Any]]:
 class _Throughput(pl.Callback):
     """Rank 0 keeps wall time, global tokens and every rank's samples of every step; all saved at the end."""
 
-    def __init__(self, monitor: BalanceMonitor, path: Path) -> None:
+    def __init__(self, monitor: LoadMonitor, path: Path) -> None:
         self.monitor, self.path = monitor, path
         self.wall: list[float] = []
         self.tokens: list[float] = []
@@ -172,7 +172,7 @@ def encoder_pool(args: argparse.Namespace, cost_model: CostModel) -> int:
 
 def run(name: str, shards: str, args: argparse.Namespace, out: Path, pool: int = 0) -> dict[str, Any]:
     os.environ["MASTER_PORT"] = str(free_port())
-    monitor = BalanceMonitor()
+    monitor = LoadMonitor()
     record = out / f"{name}.json"
     if name == "e":
         llm_ranks = args.ranks - pool
@@ -183,18 +183,18 @@ def run(name: str, shards: str, args: argparse.Namespace, out: Path, pool: int =
                                 pp_microbatches=STREAMED)
         module = OmniModule(CONFIG, init_seed=args.seed)
         data = OmniDataModule(shards, samples_per_step=args.samples_per_step * args.ranks // llm_ranks,
-                              group_steps=args.group_steps, workload_balance="grouped", balance_group_size=None,
+                              group_steps=args.group_steps, reorder="grouped", reorder_group_size=None,
                               seed=args.seed)
     elif name == "a":
         strategy: Any = _ForkedModelParallel(data_parallel_size=args.ranks, tensor_parallel_size=1)
         module: OmniModule = _UserFSDPModule(CONFIG, init_seed=args.seed)
         data: pl.LightningDataModule = WebDataModule(shards, batch_size=args.samples_per_step, seed=args.seed)
     else:
-        strategy = OmniStrategy(launcher="fork", timeout=600, encoder_balance=name == "d",
+        strategy = OmniStrategy(launcher="fork", timeout=600, encoder_reshard=name == "d",
                                 enc_sp=args.enc_sp if name == "d" else 1)
         module = OmniModule(CONFIG, init_seed=args.seed)
         data = OmniDataModule(shards, samples_per_step=args.samples_per_step, group_steps=args.group_steps,
-                              workload_balance="none" if name == "b" else "grouped", balance_group_size=None,
+                              reorder="none" if name == "b" else "grouped", reorder_group_size=None,
                               seed=args.seed)
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.ranks, strategy=strategy, max_steps=args.steps, logger=False,
@@ -275,7 +275,7 @@ def main() -> None:
         raise SystemExit(f"--repeats {args.repeats}: every configuration runs at least once")
     measured_steps = args.steps - args.warmup
     if args.warmup < 1 or args.warmup % args.group_steps or measured_steps < 1 or measured_steps % args.group_steps:
-        # A balance group's samples are spread over its steps: a window that cuts a group would time (c)-(e) on
+        # A reorder group's samples are spread over its steps: a window that cuts a group would time (c)-(e) on
         # other samples than (a) and (b).
         raise SystemExit(f"--warmup {args.warmup} and the measured steps (--steps {args.steps} minus the warm-up) "
                          f"must be positive multiples of --group-steps {args.group_steps}, so that every "
@@ -296,7 +296,7 @@ def main() -> None:
         timed = {name: sorted(json.dumps(meta, sort_keys=True) for step in result["per_rank_samples"]
                               for rank in step for meta in rank) for name, result in results.items()}
         if any(samples != timed["a"] for samples in timed.values()):
-            raise SystemExit("(a)-(d) timed different samples: the timed window does not cover whole balance groups")
+            raise SystemExit("(a)-(d) timed different samples: the timed window does not cover whole reorder groups")
         measured, _ = fit_to_runs(results, ("a", "b", "c"), slice(None))
         pool = encoder_pool(args, measured)
         results["e"] = summarize([run("e", shards, args, Path(scratch), pool) for _ in range(args.repeats)], args,

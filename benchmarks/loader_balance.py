@@ -1,8 +1,8 @@
 """Measured balance of a real multi-process run: naive split vs grouped reordering, side by side.
 
 Trains the tiny reference MLLM on ``--ranks`` fork-started CPU processes (FSDP over all of them) twice over the
-same synthetic shards, once with ``workload_balance="none"`` (each rank trains on what it read) and once with
-``"grouped"``. Each rank's compute per step is its training thread's CPU time (BalanceMonitor), which holds on an
+same synthetic shards, once with ``reorder="none"`` (each rank trains on what it read) and once with
+``"grouped"``. Each rank's compute per step is its training thread's CPU time (LoadMonitor), which holds on an
 oversubscribed machine because a rank blocked in a collective uses no CPU. Prints, per configuration, the mean
 over steps of max/mean per-rank compute, and the modeled dedicated-hardware time (sum over steps of the slowest
 rank). Results go to ``benchmarks/results/loader_balance.json``.
@@ -25,13 +25,13 @@ from common import free_port
 
 from omni_lightning import OmniDataModule, OmniModule, OmniStrategy, ReferenceMLLMConfig
 from omni_lightning.data.synthetic import make_synthetic_shards
-from omni_lightning.monitor import BalanceMonitor
+from omni_lightning.monitor import LoadMonitor
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 class _SaveHistory(pl.Callback):
-    def __init__(self, monitor: BalanceMonitor, path: Path) -> None:
+    def __init__(self, monitor: LoadMonitor, path: Path) -> None:
         self.monitor, self.path = monitor, path
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -41,7 +41,7 @@ class _SaveHistory(pl.Callback):
 
 def run(mode: str, shards: str, args: argparse.Namespace, out: Path) -> list[list[float]]:
     os.environ["MASTER_PORT"] = str(free_port())
-    monitor = BalanceMonitor()
+    monitor = LoadMonitor()
     history = out / f"{mode}.json"
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.ranks, strategy=OmniStrategy(launcher="fork", timeout=300),
@@ -49,7 +49,7 @@ def run(mode: str, shards: str, args: argparse.Namespace, out: Path) -> list[lis
         enable_checkpointing=False, callbacks=[monitor, _SaveHistory(monitor, history)],
     )
     data = OmniDataModule(shards, samples_per_step=args.samples_per_step, group_steps=args.group_steps,
-                          workload_balance=mode, balance_group_size=None, seed=args.seed)
+                          reorder=mode, reorder_group_size=None, seed=args.seed)
     trainer.fit(OmniModule(ReferenceMLLMConfig.tiny(), init_seed=args.seed), datamodule=data)
     return json.loads(history.read_text())
 

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from common import free_port
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from omni_lightning.data.reorder_stream import BalancedStream, BalanceSettings
+from omni_lightning.data.reorder_stream import ReorderedStream, ReorderSettings
 from omni_lightning.data.shards import expand_shards
 from omni_lightning.data.streaming import SampleStream, ShardStream
 from omni_lightning.data.synthetic import make_synthetic_shards
@@ -52,8 +52,8 @@ def _plain(paths: list[str], rank: int, size: int, args: argparse.Namespace) -> 
 def _balanced(paths: list[str], rank: int, size: int, args: argparse.Namespace) -> tuple[float, float]:
     samples = SampleStream(paths, dp_rank=rank, dp_size=size, batch_size=1, on_bad_sample="skip")
     loader = StatefulDataLoader(samples, batch_size=None, collate_fn=_identity)
-    settings = BalanceSettings(samples_per_step=args.samples_per_step, group_steps=args.group_steps)
-    stream = BalancedStream(loader, group=dist.group.WORLD, group_index=0,
+    settings = ReorderSettings(samples_per_step=args.samples_per_step, group_steps=args.group_steps)
+    stream = ReorderedStream(loader, group=dist.group.WORLD, group_index=0,
                             cost_model=reference_cost_model(ReferenceMLLMConfig.tiny()), settings=settings)
     return _time(stream, args.batches)
 

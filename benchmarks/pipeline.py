@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from omni_lightning.balance.calibration import fit_joint_calibration
 from omni_lightning.balance.cost import CostModel, feature_matrix
-from omni_lightning.balance.reorder import ReorderConfig, plan_balance_group
+from omni_lightning.balance.reorder import ReorderConfig, plan_reorder_group
 from omni_lightning.balance.workload import SampleMeta, load_workload, sample_metadata
 from omni_lightning.batch import BYTE_ROLES
 from omni_lightning.data.packing import DecodedSample, pack_samples
@@ -124,7 +124,7 @@ def _micro_batches(workload: str, count: int, step: int, planner: _Planner, enco
     zeros = np.zeros(len(metas), dtype=np.int64)
     config = ReorderConfig(steps=1, micro_batches=count, pp=args.stages, pipeline_order="search",
                            forward_share=planner.forward_share)
-    plan = plan_balance_group(costs.sum(axis=1), np.array([m.llm_tokens for m in metas]), zeros, zeros, n_ranks=1,
+    plan = plan_reorder_group(costs.sum(axis=1), np.array([m.llm_tokens for m in metas]), zeros, zeros, n_ranks=1,
                               config=config, seed=args.seed, epoch=step, group_index=0,
                               micro_batch_costs=costs[:, 2] if encoders == "joint" else None)
     groups = [[metas[i] for i in ids] for ids in plan.micro_batches[0][0]]

@@ -164,7 +164,7 @@ def fit(out_dir: Path, shards: str, seed: Path, ckpt_dir: Path, *, steps: int, e
     )
     module = OmniModule(ReferenceMLLMConfig.tiny(), learning_rate=1e-3, init_checkpoint=str(seed))
     data = OmniDataModule(shards, samples_per_step=SAMPLES_PER_STEP, group_steps=GROUP_STEPS,
-                          balance_group_size=None, on_bad_sample="skip")
+                          reorder_group_size=None, on_bad_sample="skip")
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
 
 

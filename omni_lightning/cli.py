@@ -18,6 +18,7 @@ import omni_lightning  # noqa: F401  (registers strategy="omni")
 from omni_lightning.data.jsonl import jsonl_to_shards
 from omni_lightning.data.synthetic import make_synthetic_shards
 from omni_lightning.datamodules.omni import OmniDataModule
+from omni_lightning.deprecations import warn_renamed
 from omni_lightning.module import OmniModule
 from omni_lightning.sim.report import simulate_main
 from omni_lightning.strategies.omni import OmniStrategy
@@ -128,9 +129,17 @@ def main(argv: list[str] | None = None) -> None:
         make_shards_main(args[1:])
         return
     if args and args[0] == "simulate":
-        simulate_main(args[1:])
+        simulate_main([_renamed_flag(arg) for arg in args[1:]])
         return
     OmniCLI(args=argv)
+
+
+def _renamed_flag(arg: str) -> str:
+    flag, equals, value = arg.partition("=")
+    if flag != "--balance-group":
+        return arg
+    warn_renamed("omni-lightning simulate --balance-group")
+    return "--reorder-group" + equals + value
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from typing_extensions import override
 
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.batch import PackingSpec
+from omni_lightning.deprecations import with_deprecated_names
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.monitor import loggers_write_this_step
@@ -54,6 +56,8 @@ class OmniModule(LightningModule):
             keeping them (less memory, about a third more compute).
         compile_backend: ``torch.compile`` backend for the blocks' MLPs (``"inductor"`` on GPUs); ``None`` runs
             eagerly. See :mod:`omni_lightning.parallel.activation_checkpoint` for what is compiled and why.
+        deprecated_metric_names: also log the loader's plan (``reorder/*``) and the encoder plan (``reshard/*``)
+            under their 0.1 names ``balance/*`` and ``encoder/*`` (warns once); ``False`` logs the new names alone.
 
     The loss is the sum of next-token cross-entropies over text positions divided by the number of such
     positions in the *global* micro-batch (all data-parallel ranks together), so gradients do not depend on how
@@ -79,6 +83,7 @@ class OmniModule(LightningModule):
         param_dtype: str | None = None,
         activation_checkpointing: bool = False,
         compile_backend: str | None = None,
+        deprecated_metric_names: bool = True,
     ) -> None:
         super().__init__()
         built = model if isinstance(model, ReferenceMLLM) else None
@@ -195,11 +200,17 @@ class OmniModule(LightningModule):
             self.log("train/moe_aux_loss", stats["moe_aux_loss"], batch_size=samples)
         # Plan statistics only loggers read: logged on the steps they are written (each log call costs).
         if self._trainer is not None and loggers_write_this_step(self._trainer):
-            if "balance" in batch:  # loader-side plan statistics of OmniDataModule (this rank's view)
-                self.log_dict({f"balance/{k}": float(v) for k, v in batch["balance"].items()}, batch_size=samples)
+            if "reorder" in batch:  # loader-side plan statistics of OmniDataModule (this rank's view)
+                self._log_plan("reorder", batch["reorder"], samples)
             if plan := step.encoder_stats:  # this step's encoder plan (group-wide), this rank's bytes
-                self.log_dict({f"encoder/{k}": float(v) for k, v in plan.items()}, batch_size=samples)
+                self._log_plan("reshard", plan, samples)
         return {"loss": result.loss, "global_loss": stats["loss"]}
+
+    def _log_plan(self, prefix: str, stats: Mapping[str, float], samples: int) -> None:
+        metrics = {f"{prefix}/{k}": float(v) for k, v in stats.items()}
+        if self.hparams.get("deprecated_metric_names", True):
+            metrics = with_deprecated_names(metrics)
+        self.log_dict(metrics, batch_size=samples)
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Training metrics beyond what OmniModule logs itself: the measured per-rank balance of every step
-(:class:`BalanceMonitor`) and the model FLOP/s and MFU (:class:`ThroughputMonitor`)."""
+"""Training metrics beyond what OmniModule logs itself: the measured per-rank load of every step
+(:class:`LoadMonitor`) and the model FLOP/s and MFU (:class:`ThroughputMonitor`)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from typing_extensions import override
 
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.batch import PackingSpec
+from omni_lightning.deprecations import warn_renamed, with_deprecated_names
 from omni_lightning.modalities import DEFAULT_PACKING
 from omni_lightning.runtime.calibration import micro_batch_features
 
-__all__ = ["BalanceMonitor", "ThroughputMonitor", "batch_training_flops", "loggers_write_this_step"]
+__all__ = ["BalanceMonitor", "LoadMonitor", "ThroughputMonitor", "batch_training_flops", "loggers_write_this_step"]
 
 
 def loggers_write_this_step(trainer: pl.Trainer) -> bool:
@@ -30,9 +31,11 @@ def loggers_write_this_step(trainer: pl.Trainer) -> bool:
     return trainer._logger_connector.should_update_logs
 
 
-class BalanceMonitor(pl.Callback):
-    """Logs, per step, the slowest rank's compute over the mean (``balance/measured_imbalance``) and this step's
-    mean compute seconds, split into encoders and LLM forward where the model reports it.
+class LoadMonitor(pl.Callback):
+    """Logs, per step, the slowest rank's compute over the mean (``load/measured_imbalance``) and this step's
+    mean compute seconds (``load/measured_step_cpu_s``), split into encoders and LLM forward where the model reports
+    it (``load/measured_encoders_cpu_s``, ``load/measured_llm_forward_cpu_s``): what reordering and resharding
+    together achieved.
 
     Compute is the training thread's CPU time (``time.thread_time``): a rank blocked in a collective uses none,
     so the figure is what each rank would take on dedicated hardware even when ranks share cores. Costs one small
@@ -66,17 +69,31 @@ class BalanceMonitor(pl.Callback):
         samples = batch.get("num_samples", 1) if isinstance(batch, dict) else 1
         imbalance = float(per_rank.max() / per_rank.mean().clamp(min=1e-12))
         if loggers_write_this_step(trainer):
-            pl_module.log_dict(
-                {
-                    "balance/measured_imbalance": imbalance,
-                    "balance/measured_step_cpu_s": float(per_rank.mean()),
-                    "balance/measured_encoders_cpu_s": float(everyone[:, 1].mean()),
-                    "balance/measured_llm_forward_cpu_s": float(everyone[:, 2].mean()),
-                },
-                batch_size=max(int(samples), 1),
-            )
+            metrics = {
+                "load/measured_imbalance": imbalance,
+                "load/measured_step_cpu_s": float(per_rank.mean()),
+                "load/measured_encoders_cpu_s": float(everyone[:, 1].mean()),
+                "load/measured_llm_forward_cpu_s": float(everyone[:, 2].mean()),
+            }
+            pl_module.log_dict(self._named(metrics), batch_size=max(int(samples), 1))
         # The progress bar shows the imbalance under a short name; loggers get the full one above.
         pl_module.log("imbalance", imbalance, prog_bar=True, logger=False, batch_size=max(int(samples), 1))
+
+    def _named(self, metrics: dict[str, float]) -> dict[str, float]:
+        return metrics
+
+
+class BalanceMonitor(LoadMonitor):
+    """Deprecated name of :class:`LoadMonitor`: logs its metrics under the 0.1 names ``balance/measured_*`` too
+    (warns once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        warn_renamed("omni_lightning.monitor.BalanceMonitor")
+
+    @override
+    def _named(self, metrics: dict[str, float]) -> dict[str, float]:
+        return with_deprecated_names(metrics)
 
 
 def batch_training_flops(batch: dict[str, Any], cost_model: CostModel, spec: PackingSpec = DEFAULT_PACKING) -> float:

@@ -124,7 +124,7 @@ class RecordBatches(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self.batches.append({k: v for k, v in batch.items() if k not in ("balance", MARKER_KEY)})
+        self.batches.append({k: v for k, v in batch.items() if k not in ("reorder", MARKER_KEY)})
         torch.save(self.batches, self.out_dir / f"batches_rank{trainer.global_rank}.pt")
 
 

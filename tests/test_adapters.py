@@ -263,7 +263,7 @@ def _single_process_run(shards: str, seed_file: Path, *, dp_size: int, steps: in
 
 
 class _EncoderTraffic(pl.Callback):
-    """Rank 0 sums the bytes the encoder balancer moved between ranks over the run."""
+    """Rank 0 sums the bytes the resharder moved between ranks over the run."""
 
     def __init__(self, out_dir: Path) -> None:
         self.out_dir, self.moved = out_dir, 0.0
@@ -277,7 +277,7 @@ class _EncoderTraffic(pl.Callback):
 @pytest.mark.distributed
 def test_adapted_model_trains_under_tp2_fsdp2_as_one_process(tmp_path: Path, tiny_shards: str) -> None:
     """With two data-parallel ranks OmniStrategy balances encoder work by default, so the HF encoders also run
-    through the encoder balancer (their stems on the owning rank, the rest wherever the plan sends the tokens)."""
+    through the resharder (their stems on the owning rank, the rest wherever the plan sends the tokens)."""
     steps = 6
     torch.manual_seed(3)
     built = adapted_mllm()

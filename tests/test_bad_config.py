@@ -83,8 +83,8 @@ CASES: dict[str, Case] = {
     "enc-sp-not-power-of-two": Case(lambda _: OmniStrategy(dp_shard=4, enc_sp=3), r"enc_sp=3 must be a power of two"),
     "enc-sp-not-dividing-dp": Case(lambda _: OmniStrategy(dp_shard=3, enc_sp=2),
                                    r"enc_sp=2 must divide the data-parallel size dp_replicate\*dp_shard = 1\*3 = 3"),
-    "enc-sp-without-balancer": Case(lambda _: OmniStrategy(dp_shard=4, enc_sp=2, encoder_balance=False),
-                                    r"enc_sp=2 splits items planned by the encoder balancer: drop encoder_balance"),
+    "enc-sp-without-reshard": Case(lambda _: OmniStrategy(dp_shard=4, enc_sp=2, encoder_reshard=False),
+                                   r"enc_sp=2 splits items planned by the resharder: drop encoder_reshard"),
     "launcher-unknown": Case(lambda _: OmniStrategy(launcher="thread"), r"launcher='thread' must be 'subprocess'"),
     "timeout-not-positive": Case(lambda _: OmniStrategy(timeout=0), r"timeout=0 must be a positive number"),
     "nonfinite-policy-unknown": Case(lambda _: OmniStrategy(on_nonfinite="ignore"),
@@ -161,14 +161,14 @@ CASES: dict[str, Case] = {
     "attention-backend-unknown": Case(lambda _: ReferenceMLLMConfig(attention_backend="xformers"),
                                       r"attention_backend='xformers' must be 'auto', 'sdpa' or 'flash'"),
     # ---- data settings: OmniDataModule(...) and its setup on every rank
-    "workload-balance-unknown": Case(lambda s: OmniDataModule(s, workload_balance="sorted"),
-                                     r"workload_balance='sorted' must be 'grouped' or 'none'"),
+    "reorder-unknown": Case(lambda s: OmniDataModule(s, reorder="sorted"),
+                            r"reorder='sorted' must be 'grouped' or 'none'"),
     "pipeline-order-unknown": Case(lambda s: OmniDataModule(s, pipeline_order="sorted"),
                                    r"pipeline_order='sorted' must be one of \('disttrain', 'ramp', 'search'\)"),
     "on-bad-sample-unknown": Case(lambda s: OmniDataModule(s, on_bad_sample="warn"),
                                   r"on_bad_sample='warn' must be 'skip' or 'error'"),
-    "balance-group-size-below-one": Case(lambda s: OmniDataModule(s, balance_group_size=0),
-                                         r"balance_group_size=0 must be at least 1"),
+    "reorder-group-size-below-one": Case(lambda s: OmniDataModule(s, reorder_group_size=0),
+                                         r"reorder_group_size=0 must be at least 1"),
     "samples-per-step-below-one": Case(lambda s: OmniDataModule(s, samples_per_step=0),
                                        r"samples_per_step, group_steps and micro_batches must be at least 1"),
     "max-seq-len-over-token-budget": Case(lambda s: OmniDataModule(s, token_budget=256, max_seq_len=512),
@@ -186,8 +186,8 @@ CASES: dict[str, Case] = {
     "data-packing-vs-model": Case(_setup(lambda s: OmniDataModule(s, patch_size=16)),
                                   r"OmniDataModule\(patch_size=16\) but the model expects patch_size=14: set "
                                   r"patch_size=14"),
-    "balance-group-not-dividing-dp": Case(_setup(lambda s: OmniDataModule(s, balance_group_size=3)),
-                                          r"balance_group_size=3 must divide the data-parallel size 4"),
+    "reorder-group-not-dividing-dp": Case(_setup(lambda s: OmniDataModule(s, reorder_group_size=3)),
+                                          r"reorder_group_size=3 must divide the data-parallel size 4"),
     "micro-batches-vs-accumulation": Case(_setup(lambda s: OmniDataModule(s, micro_batches=2)),
                                           r"OmniDataModule\(micro_batches=2\) .* Trainer\(accumulate_grad_batches=1\):"
                                           r" set OmniDataModule\(micro_batches=1\) or accumulate_grad_batches=2"),
@@ -235,8 +235,8 @@ def test_only_a_1f1b_pipeline_shapes_micro_batches_to_its_profile(tiny_shards: s
 def test_valid_configurations_pass_the_same_checks(tiny_shards: str) -> None:
     """The checks reject only what they should: the layouts and settings next to the invalid ones are accepted."""
     groups = mock.patch("torch.distributed.new_subgroups_by_enumeration", return_value=(None, []))
-    with groups:  # setup goes on to create the balance groups once everything checked out
-        _setup(lambda s: OmniDataModule(s, num_workers=2, balance_group_size=2))(tiny_shards)
+    with groups:  # setup goes on to create the reorder groups once everything checked out
+        _setup(lambda s: OmniDataModule(s, num_workers=2, reorder_group_size=2))(tiny_shards)
         _setup(lambda s: OmniDataModule(s, micro_batches=2), accumulate=2)(tiny_shards)
     _setup(lambda s: OmniDataModule(s, token_budget=512), devices=2, pp=2, pp_max_tokens=512)(tiny_shards)
     strategy = _trainer(4, tp=4).strategy

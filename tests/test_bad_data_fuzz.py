@@ -117,7 +117,7 @@ def test_skip_yields_every_good_sample_and_counts_every_bad_one(pool: list[Raw],
         # The balancer: one record per micro-batch (a bad one an empty filler), and its skip counter.
         batches = take(balanced([path], samples_per_step=1, group_steps=1), len(plan))
         assert [b["keys"] for b in batches] == [[] if key is None else [key] for key in expected]
-        assert batches[-1]["balance"]["skipped"] == len(bad)
+        assert batches[-1]["reorder"]["skipped"] == len(bad)
 
 
 @FUZZ

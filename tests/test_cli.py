@@ -49,8 +49,8 @@ def test_main_job_from_the_readme(tmp_path: Path) -> None:
     train_losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
     assert len(train_losses) == 4 and all(0 < loss < 10 for loss in train_losses)
     assert any(r.get("val/loss") for r in rows)
-    imbalance = [float(r["balance/measured_imbalance"]) for r in rows if r.get("balance/measured_imbalance")]
-    predicted = [float(r["balance/predicted_imbalance"]) for r in rows if r.get("balance/predicted_imbalance")]
+    imbalance = [float(r["load/measured_imbalance"]) for r in rows if r.get("load/measured_imbalance")]
+    predicted = [float(r["reorder/predicted_imbalance"]) for r in rows if r.get("reorder/predicted_imbalance")]
     assert len(imbalance) == 4 and all(x >= 1.0 for x in imbalance) and all(x >= 1.0 for x in predicted)
 
 

@@ -40,12 +40,12 @@ def test_coupled_is_slower_than_omni_on_a_long_tail(sim: Simulation) -> None:
 
 def test_each_ablation_is_no_better_balanced(sim: Simulation) -> None:
     omni = sim.omni()
-    for options in (OmniOptions(multiplex=False), OmniOptions(balance=False), OmniOptions(lssp=False)):
+    for options in (OmniOptions(multiplex=False), OmniOptions(reorder=False), OmniOptions(lssp=False)):
         ablated = sim.omni(options)
         assert ablated.imbalance >= omni.imbalance - 1e-9, ablated.name
     # Encoders confined to the first stage's GPUs, or samples left where they were read, cost time.
     assert sim.omni(OmniOptions(multiplex=False)).step_s > omni.step_s
-    assert sim.omni(OmniOptions(balance=False)).step_s > omni.step_s
+    assert sim.omni(OmniOptions(reorder=False)).step_s > omni.step_s
 
 
 def test_a_layout_that_cannot_fit_is_reported_oom() -> None:
@@ -68,13 +68,13 @@ def test_disaggregated_uses_the_pool_solver(sim: Simulation, monkeypatch: pytest
 def test_figures_move_with_the_planners(sim: Simulation, monkeypatch: pytest.MonkeyPatch) -> None:
     before = sim.omni()
     calls = []
-    real_plan = reorder.plan_balance_group
+    real_plan = reorder.plan_reorder_group
 
     def spy(*args: object, **kwargs: object) -> reorder.GroupPlan:
         calls.append(kwargs["n_ranks"])
         return real_plan(*args, **kwargs)
 
-    monkeypatch.setattr(reorder, "plan_balance_group", spy)
+    monkeypatch.setattr(reorder, "plan_reorder_group", spy)
     real_encoder_plan = reshard.plan_encoder_work
     # An encoder planner that keeps every item where it was loaded: the simulator must see the imbalance.
     monkeypatch.setattr(reshard, "plan_encoder_work",
@@ -90,13 +90,13 @@ def test_omnis_loader_shapes_1f1b_micro_batches_as_the_datamodule_does(monkeypat
     search with ``pipeline_search`` (the same samples per rank, reshaped and reordered); disaggregated keeps
     DistTrain's order."""
     orders = []
-    real_plan = reorder.plan_balance_group
+    real_plan = reorder.plan_reorder_group
 
     def spy(*args: object, **kwargs: object) -> reorder.GroupPlan:
         orders.append(kwargs["config"].pipeline_order)
         return real_plan(*args, **kwargs)
 
-    monkeypatch.setattr(reorder, "plan_balance_group", spy)
+    monkeypatch.setattr(reorder, "plan_reorder_group", spy)
     scenario = replace(_scenario(pp=4, micro_batches=8, seq_len=2048), steps=2)
     plain, search = Simulation(scenario), Simulation(replace(scenario, pipeline_search=True))
     plain.omni(), search.omni()
@@ -114,13 +114,13 @@ def test_omnis_loader_shapes_1f1b_micro_batches_as_the_datamodule_does(monkeypat
 
 def test_omni_plans_group_steps_at_a_time_as_the_loader_does(monkeypatch: pytest.MonkeyPatch) -> None:
     planned = []
-    real_plan = reorder.plan_balance_group
+    real_plan = reorder.plan_reorder_group
 
     def spy(*args: object, **kwargs: object) -> reorder.GroupPlan:
         planned.append(kwargs["config"].steps)
         return real_plan(*args, **kwargs)
 
-    monkeypatch.setattr(reorder, "plan_balance_group", spy)
+    monkeypatch.setattr(reorder, "plan_reorder_group", spy)
     sim = Simulation(replace(_scenario(group_steps=2), steps=3))
     result = sim.omni()
     assert planned == [2, 1]  # steps 0-1 together, then step 2
@@ -189,7 +189,7 @@ def test_cli_prints_the_table_and_ends_with_the_speedups(capsys: pytest.CaptureF
     assert re.fullmatch(r"predicted speedup vs coupled: (\d+\.\d{3}|oom), vs disaggregated: (\d+\.\d{3}|oom)",
                         lines[-1])
     assert re.fullmatch(r"omni max/mean: \d+\.\d{3}", lines[-2])
-    for name in ("coupled", "disaggregated", "omni", "omni, no multiplexing", "omni, no balancing", "omni, no LSSP"):
+    for name in ("coupled", "disaggregated", "omni", "omni, no multiplexing", "omni, no reordering", "omni, no LSSP"):
         assert any(line.startswith(name + " ") for line in lines), name
     assert PRESETS["omni-a"].model.name in lines[0]
     assert any(line.startswith("whole-sample bound") for line in lines)
@@ -197,7 +197,7 @@ def test_cli_prints_the_table_and_ends_with_the_speedups(capsys: pytest.CaptureF
 
 
 def test_every_data_parallel_rank_is_simulated_by_default_and_a_sample_only_leaves_out_stragglers() -> None:
-    scenario = replace(_scenario(balance_group=2), steps=2)  # 8 data-parallel ranks in 4 balance groups
+    scenario = replace(_scenario(reorder_group=2), steps=2)  # 8 data-parallel ranks in 4 reorder groups
     sampled = Simulation(scenario)  # max_groups=1
     full = Simulation(replace(scenario, max_groups=None))
     assert Scenario.max_groups is None and Scenario.steps > 2

@@ -2,7 +2,7 @@
 
 Tolerance: the foundation's parity test's (tests/test_parity.py): losses within 1e-4 relative, gradients within 1e-4
 of their norm. The pools compute the same mathematics as one process; only the order of fp32 additions differs (the
-encoder pool's FSDP average, the LLM pool's, the encoder balancer's exchanges), ~1e-7 relative per step.
+encoder pool's FSDP average, the LLM pool's, the resharder's exchanges), ~1e-7 relative per step.
 """
 
 from __future__ import annotations

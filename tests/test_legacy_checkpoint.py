@@ -20,6 +20,8 @@ sys.path.insert(0, str(FIXTURE))
 
 import job  # noqa: E402  (the fixture's own job definition)
 
+from omni_lightning.models.config import ReferenceMLLMConfig  # noqa: E402
+
 pytestmark = pytest.mark.distributed
 
 
@@ -34,3 +36,23 @@ def test_a_checkpoint_of_release_0_1_resumes_exactly(tmp_path: Path) -> None:
     # Same code path as the run that wrote it: only float reassociation (another BLAS) may differ, ~1e-7.
     torch.testing.assert_close(torch.tensor([resumed[s] for s in steps]), torch.tensor([recorded[s] for s in steps]),
                                rtol=1e-5, atol=0)
+
+
+def test_its_pickled_configuration_loads_with_fields_added_since() -> None:
+    """The hyper-parameters hold 0.1's ``ReferenceMLLMConfig`` objects, pickled before ``temporal_patch_size``
+    existed; they load under the classes' old import path (``omni_lightning.models.config``) with the new default."""
+    hyper = torch.load(FIXTURE / "checkpoint.ckpt" / "meta.pt", weights_only=True)
+    configs = [v for v in _walk(hyper) if isinstance(v, ReferenceMLLMConfig)]
+    assert configs, "no pickled configuration in the fixture"
+    for config in configs:
+        assert "temporal_patch_size" not in vars(config.vision)  # pickled by 0.1
+        assert config.vision.temporal_patch_size == 1
+        assert config.packing().temporal_patch_size == 1
+
+
+def _walk(value: object) -> list[object]:
+    if isinstance(value, dict):
+        return [value, *(x for v in value.values() for x in _walk(v))]
+    if isinstance(value, (list, tuple)):
+        return [value, *(x for v in value for x in _walk(v))]
+    return [value]

@@ -19,7 +19,7 @@ from omni_lightning.batch import BYTE_ROLES
 from omni_lightning.data.packing import DecodedSample, pack_samples
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.flops import reference_cost_model
-from omni_lightning.monitor import BalanceMonitor, ThroughputMonitor, batch_training_flops, loggers_write_this_step
+from omni_lightning.monitor import LoadMonitor, ThroughputMonitor, batch_training_flops, loggers_write_this_step
 
 # The byte tokens' roles (ids 0-3) and their first text id.
 FIRST_TEXT_ID = BYTE_ROLES.first_free_id
@@ -81,7 +81,7 @@ def test_loggers_progress_bar_and_validate_across_ranks(tmp_path: Path, tiny_sha
         accelerator="cpu", devices=2, strategy=OmniStrategy(launcher="fork", timeout=120, dp_shard=2),
         max_steps=4, val_check_interval=2, check_val_every_n_epoch=None, log_every_n_steps=1,
         logger=[CSVLogger(tmp_path, name="csv"), TensorBoardLogger(tmp_path, name="tb")],
-        callbacks=[BalanceMonitor(), ThroughputMonitor(peak_flops=1e12), _ProgressBarMetrics()],
+        callbacks=[LoadMonitor(), ThroughputMonitor(peak_flops=1e12), _ProgressBarMetrics()],
         enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path,
     )
     trainer.fit(module, datamodule=data)
@@ -92,7 +92,7 @@ def test_loggers_progress_bar_and_validate_across_ranks(tmp_path: Path, tiny_sha
     assert len(logged("throughput/flops_per_s")) == 3  # every step after the first
     assert all(v > 0 for v in logged("train/samples_per_s") + logged("train/tokens_per_s"))
     assert all(0 < v < 1 for v in logged("throughput/mfu")) and len(logged("throughput/mfu")) == 3
-    assert all(v >= 1 for v in logged("balance/measured_imbalance"))
+    assert all(v >= 1 for v in logged("load/measured_imbalance"))
     assert len(logged("val/loss")) == 2  # after steps 2 and 4
     assert len(list((tmp_path / "tb").rglob("events.out.tfevents.*"))) == 1  # rank 0 writes, once
     assert {"train/tokens_per_s", "imbalance"} <= set((tmp_path / "progress_bar.txt").read_text().split())

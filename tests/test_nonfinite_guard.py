@@ -6,7 +6,7 @@ injects the fault on one rank only, at one step, in a 2-rank fork-started run of
 
 An empty encoder batch needs no vote: a rank without media still runs every encoder on a dummy item, so it enters
 the same FSDP collectives as its peers. Tested here without encoder balancing; with it (where the plan is shared),
-``test_encoder_balance.py`` covers a text-only rank ("mixed") and a text-only step on every rank.
+``test_reshard_parity.py`` covers a text-only rank ("mixed") and a text-only step on every rank.
 """
 
 from __future__ import annotations

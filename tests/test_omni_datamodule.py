@@ -34,7 +34,7 @@ from omni_lightning import OmniDataModule, OmniModule, OmniStrategy, ReferenceML
 from omni_lightning.balance.workload import SampleMeta
 from omni_lightning.batch import BYTE_ROLES
 from omni_lightning.data.packing import DecodedSample, pack_samples
-from omni_lightning.data.reorder_stream import BalancedStream, BalanceSettings, apply_length_policy, llm_length
+from omni_lightning.data.reorder_stream import ReorderedStream, ReorderSettings, apply_length_policy, llm_length
 from omni_lightning.data.resumable import MARKER_KEY, ResumableLoader, commit_consumed
 from omni_lightning.data.shards import existing_shards
 from omni_lightning.data.streaming import BadSample, ByteTokenizer, SampleStream, open_shard
@@ -70,12 +70,12 @@ def sample_stream(paths: list[str], *, dp_rank: int = 0, dp_size: int = 1, num_w
 
 def balanced(paths: list[str], *, dp_rank: int = 0, dp_size: int = 1, num_workers: int = 0,
              on_bad_sample: str = "skip", tokenizer: Any = None, group: dist.ProcessGroup | None = None,
-             **settings: Any) -> BalancedStream:
+             **settings: Any) -> ReorderedStream:
     """The pieces OmniDataModule.train_dataloader assembles, built by hand (``group=None``: a one-rank group)."""
     samples = sample_stream(paths, dp_rank=dp_rank, dp_size=dp_size, num_workers=num_workers,
                             on_bad_sample=on_bad_sample, tokenizer=tokenizer)
     loader = StatefulDataLoader(samples, batch_size=None, num_workers=num_workers, collate_fn=lambda item: item)
-    return BalancedStream(loader, group=group, group_index=0, cost_model=COST, settings=BalanceSettings(**settings),
+    return ReorderedStream(loader, group=group, group_index=0, cost_model=COST, settings=ReorderSettings(**settings),
                           seed=0, packing=PACK)
 
 
@@ -104,7 +104,7 @@ def carried_keys(state: dict[str, Any]) -> list[str]:
 
 
 def plan_stats(batch: Batch) -> dict[str, float]:
-    return {k: v for k, v in batch["balance"].items() if k != "reorder_seconds"}
+    return {k: v for k, v in batch["reorder"].items() if k != "reorder_seconds"}
 
 
 def raw_samples(path: str) -> list[Raw]:
@@ -155,9 +155,9 @@ def sample_members(members: list[tarfile.TarInfo], index: int) -> list[tarfile.T
 
 
 class RecordPlans:
-    """Wraps ``BalancedStream._plan`` on one instance to keep every group's plan."""
+    """Wraps ``ReorderedStream._plan`` on one instance to keep every group's plan."""
 
-    def __init__(self, stream: BalancedStream) -> None:
+    def __init__(self, stream: ReorderedStream) -> None:
         self.plans: list[Any] = []
         original = stream._plan
 
@@ -190,7 +190,7 @@ def pool(shards: list[str]) -> list[Raw]:
 @pytest.mark.parametrize("micro_batches", [1, 2])
 def test_every_sample_once_per_group(shards: list[str], balance: bool, micro_batches: int) -> None:
     S, G, groups = 2, 3, 3  # noqa: N806
-    stream = balanced(shards, samples_per_step=S, group_steps=G, micro_batches=micro_batches, balance=balance)
+    stream = balanced(shards, samples_per_step=S, group_steps=G, micro_batches=micro_batches, reorder=balance)
     recorder = RecordPlans(stream)
     batches = take(stream, groups * G * micro_batches)
     read = arrival(shards, groups * G * S)
@@ -209,7 +209,7 @@ def test_every_sample_once_per_group(shards: list[str], balance: bool, micro_bat
     for batch in batches:
         # Packed lengths are what llm_length predicts (the balancer budgets with it).
         assert [len(seg) for seg in segments(batch)] == [llm_length(by_key[k], PACK) for k in batch["keys"]]
-        assert batch["balance"]["samples_moved"] == 0, "a one-rank group moves nothing"
+        assert batch["reorder"]["samples_moved"] == 0, "a one-rank group moves nothing"
 
 
 @pytest.mark.parametrize(("samples_per_step", "micro_batches", "budget"), [(4, 1, 48), (4, 2, 32)])
@@ -243,7 +243,7 @@ def test_token_budget_and_leftovers_carried(shards: list[str], samples_per_step:
 
 
 def test_naive_split_respects_token_budget(shards: list[str]) -> None:
-    stream = balanced(shards, samples_per_step=4, group_steps=2, token_budget=48, max_seq_len=48, balance=False)
+    stream = balanced(shards, samples_per_step=4, group_steps=2, token_budget=48, max_seq_len=48, reorder=False)
     assert [b["input_ids"].numel() for b in take(stream, 10) if b["input_ids"].numel() > 48] == []
 
 
@@ -272,9 +272,9 @@ def test_apply_length_policy_unit() -> None:
     with pytest.raises(ValueError, match=r"sample k-1: 13 LLM tokens exceed max_seq_len=12"):
         apply_length_policy(sample, 12, "error", PACK)
     with pytest.raises(ValueError, match="length_policy"):
-        BalanceSettings(samples_per_step=1, length_policy="cut")  # type: ignore[arg-type]
+        ReorderSettings(samples_per_step=1, length_policy="cut")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_seq_len=64 exceeds token_budget=32"):
-        BalanceSettings(samples_per_step=1, token_budget=32, max_seq_len=64)
+        ReorderSettings(samples_per_step=1, token_budget=32, max_seq_len=64)
 
 
 def test_apply_length_policy_boundary_of_truncation() -> None:
@@ -296,7 +296,7 @@ def test_length_policy_in_the_stream(shards: list[str], policy: str) -> None:
     assert media_only and too_long - media_only, "the data holds both kinds of over-long sample"
     dropped = media_only if policy == "truncate" else too_long
     truncated = too_long - dropped
-    stats = batches[-1]["balance"]
+    stats = batches[-1]["reorder"]
     assert (stats["dropped"], stats["truncated"]) == (len(dropped), len(truncated))
     assert sorted(flat_keys(batches)) == sorted(set(lengths) - dropped)
     by_key = {s.key: s for s in read}
@@ -398,7 +398,7 @@ def test_bad_samples_are_skipped_counted_and_logged(bad_shards: dict[str, Any],
     assert batches[-1]["keys"] == [bad_shards["expected"][next_epoch][0]], "the next epoch starts over"
     fillers = [b for b in batches if not b["keys"]]
     assert all(b["num_samples"] == 0 and bool((b["labels"] == -100).all()) for b in fillers)
-    stats = batches[len(expected) - 1]["balance"]
+    stats = batches[len(expected) - 1]["reorder"]
     assert stats["skipped"] == 6 == len(fillers)
     warnings = [r.getMessage() for r in caplog.records if r.name == BALANCE_LOG and r.levelno == logging.WARNING]
     assert len(warnings) == 6
@@ -502,7 +502,7 @@ def test_decodable_but_unusable_sample_is_skipped(pool: list[Raw], tmp_path: Pat
     path = write_shard(tmp_path / "unusable.tar", [goods[0], _unpackable(pool, case), goods[1]])
     batches = take(balanced([path], samples_per_step=1, group_steps=1), 3)
     assert [b["keys"] for b in batches] == [[goods[0]["__key__"]], [], [goods[1]["__key__"]]]
-    assert batches[-1]["balance"]["skipped"] == 1
+    assert batches[-1]["reorder"]["skipped"] == 1
 
 
 # --- exact resume ----------------------------------------------------------------------------------------------
@@ -582,10 +582,10 @@ def test_txt_member_is_tokenized_as_bytes(tmp_path: Path, pool: list[Raw]) -> No
     wrong_length = {**plain, "__key__": "txt_wrong_length",
                     "json": json.dumps(SampleMeta("text", len(text)).to_json()).encode()}  # characters, not bytes
     path = write_shard(tmp_path / "txt.tar", [plain, with_image, wrong_length])
-    batches = take(balanced([path], samples_per_step=3, group_steps=1, balance=False), 1)
+    batches = take(balanced([path], samples_per_step=3, group_steps=1, reorder=False), 1)
     (batch,) = batches
     assert batch["keys"] == ["txt_plain", "txt_image"]
-    assert batch["balance"]["skipped"] == 1
+    assert batch["reorder"]["skipped"] == 1
     first, second = segments(batch)
     assert first.tolist() == [BOS_ID, *ids]
     vision = grid[0] * grid[1] // 4
@@ -632,24 +632,24 @@ def _data_module(shards: list[str] | str, **kwargs: Any) -> OmniDataModule:
 
 
 def test_data_module_train_dataloader_in_one_process(shards: list[str]) -> None:
-    loader = _data_module(shards, balance_group_size=1).train_dataloader()
+    loader = _data_module(shards, reorder_group_size=1).train_dataloader()
     assert isinstance(loader, ResumableLoader)
     got = take(loader, 6)
     want = take(balanced(shards, samples_per_step=2, group_steps=3), 6)
     assert [b["keys"] for b in got] == [b["keys"] for b in want]
-    assert all(MARKER_KEY in b and "balance" in b for b in got)
+    assert all(MARKER_KEY in b and "reorder" in b for b in got)
 
 
 def test_data_module_streams_fsspec_urls(shards: list[str]) -> None:
     urls = _memory_copy(shards, "data_module")
-    got = take(_data_module(urls, balance_group_size=1).train_dataloader(), 6)
+    got = take(_data_module(urls, reorder_group_size=1).train_dataloader(), 6)
     want = take(balanced(shards, samples_per_step=2, group_steps=3), 6)
     assert [b["keys"] for b in got] == [b["keys"] for b in want]
 
 
 def test_data_module_rejects_bad_arguments(shards: list[str]) -> None:
-    with pytest.raises(ValueError, match="workload_balance"):
-        OmniDataModule(shards, workload_balance="sorted")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reorder"):
+        OmniDataModule(shards, reorder="sorted")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="on_bad_sample"):
         OmniDataModule(shards, on_bad_sample="ignore")  # type: ignore[arg-type]
 
@@ -671,7 +671,7 @@ def _world_balance(rank: int, world_size: int, shards: str, out: Path) -> None:
     result: dict[str, Any] = {}
     for balance in (True, False):
         stream = balanced(paths, dp_rank=rank, dp_size=world_size, group=group, samples_per_step=2, group_steps=3,
-                          balance=balance)
+                          reorder=balance)
         result[str(balance)] = [
             {"keys": b["keys"], "checksums": [_checksum(s) for s in segments(b)], **plan_stats(b)}
             for b in take(stream, 9)
@@ -775,7 +775,7 @@ def fit_omni(out_dir: Path, shards: str, seed_checkpoint: Path, *, max_steps: in
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), callbacks=callbacks,
     )
     module = OmniModule(ReferenceMLLMConfig.tiny(), learning_rate=1e-3, init_checkpoint=str(seed_checkpoint))
-    data = OmniDataModule(shards, samples_per_step=2, group_steps=3, balance_group_size=None)
+    data = OmniDataModule(shards, samples_per_step=2, group_steps=3, reorder_group_size=None)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
 
 

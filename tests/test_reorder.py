@@ -21,10 +21,10 @@ from omni_lightning.balance.reorder import (
     GroupPlan,
     PipelineOrder,
     ReorderConfig,
-    balance_groups,
     lower_bound,
-    plan_balance_group,
     plan_in_place,
+    plan_reorder_group,
+    reorder_group_ranks,
 )
 from omni_lightning.sim import replay_pipeline
 from omni_lightning.sim.schedules import one_f_one_b
@@ -61,7 +61,7 @@ def test_every_sample_once_and_no_budget_exceeded(
     costs, tokens, owners, nbytes = _inputs(seed, n_ranks, per_rank)
     config = ReorderConfig(steps=steps, micro_batches=micro_batches, token_budget=budget, pp=pp,
                            pipeline_order=order)
-    plan = plan_balance_group(costs, tokens, owners, nbytes, n_ranks=n_ranks, config=config, seed=seed, epoch=0,
+    plan = plan_reorder_group(costs, tokens, owners, nbytes, n_ranks=n_ranks, config=config, seed=seed, epoch=0,
                               group_index=0)
     placed = _placed(plan)
     assert sorted(placed + plan.leftover) == list(range(costs.size))
@@ -86,8 +86,8 @@ def test_plan_is_a_pure_function_of_its_inputs() -> None:
     costs, tokens, owners, nbytes = _inputs(3, 8, 64)
     config = ReorderConfig(steps=4, micro_batches=2, token_budget=4000, pp=2)
     kwargs = {"n_ranks": 8, "config": config, "seed": 5, "epoch": 1, "group_index": 2}
-    first = plan_balance_group(costs, tokens, owners, nbytes, **kwargs)
-    again = plan_balance_group(costs.copy(), tokens.copy(), owners.copy(), nbytes.copy(), **kwargs)
+    first = plan_reorder_group(costs, tokens, owners, nbytes, **kwargs)
+    again = plan_reorder_group(costs.copy(), tokens.copy(), owners.copy(), nbytes.copy(), **kwargs)
     assert first.micro_batches == again.micro_batches
     np.testing.assert_array_equal(first.step_cost, again.step_cost)
 
@@ -98,7 +98,7 @@ def test_equal_costs_break_ties_by_seed_and_group() -> None:
     config = ReorderConfig(steps=4)
 
     def plan(group_index: int) -> list:
-        return plan_balance_group(costs, tokens, owners, tokens, n_ranks=4, config=config, seed=0, epoch=0,
+        return plan_reorder_group(costs, tokens, owners, tokens, n_ranks=4, config=config, seed=0, epoch=0,
                                   group_index=group_index).micro_batches
 
     assert plan(0) == plan(0)
@@ -110,7 +110,7 @@ def test_bins_go_to_the_ranks_that_hold_their_payloads() -> None:
     costs = np.array([8.0, 1.0, 6.0, 3.0, 5.0, 4.0, 7.0, 2.0])  # every rank's pair sums to 9
     owners = np.array([0, 0, 1, 1, 2, 2, 3, 3])
     tokens = np.ones(costs.size, dtype=np.int64)
-    plan = plan_balance_group(costs, tokens, owners, tokens * 100, n_ranks=4, config=ReorderConfig(steps=1), seed=0,
+    plan = plan_reorder_group(costs, tokens, owners, tokens * 100, n_ranks=4, config=ReorderConfig(steps=1), seed=0,
                               epoch=0, group_index=0)
     assert [sorted(owners[s] for s in rank[0][0]) for rank in plan.micro_batches] == [[0, 0], [1, 1], [2, 2], [3, 3]]
     assert plan.samples_moved == 0 and plan.bytes_moved == 0
@@ -120,7 +120,7 @@ def test_bins_go_to_the_ranks_that_hold_their_payloads() -> None:
 def test_balanced_plan_beats_the_naive_split_and_nears_the_bound() -> None:
     costs, tokens, owners, nbytes = _inputs(11, 8, 64 * 16, sigma=0.8)
     config = ReorderConfig(steps=64, micro_batches=2, token_budget=None)
-    plan = plan_balance_group(costs, tokens, owners, nbytes, n_ranks=8, config=config, seed=0, epoch=0, group_index=0)
+    plan = plan_reorder_group(costs, tokens, owners, nbytes, n_ranks=8, config=config, seed=0, epoch=0, group_index=0)
     naive = plan_in_place(costs, tokens, owners, n_ranks=8, config=config).step_cost
     bound = lower_bound(costs, 8 * 64)
     assert plan.step_cost.max() <= 1.05 * bound
@@ -131,7 +131,7 @@ def test_balanced_plan_beats_the_naive_split_and_nears_the_bound() -> None:
 
 def test_a_sample_over_the_budget_is_refused() -> None:
     with pytest.raises(ValueError, match="exceeds the micro-batch token budget 100"):
-        plan_balance_group(np.ones(2), np.array([50, 101]), np.zeros(2, dtype=np.int64), np.ones(2), n_ranks=1,
+        plan_reorder_group(np.ones(2), np.array([50, 101]), np.zeros(2, dtype=np.int64), np.ones(2), n_ranks=1,
                            config=ReorderConfig(steps=1, token_budget=100), seed=0, epoch=0, group_index=0)
 
 
@@ -143,12 +143,12 @@ def test_1f1b_order() -> None:
     assert order_for_1f1b([], pp=2) == []
 
 
-def test_balance_groups() -> None:
-    assert balance_groups(8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert balance_groups(4, None) == [[0, 1, 2, 3]]
-    assert balance_groups(4, 1) == [[0], [1], [2], [3]]
+def test_reorder_group_ranks() -> None:
+    assert reorder_group_ranks(8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert reorder_group_ranks(4, None) == [[0, 1, 2, 3]]
+    assert reorder_group_ranks(4, 1) == [[0], [1], [2], [3]]
     with pytest.raises(ValueError, match="must divide the data-parallel size 6"):
-        balance_groups(6, 4)
+        reorder_group_ranks(6, 4)
 
 
 @pytest.mark.parametrize(("stages", "count"), [(4, 16), (2, 3), (4, 2), (3, 7)])
@@ -190,7 +190,7 @@ def test_shaping_for_1f1b_is_never_slower_than_disttrains_order(seed: int, m: in
     costs, tokens, _, _ = _inputs(seed, 1, m * per_micro_batch, sigma=sigma)
 
     def planned(order: PipelineOrder) -> float:
-        plan = plan_balance_group(costs, tokens, np.zeros(costs.size, dtype=np.int64), tokens, n_ranks=1,
+        plan = plan_reorder_group(costs, tokens, np.zeros(costs.size, dtype=np.int64), tokens, n_ranks=1,
                                   config=ReorderConfig(steps=1, micro_batches=m, pp=pp, pipeline_order=order),
                                   seed=seed, epoch=0, group_index=0)
         return float(one_f_one_b_makespans(np.array([costs[b].sum() for b in plan.micro_batches[0][0]]), pp)[0])
@@ -228,7 +228,7 @@ def test_many_small_samples_follow_the_profile_and_shorten_the_step() -> None:
     assert float(one_f_one_b_makespans(np.array(loads), pp)[0]) < 1.01 * profile
 
     def planned(order: PipelineOrder) -> float:
-        plan = plan_balance_group(costs, tokens, np.zeros(costs.size, dtype=np.int64), tokens, n_ranks=1,
+        plan = plan_reorder_group(costs, tokens, np.zeros(costs.size, dtype=np.int64), tokens, n_ranks=1,
                                   config=ReorderConfig(steps=1, micro_batches=m, pp=pp, pipeline_order=order),
                                   seed=0, epoch=0, group_index=0)
         return float(one_f_one_b_makespans(np.array([costs[b].sum() for b in plan.micro_batches[0][0]]), pp)[0])
@@ -252,7 +252,7 @@ def test_refinement_ramps_the_micro_batches_around_a_heavy_sample() -> None:
     the pipeline fills and drains on, shorter, within the token budget and with no micro-batch emptied."""
     costs = np.array([12.0] + [1.0] * 23)
     tokens = np.array([300] + [40] * 23)
-    plan = plan_balance_group(costs, tokens, np.zeros(24, dtype=np.int64), tokens, n_ranks=1,
+    plan = plan_reorder_group(costs, tokens, np.zeros(24, dtype=np.int64), tokens, n_ranks=1,
                               config=ReorderConfig(steps=1, micro_batches=8, token_budget=320, pp=4), seed=0,
                               epoch=0, group_index=0)
     lpt = plan.micro_batches[0][0]
@@ -264,7 +264,7 @@ def test_refinement_ramps_the_micro_batches_around_a_heavy_sample() -> None:
         return float(one_f_one_b_makespans(np.array([costs[b].sum() for b in batches]), 4)[0])
 
     assert span(refined) < 0.95 * span(lpt)
-    searched = plan_balance_group(costs, tokens, np.zeros(24, dtype=np.int64), tokens, n_ranks=1,
+    searched = plan_reorder_group(costs, tokens, np.zeros(24, dtype=np.int64), tokens, n_ranks=1,
                                   config=ReorderConfig(steps=1, micro_batches=8, token_budget=320, pp=4,
                                                        pipeline_order="search"), seed=0, epoch=0, group_index=0)
     assert span(searched.micro_batches[0][0]) < 0.95 * span(lpt)
@@ -282,7 +282,7 @@ def test_searching_one_ranks_micro_batches_changes_nothing_the_others_use(
     config = ReorderConfig(steps=2, micro_batches=micro_batches, token_budget=budget, pp=pp, pipeline_order="search")
 
     def plan(searched_rank: int | None) -> GroupPlan:
-        return plan_balance_group(costs, tokens, owners, nbytes, n_ranks=n_ranks, config=config, seed=seed,
+        return plan_reorder_group(costs, tokens, owners, nbytes, n_ranks=n_ranks, config=config, seed=seed,
                                   epoch=0, group_index=0, searched_rank=searched_rank)
 
     def samples(of: GroupPlan) -> list[list[list[int]]]:
@@ -307,11 +307,11 @@ def test_a_rank_searches_its_own_micro_batches_only(monkeypatch: pytest.MonkeyPa
     config = ReorderConfig(steps=2, micro_batches=4, pp=2, pipeline_order="search")
     for searched_rank, searches in ((None, 8), (1, 2)):
         refined.clear()
-        plan_balance_group(costs, tokens, owners, nbytes, n_ranks=4, config=config, seed=0, epoch=0, group_index=0,
+        plan_reorder_group(costs, tokens, owners, nbytes, n_ranks=4, config=config, seed=0, epoch=0, group_index=0,
                            searched_rank=searched_rank)
         assert len(refined) == searches
-    with pytest.raises(ValueError, match="searched_rank=4 is not a rank of the balance group"):
-        plan_balance_group(costs, tokens, owners, nbytes, n_ranks=4, config=config, seed=0, epoch=0, group_index=0,
+    with pytest.raises(ValueError, match="searched_rank=4 is not a rank of the reorder group"):
+        plan_reorder_group(costs, tokens, owners, nbytes, n_ranks=4, config=config, seed=0, epoch=0, group_index=0,
                            searched_rank=4)
 
 
@@ -362,11 +362,11 @@ def test_micro_batches_balance_their_own_costs() -> None:
     costs = np.ones(4)
     llm = np.array([4.0, 1.0, 3.0, 2.0])
     zeros = np.zeros(4, dtype=np.int64)
-    plan = plan_balance_group(costs, zeros + 1, zeros, zeros, n_ranks=1, config=ReorderConfig(steps=1, micro_batches=2),
+    plan = plan_reorder_group(costs, zeros + 1, zeros, zeros, n_ranks=1, config=ReorderConfig(steps=1, micro_batches=2),
                               seed=0, epoch=0, group_index=0, micro_batch_costs=llm)
     assert sorted(sorted(llm[mb].tolist()) for mb in plan.micro_batches[0][0]) == [[1.0, 4.0], [2.0, 3.0]]
     with pytest.raises(ValueError, match="one per sample"):
-        plan_balance_group(costs, zeros + 1, zeros, zeros, n_ranks=1, config=ReorderConfig(steps=1), seed=0, epoch=0,
+        plan_reorder_group(costs, zeros + 1, zeros, zeros, n_ranks=1, config=ReorderConfig(steps=1), seed=0, epoch=0,
                            group_index=0, micro_batch_costs=llm[:3])
 
 

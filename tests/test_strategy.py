@@ -50,7 +50,7 @@ def test_bad_layout_fails_before_any_process_group(devices: int, kwargs: dict[st
         ({"launcher": "thread"}, "launcher='thread'"),
         ({"timeout": 0}, "timeout=0"),
         ({"dp_shard": 4, "enc_sp": 3}, "enc_sp=3 must be a power of two"),
-        ({"dp_shard": 4, "enc_sp": 2, "encoder_balance": False}, "drop encoder_balance=False"),
+        ({"dp_shard": 4, "enc_sp": 2, "encoder_reshard": False}, "drop encoder_reshard=False"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs: dict, message: str) -> None:
@@ -59,11 +59,11 @@ def test_bad_arguments_fail_at_construction(kwargs: dict, message: str) -> None:
 
 
 @pytest.mark.parametrize(("devices", "kwargs", "expected"), [
-    (1, {}, False), (2, {}, True), (2, {"tp": 2}, False), (4, {"tp": 2}, True), (2, {"encoder_balance": False}, False),
+    (1, {}, False), (2, {}, True), (2, {"tp": 2}, False), (4, {"tp": 2}, True), (2, {"encoder_reshard": False}, False),
 ])
-def test_encoder_balance_defaults_to_several_data_parallel_ranks(devices: int, kwargs: dict, expected: bool) -> None:
+def test_encoder_reshard_defaults_to_several_data_parallel_ranks(devices: int, kwargs: dict, expected: bool) -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=OmniStrategy(**kwargs), logger=False)
-    assert trainer.strategy.encoder_balance is expected
+    assert trainer.strategy.encoder_reshard is expected
 
 
 def test_launcher_choice() -> None:

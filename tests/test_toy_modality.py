@@ -7,7 +7,7 @@
 
 They go through the packer, the cost features, the loader's reordering (samples moved between ranks on the wire),
 the model's forward, encoder resharding with long-short SP and a checkpoint's state dict. Parity tolerances are
-those of ``test_encoder_balance.py`` (loss 1e-5 relative, gradients 1e-4 of their norm): resharding only moves
+those of ``test_reshard_parity.py`` (loss 1e-5 relative, gradients 1e-4 of their norm): resharding only moves
 where items are encoded and reorders fp32 sums.
 """
 
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from omni_lightning.balance.cost import CostModel, ModuleCost, work_features
 from omni_lightning.batch import EncoderFormat, EncoderInput, Modality, PackingSpec, TokenRoles, input_key
 from omni_lightning.data.packing import DecodedSample, pack_samples, sample_features
-from omni_lightning.data.reorder_stream import BalancedStream, BalanceSettings
+from omni_lightning.data.reorder_stream import ReorderedStream, ReorderSettings
 from omni_lightning.modalities import IMAGE, packing_spec
 from omni_lightning.models.config import AudioEncoderConfig, ReferenceMLLMConfig
 from omni_lightning.models.encoders import AudioEncoder
@@ -136,9 +136,9 @@ def test_cost_model_prices_the_new_encoder_and_insists_on_it() -> None:
     with pytest.raises(ValueError, match="does not price"):
         work_features(("vision", "audio"), {"motion": [4]}, [10])
     with pytest.raises(ValueError, match="give OmniDataModule the model's cost model"):
-        BalancedStream(_ListLoader([]), group=None, group_index=0, cost_model=CostModel(**{
+        ReorderedStream(_ListLoader([]), group=None, group_index=0, cost_model=CostModel(**{
             k: v for k, v in cost.encoders.items() if k != "motion"}, llm=cost.llm),
-            settings=BalanceSettings(samples_per_step=1), packing=SPEC)
+            settings=ReorderSettings(samples_per_step=1), packing=SPEC)
 
 
 # --------------------------------------------------------------------------------------------------- the model
@@ -164,9 +164,21 @@ def test_forward_takes_each_modality_from_its_encoder() -> None:
     assert {k.split(".")[0] for k in model.state_dict()} == {"vision", "audio", "motion", "llm"}
 
 
+def test_an_encoder_stage_may_hand_more_outputs_per_item() -> None:
+    """Outputs beyond the first (features a model injects deeper, as Qwen3-VL's DeepStack does) travel with the
+    first; the reference model puts the first into the placeholders and leaves the rest to models that use them."""
+    torch.manual_seed(0)
+    model = _model()
+    batch = pack_samples([_sample(np.random.default_rng(4), "deep", 5, depth=[(2, 2)], imu=[8])], SPEC)
+    with torch.no_grad():
+        encoded = model.encode(batch)
+        deeper = {name: (outputs[0], torch.full_like(outputs[0], 7.0)) for name, outputs in encoded.items()}
+        torch.testing.assert_close(model(batch, deeper), model(batch, encoded), rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------------------------ the loader's reordering
 class _ListLoader:
-    """What BalancedStream reads from: records one at a time, with a resumable position."""
+    """What ReorderedStream reads from: records one at a time, with a resumable position."""
 
     def __init__(self, records: list[DecodedSample]) -> None:
         self.records, self.position = records, 0
@@ -193,15 +205,15 @@ def _rank_records(rank: int) -> list[DecodedSample]:
 
 def _check_reordering(rank: int, world: int) -> None:
     cost = _model().cost_model()
-    stream = BalancedStream(_ListLoader(_rank_records(rank)), group=dist.group.WORLD, group_index=0, cost_model=cost,
-                            settings=BalanceSettings(samples_per_step=2, group_steps=2), packing=SPEC)
+    stream = ReorderedStream(_ListLoader(_rank_records(rank)), group=dist.group.WORLD, group_index=0, cost_model=cost,
+                            settings=ReorderSettings(samples_per_step=2, group_steps=2), packing=SPEC)
     batches = [b for _, b in zip(range(2), stream, strict=False)]
     keys = [k for b in batches for k in b["keys"]]
     everyone: list[list[str]] = [[] for _ in range(world)]
     dist.all_gather_object(everyone, keys)
     assert sorted(k for ks in everyone for k in ks) == sorted(
         s.key for r in range(world) for s in _rank_records(r)), everyone
-    assert batches[-1]["balance"]["samples_moved"] > 0
+    assert batches[-1]["reorder"]["samples_moved"] > 0
     originals = {s.key: s for r in range(world) for s in _rank_records(r)}
     for batch in batches:  # what was packed is what was read, wherever it was read
         expected = pack_samples([originals[k] for k in batch["keys"]], SPEC)

@@ -19,7 +19,7 @@ Why balance on predicted compute rather than on token counts: with long-tailed r
 samples with the same number of LLM tokens can differ several-fold in work (one 4096-patch image costs as
 much attention as sixteen 256-patch images, and its tokens run through the ViT as well as the LLM). Balancing
 token counts then leaves the ranks with the quadratic items as stragglers; balancing the predicted cost does
-not. The prediction is a pure function of integer sample sizes, so every rank of a balance group computes
+not. The prediction is a pure function of integer sample sizes, so every rank of a reorder group computes
 the same numbers from the same all-gathered sizes, without moving payloads or coordinating.
 
 Pure numpy: no torch, no process groups.
@@ -130,7 +130,7 @@ def sample_features(meta: SampleMeta, encoders: Sequence[str] = DEFAULT_ENCODERS
 def feature_matrix(metas: Iterable[SampleMeta], encoders: Sequence[str] = DEFAULT_ENCODERS,
                    spec: PackingSpec = DEFAULT_PACKING) -> np.ndarray:
     """The features of many samples as a float64 array ``[n, 2 * (encoders + 1)]``: row ``i`` is
-    :func:`sample_features` of sample ``i``, summed over all items at once (planners price every sample of a balance
+    :func:`sample_features` of sample ``i``, summed over all items at once (planners price every sample of a reorder
     group)."""
     metas = list(metas)
     column = {name: 2 * i for i, name in enumerate(encoders)}

@@ -1,7 +1,7 @@
 """Decentralized grouped reordering: a balanced (rank, step, micro-batch) plan for a group of buffered samples.
 
-Every data-parallel rank buffers the samples of its next ``steps`` steps. The ranks of a *balance group* all-gather
-small integer metadata of those samples, and each rank runs :func:`plan_balance_group` on the same inputs, so all
+Every data-parallel rank buffers the samples of its next ``steps`` steps. The ranks of a *reorder group* all-gather
+small integer metadata of those samples, and each rank runs :func:`plan_reorder_group` on the same inputs, so all
 of them derive the same plan without a coordinator. Only payloads that the plan moves travel, once.
 
 The plan minimises the largest predicted cost of any (rank, step): longest-processing-time-first (LPT) over the
@@ -32,9 +32,9 @@ from omni_lightning.balance.pipeline_order import (
 __all__ = [
     "ReorderConfig",
     "GroupPlan",
-    "plan_balance_group",
+    "plan_reorder_group",
     "plan_in_place",
-    "balance_groups",
+    "reorder_group_ranks",
     "lower_bound",
     "PipelineOrder",
     "PIPELINE_ORDERS",
@@ -114,19 +114,19 @@ def lower_bound(costs: np.ndarray, n_bins: int) -> float:
     return max(float(costs.sum()) / n_bins, float(costs.max(initial=0.0)))
 
 
-def balance_groups(dp_size: int, group_size: int | None) -> list[list[int]]:
-    """Data-parallel ranks split into balance groups of ``group_size`` consecutive ranks (``None``: all of them).
+def reorder_group_ranks(dp_size: int, group_size: int | None) -> list[list[int]]:
+    """Data-parallel ranks split into reorder groups of ``group_size`` consecutive ranks (``None``: all of them).
 
     Consecutive data-parallel ranks share a node first (ParallelDims puts data parallelism outside TP and CP), so
     the payload exchange stays inside a node or a few neighbouring ones.
     """
     size = dp_size if group_size is None else group_size
     if size < 1 or dp_size % size:
-        raise ValueError(f"balance group size {group_size} must divide the data-parallel size {dp_size}")
+        raise ValueError(f"reorder group size {group_size} must divide the data-parallel size {dp_size}")
     return [list(range(start, start + size)) for start in range(0, dp_size, size)]
 
 
-def plan_balance_group(
+def plan_reorder_group(
     costs: np.ndarray,
     tokens: np.ndarray,
     owners: np.ndarray,
@@ -140,14 +140,14 @@ def plan_balance_group(
     micro_batch_costs: np.ndarray | None = None,
     searched_rank: int | None = None,
 ) -> GroupPlan:
-    """Plan one balance group; a pure function, identical on every rank given the same gathered inputs.
+    """Plan one reorder group; a pure function, identical on every rank given the same gathered inputs.
 
     Args:
         costs: predicted cost of each sample (what is balanced over ranks and steps).
         tokens: LLM tokens of each sample (what the micro-batch budget limits).
         owners: the rank (0..n_ranks-1 within the group) that holds each sample's payload now.
         nbytes: payload size of each sample, for the movement counters.
-        n_ranks: ranks in the balance group.
+        n_ranks: ranks in the reorder group.
         config: steps, micro-batches, token budget and pipeline degree.
         seed, epoch, group_index: break ties among equal costs reproducibly, differently per group.
         micro_batch_costs: the cost of each sample that a step's micro-batches balance and are ordered by
@@ -164,7 +164,7 @@ def plan_balance_group(
         raise ValueError(f"micro_batch_costs has shape {split_costs.shape}, costs {costs.shape}: one per sample")
     tokens = np.asarray(tokens, dtype=np.int64)
     if searched_rank is not None and not 0 <= searched_rank < n_ranks:
-        raise ValueError(f"searched_rank={searched_rank} is not a rank of the balance group (0..{n_ranks - 1})")
+        raise ValueError(f"searched_rank={searched_rank} is not a rank of the reorder group (0..{n_ranks - 1})")
     budget = config.token_budget
     if budget is not None and tokens.size and int(tokens.max()) > budget:
         raise ValueError(

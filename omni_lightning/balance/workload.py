@@ -14,7 +14,7 @@ A spec is a small YAML file (see ``balance/workloads/*.yaml`` for the bundled pr
 Sizes are counts before the encoder: 14x14-pixel patches, video frames, seconds of audio (100 mel frames per
 second); ``merge`` is the factor from encoder outputs to LLM tokens (4 = a 2x2 spatial merge for vision, 4 mel
 frames per token for audio). ``sample_metadata`` draws one sample's shape (``SampleMeta``) from a spec; the
-shard generator, the benchmarks and the balancer's cost model all work from these shapes.
+shard generator, the benchmarks and the planners' cost model all work from these shapes.
 
 This module is pure Python + numpy so planners and tools can use it without torch.
 """

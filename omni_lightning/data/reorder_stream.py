@@ -1,8 +1,8 @@
-"""The balancing loop of a data-parallel rank: buffer a group of steps, plan with the balance group, exchange, pack.
+"""The balancing loop of a data-parallel rank: buffer a group of steps, plan with the reorder group, exchange, pack.
 
 Runs in the training process (loader workers only read and decode): every ``group_steps`` steps it pulls the
-rank's next samples, all-gathers their integer metadata over the balance group, computes the shared plan with
-:func:`~omni_lightning.balance.reorder.plan_balance_group`, sends the payloads the plan moves with one
+rank's next samples, all-gathers their integer metadata over the reorder group, computes the shared plan with
+:func:`~omni_lightning.balance.reorder.plan_reorder_group`, sends the payloads the plan moves with one
 ``all_to_all_single``, and then yields that rank's packed micro-batches, step by step. Those two are the only
 collectives of a group (a second gather only when carried samples overfill a buffer): every rank waits in each
 for the slowest, so each one more would be another stall per group.
@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 
 from omni_lightning.balance.cost import CostModel
-from omni_lightning.balance.reorder import GroupPlan, PipelineOrder, ReorderConfig, plan_balance_group, plan_in_place
+from omni_lightning.balance.reorder import GroupPlan, PipelineOrder, ReorderConfig, plan_in_place, plan_reorder_group
 from omni_lightning.batch import IGNORE_INDEX, PackingSpec
 from omni_lightning.data.packing import DecodedSample, pack_samples, sample_features, sample_layout
 from omni_lightning.data.streaming import BadSample
 from omni_lightning.modalities import DEFAULT_PACKING
 
-__all__ = ["BalanceSettings", "BalancedStream", "apply_length_policy", "llm_length"]
+__all__ = ["ReorderSettings", "ReorderedStream", "apply_length_policy", "llm_length"]
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,8 @@ LengthPolicy = Literal["truncate", "drop", "error"]
 
 
 @dataclass(frozen=True)
-class BalanceSettings:
-    """How one rank's loader balances.
+class ReorderSettings:
+    """How one rank's loader reorders.
 
     Args:
         samples_per_step: samples each rank reads per step (the group buffer is ``group_steps`` times this).
@@ -48,7 +48,7 @@ class BalanceSettings:
         max_seq_len: longest sample, in LLM tokens (``None``: no limit); longer ones follow ``length_policy``.
         length_policy: ``"truncate"`` cuts text (drops the sample if its media alone are too long), ``"drop"``
             skips it, ``"error"`` raises. Truncations and drops are counted.
-        balance: ``False`` keeps every sample on the rank that read it, in arrival order (the naive split).
+        reorder: ``False`` keeps every sample on the rank that read it, in arrival order (the naive split).
         pp: pipeline stages; with ``pp > 1`` micro-batches are ordered for 1F1B and a step's micro-batches are
             yielded together, as one batch holding the list ``micro_batches``.
         pipeline_order: with ``pp > 1``, how a step's micro-batches are shaped and ordered for 1F1B
@@ -64,7 +64,7 @@ class BalanceSettings:
     token_budget: int | None = None
     max_seq_len: int | None = None
     length_policy: LengthPolicy = "truncate"
-    balance: bool = True
+    reorder: bool = True
     pp: int = 1
     pipeline_order: PipelineOrder = "disttrain"
     llm_micro_batches: bool = False
@@ -168,15 +168,15 @@ class _Wire:
         return DecodedSample(key=key, tokens=arrays[0], meta=meta, media=media)
 
 
-class BalancedStream:
-    """Yields this rank's packed micro-batches, planned group by group with the other ranks of its balance group.
+class ReorderedStream:
+    """Yields this rank's packed micro-batches, planned group by group with the other ranks of its reorder group.
 
     Args:
         loader: a ``StatefulDataLoader`` yielding one :class:`DecodedSample` or :class:`BadSample` at a time.
-        group: process group of the balance group (``None`` when it is this rank alone).
-        group_index: which balance group this is (breaks ties differently per group, identically per member).
+        group: process group of the reorder group (``None`` when it is this rank alone).
+        group_index: which reorder group this is (breaks ties differently per group, identically per member).
         cost_model: prices samples; what the plan balances.
-        settings: see :class:`BalanceSettings`.
+        settings: see :class:`ReorderSettings`.
         seed: seeds tie-breaking.
         packing: how samples pack into micro-batches (and whose encoders the cost model prices).
 
@@ -193,7 +193,7 @@ class BalancedStream:
         group: dist.ProcessGroup | None,
         group_index: int,
         cost_model: CostModel,
-        settings: BalanceSettings,
+        settings: ReorderSettings,
         seed: int = 0,
         packing: PackingSpec = DEFAULT_PACKING,
     ) -> None:
@@ -238,7 +238,7 @@ class BalancedStream:
             samples = [pickle.loads(b) for b in carry]
             samples += [self._admit(next(records)) for _ in range(self._fresh_count(len(carry)))]
             # Only a group of ranks that plans moves can send a payload; others skip serialising.
-            moves = self.group is not None and self.settings.balance
+            moves = self.group is not None and self.settings.reorder
             wires = [_Wire(s) if moves and s is not None else None for s in samples]
             gathered = self._all_gather(self._rows(samples, wires))
             plan = self._plan(gathered, group_number)
@@ -255,7 +255,7 @@ class BalancedStream:
             for step, micro_batches in enumerate(plan.micro_batches[rank]):
                 step_mean = float(plan.step_cost[:, step].mean()) or 1.0
                 encoder, llm = self._module_costs(gathered, [i for ids in micro_batches for i in ids])
-                stats = {  # relative to the step's mean over the balance group's ranks
+                stats = {  # relative to the step's mean over the reorder group's ranks
                     "predicted_cost": float(plan.step_cost[rank, step]) / step_mean,
                     "predicted_encoder_cost": encoder / step_mean,
                     "predicted_llm_cost": llm / step_mean,
@@ -273,14 +273,14 @@ class BalancedStream:
                     self._state = {**group_start, "yielded": yielded}
                     if yielded > skip:
                         yield {"micro_batches": packed, "num_samples": sum(b["num_samples"] for b in packed),
-                               "balance": stats, "step": step}
+                               "reorder": stats, "step": step}
                     continue
                 for batch in packed:
                     yielded += 1
                     self._state = {**group_start, "yielded": yielded}
                     if yielded <= skip:
                         continue
-                    yield {**batch, "balance": stats, "step": step}
+                    yield {**batch, "reorder": stats, "step": step}
             group_number, skip = group_number + 1, 0
 
     # ------------------------------------------------------------------------------------------------ steps
@@ -360,11 +360,11 @@ class BalancedStream:
         features = gathered[valid, self._features].astype(np.float64)
         costs = features @ self.cost_model.coefficients
         tokens, owners = gathered[valid, self._tokens], gathered[valid, self._owner]
-        if self.settings.balance:
+        if self.settings.reorder:
             # The LLM's (tokens, pairs) are the last two features.
             llm = self.settings.llm_micro_batches
             llm_costs = features[:, -2:] @ self.cost_model.coefficients[-2:] if llm else None
-            plan = plan_balance_group(
+            plan = plan_reorder_group(
                 costs, tokens, owners, gathered[valid, self._bytes], n_ranks=n_ranks, config=config,
                 seed=self.seed, epoch=group_number, group_index=self.group_index, micro_batch_costs=llm_costs,
                 searched_rank=self._rank(),  # the 1F1B search shapes this rank's micro-batches only

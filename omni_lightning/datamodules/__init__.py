@@ -1,14 +1,14 @@
 """Lightning data modules over multimodal webdataset shards, and the synthetic shard generator."""
 
 from omni_lightning.data.packing import DecodedSample, pack_samples
-from omni_lightning.data.reorder_stream import BalanceSettings
+from omni_lightning.data.reorder_stream import ReorderSettings
 from omni_lightning.data.shards import SyntheticShards, expand_shards
 from omni_lightning.data.streaming import ShardStream
 from omni_lightning.datamodules.omni import OmniDataModule
 from omni_lightning.datamodules.web import WebDataModule
 
 __all__ = [
-    "BalanceSettings",
+    "ReorderSettings",
     "DecodedSample",
     "OmniDataModule",
     "ShardStream",

@@ -14,17 +14,33 @@ from typing_extensions import override
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.reorder import PIPELINE_ORDERS, PipelineOrder
 from omni_lightning.data.relay import StageRelay
-from omni_lightning.data.reorder_stream import BalancedStream, BalanceSettings, LengthPolicy
+from omni_lightning.data.reorder_stream import LengthPolicy, ReorderedStream, ReorderSettings
 from omni_lightning.data.resumable import ResumableLoader
 from omni_lightning.data.shards import SyntheticShards, existing_shards
 from omni_lightning.data.streaming import SampleStream, Tokenizer
 from omni_lightning.datamodules.web import WebDataModule
+from omni_lightning.deprecations import warn_renamed
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.flops import reference_cost_model
 from omni_lightning.parallel.layout import new_reorder_groups
 from omni_lightning.parallel.settings import PipelineSettings
 
 __all__ = ["OmniDataModule"]
+
+
+# Data-parallel ranks planned together unless told otherwise.
+_DEFAULT_GROUP = 8
+
+
+def _renamed(old_name: str, old: Any, unset: Any, new_name: str, new: Any, new_default: Any) -> Any:
+    """An argument's value, which may come under its deprecated name instead (given when that is not ``unset``)."""
+    if old == unset:
+        return new
+    warn_renamed(f"OmniDataModule({old_name}=...)")
+    if new not in (new_default, old):
+        raise ValueError(f"{new_name}={new!r} and its deprecated name {old_name}={old!r} disagree: give {new_name} "
+                         "alone")
+    return old
 
 
 def _unbatched(item: Any) -> Any:
@@ -36,7 +52,7 @@ class OmniDataModule(WebDataModule):
 
     Each data-parallel rank streams its own shards (TP/CP peers read the same ones; with encoders on pipeline
     stage 0 only, later stages receive each step's shapes from it instead) and, every ``group_steps`` steps,
-    plans with the other ranks of its balance group which (rank, step, micro-batch) trains on which sample, so
+    plans with the other ranks of its reorder group which (rank, step, micro-batch) trains on which sample, so
     that every rank's step costs about the same. See :mod:`omni_lightning.balance.reorder`. Data in another form:
     convert it to shards (``omni-lightning make-shards --from-jsonl``) or subclass and override
     :meth:`train_samples`.
@@ -48,8 +64,9 @@ class OmniDataModule(WebDataModule):
         group_steps: steps planned together (each rank buffers ``group_steps * samples_per_step`` samples).
         micro_batches: micro-batches per step; use with ``accumulate_grad_batches=micro_batches``. Under pipeline
             parallelism the strategy's ``pp_microbatches`` sets it, and each batch holds a whole step.
-        workload_balance: ``"grouped"`` (reorder) or ``"none"`` (each rank trains on what it read, in order).
-        balance_group_size: data-parallel ranks planned together: 1 (local only), k (all of them when there are
+        reorder: ``"grouped"`` (reorder samples across the reorder group) or ``"none"`` (each rank trains on what it
+            read, in order).
+        reorder_group_size: data-parallel ranks planned together: 1 (local only), k (all of them when there are
             fewer), or ``None`` for all.
         pipeline_order: under a 1F1B pipeline, how a step's micro-batches are shaped for it: ``"search"``
             (towards the cost profile whose 1F1B step is shortest, light micro-batches where the pipeline fills and
@@ -60,7 +77,7 @@ class OmniDataModule(WebDataModule):
         token_budget: most LLM tokens in one micro-batch (``None``: no limit).
         max_seq_len: longest sample in LLM tokens (``None``: no limit); longer ones follow ``max_seq_len_policy``.
         max_seq_len_policy: ``"truncate"`` (cut the text), ``"drop"`` (skip the sample) or ``"error"``; truncated
-            and dropped samples are counted in the ``balance/`` metrics.
+            and dropped samples are counted in the ``reorder/`` metrics.
         on_bad_sample: ``"skip"`` (log with shard and key, count, keep steps aligned) or ``"error"``.
         cost_model: prices samples; by default derived from the LightningModule's ``config`` if it is a
             ``ReferenceMLLMConfig``, else from ``ReferenceMLLMConfig.tiny()``.
@@ -73,6 +90,9 @@ class OmniDataModule(WebDataModule):
         patch_size: pixels per side of a vision patch; must match the model's vision encoder.
         vision_merge: vision tokens merged into one LLM token (4 = 2x2); must match the model.
         audio_downsample: mel frames per audio token; must match the model.
+        workload_balance: deprecated name of ``reorder`` (warns once).
+        balance_group_size: deprecated name of ``reorder_group_size`` (warns once); a value other than its default
+            (8) is the one used.
     """
 
     def __init__(
@@ -82,8 +102,8 @@ class OmniDataModule(WebDataModule):
         samples_per_step: int = 4,
         group_steps: int = 8,
         micro_batches: int = 1,
-        workload_balance: Literal["grouped", "none"] = "grouped",
-        balance_group_size: int | None = 8,
+        reorder: Literal["grouped", "none"] = "grouped",
+        reorder_group_size: int | None = _DEFAULT_GROUP,
         pipeline_order: PipelineOrder = "search",
         token_budget: int | None = None,
         max_seq_len: int | None = None,
@@ -99,44 +119,49 @@ class OmniDataModule(WebDataModule):
         patch_size: int = 14,
         vision_merge: int = 4,
         audio_downsample: int = 4,
+        workload_balance: Literal["grouped", "none"] | None = None,
+        balance_group_size: int | None = _DEFAULT_GROUP,
     ) -> None:
         super().__init__(
             shards, batch_size=samples_per_step, num_workers=num_workers, seed=seed, synthetic=synthetic,
             val_shards=val_shards, val_batches=val_batches, patch_size=patch_size, vision_merge=vision_merge,
             audio_downsample=audio_downsample,
         )
-        if workload_balance not in ("grouped", "none"):
-            raise ValueError(f"workload_balance={workload_balance!r} must be 'grouped' or 'none'")
+        reorder = _renamed("workload_balance", workload_balance, None, "reorder", reorder, "grouped")
+        reorder_group_size = _renamed("balance_group_size", balance_group_size, _DEFAULT_GROUP, "reorder_group_size",
+                                      reorder_group_size, _DEFAULT_GROUP)
+        if reorder not in ("grouped", "none"):
+            raise ValueError(f"reorder={reorder!r} must be 'grouped' or 'none'")
         if on_bad_sample not in ("skip", "error"):
             raise ValueError(f"on_bad_sample={on_bad_sample!r} must be 'skip' or 'error'")
         if pipeline_order not in PIPELINE_ORDERS:
             raise ValueError(f"pipeline_order={pipeline_order!r} must be one of {PIPELINE_ORDERS}")
-        if balance_group_size is not None and balance_group_size < 1:
-            raise ValueError(f"balance_group_size={balance_group_size} must be at least 1 (or None for all ranks)")
-        self.settings = BalanceSettings(
+        if reorder_group_size is not None and reorder_group_size < 1:
+            raise ValueError(f"reorder_group_size={reorder_group_size} must be at least 1 (or None for all ranks)")
+        self.settings = ReorderSettings(
             samples_per_step=samples_per_step,
             group_steps=group_steps,
             micro_batches=micro_batches,
             token_budget=token_budget,
             max_seq_len=max_seq_len,
             length_policy=max_seq_len_policy,
-            balance=workload_balance == "grouped",
+            reorder=reorder == "grouped",
         )
-        self.balance_group_size = balance_group_size
+        self.reorder_group_size = reorder_group_size
         self.pipeline_order = pipeline_order
         self.on_bad_sample = on_bad_sample
         self.cost_model = cost_model
         self.tokenizer = tokenizer
-        self.balance_group: dist.ProcessGroup | None = None
-        self.balance_group_index = 0
+        self.reorder_group: dist.ProcessGroup | None = None
+        self.reorder_group_index = 0
         self.relay_group: dist.ProcessGroup | None = None
 
     @override
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if self.balance_group_size is not None and self.dp_size % min(self.balance_group_size, self.dp_size):
+        if self.reorder_group_size is not None and self.dp_size % min(self.reorder_group_size, self.dp_size):
             raise ValueError(
-                f"balance_group_size={self.balance_group_size} must divide the data-parallel size {self.dp_size}"
+                f"reorder_group_size={self.reorder_group_size} must divide the data-parallel size {self.dp_size}"
             )
         layout = self.omni_layout
         if layout is not None and layout.pipelined:
@@ -165,7 +190,7 @@ class OmniDataModule(WebDataModule):
         if self.cost_model is None:
             self.cost_model = self._model_cost_model()
         if stage == "fit" and self.dp_size > 1:
-            self._create_balance_groups()
+            self._create_reorder_groups()
 
     def _model_cost_model(self) -> CostModel:
         """The model's cost model: the layout's, or the reference model's of the module's config (of the tiny one
@@ -193,29 +218,29 @@ class OmniDataModule(WebDataModule):
             )
         self.settings = replace(self.settings, micro_batches=micro_batches, pp=pp)
 
-    def _create_balance_groups(self) -> None:
-        """This rank's balance group and its index: the layout creates them (TP/CP/PP peers form parallel balance
+    def _create_reorder_groups(self) -> None:
+        """This rank's reorder group and its index: the layout creates them (TP/CP/PP peers form parallel reorder
         groups and compute the same plans). Under another strategy, the world when every rank reads its own data."""
         # A group larger than the data-parallel ranks is all of them (the default of 8 on a small job).
-        size = self.dp_size if self.balance_group_size is None else min(self.balance_group_size, self.dp_size)
+        size = self.dp_size if self.reorder_group_size is None else min(self.reorder_group_size, self.dp_size)
         if self.omni_layout is not None:
-            self.balance_group, self.balance_group_index = self.omni_layout.reorder_groups(size)
+            self.reorder_group, self.reorder_group_index = self.omni_layout.reorder_groups(size)
             return
         if self.dp_size != self.trainer.world_size:
             # Another strategy with model parallelism: which ranks share data is not known here, so plan locally.
             rank_zero_warn(
                 f"{type(self.trainer.strategy).__name__} has {self.dp_size} data-parallel ranks in a world of "
-                f"{self.trainer.world_size}: balancing across ranks needs OmniStrategy, so each rank balances only "
-                "its own steps (balance_group_size=1)"
+                f"{self.trainer.world_size}: reordering across ranks needs OmniStrategy, so each rank reorders only "
+                "its own steps (reorder_group_size=1)"
             )
-            self.balance_group_size, size = 1, 1
-        self.balance_group, self.balance_group_index = new_reorder_groups([list(range(self.trainer.world_size))],
+            self.reorder_group_size, size = 1, 1
+        self.reorder_group, self.reorder_group_index = new_reorder_groups([list(range(self.trainer.world_size))],
                                                                           self.dp_rank, size)
 
     def train_samples(self) -> IterableDataset:
         """This data-parallel rank's training samples, one :class:`DecodedSample` at a time (the extension point).
 
-        The default streams the webdataset ``shards``. Override it to balance any other source: return an
+        The default streams the webdataset ``shards``. Override it to reorder any other source: return an
         ``IterableDataset`` that yields this rank's share (``self.dp_rank`` of ``self.dp_size``; with
         ``num_workers > 0``, split further by ``torch.utils.data.get_worker_info()``) as ``DecodedSample`` objects,
         or ``BadSample`` for input to skip under ``on_bad_sample="skip"``, without end (start the next epoch
@@ -234,10 +259,10 @@ class OmniDataModule(WebDataModule):
         loader = StatefulDataLoader(self.train_samples(), batch_size=None, num_workers=self.num_workers,
                                     collate_fn=_unbatched)
         assert self.cost_model is not None, "setup() has not run"
-        stream = BalancedStream(
+        stream = ReorderedStream(
             loader,
-            group=self.balance_group,
-            group_index=self.balance_group_index,
+            group=self.reorder_group,
+            group_index=self.reorder_group_index,
             cost_model=self.cost_model,
             settings=self.settings,
             seed=self.seed,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from omni_lightning.balance.reorder import balance_groups
+from omni_lightning.balance.reorder import reorder_group_ranks
 from omni_lightning.parallel.dims import FLATTENED_DIMS, ParallelDims
 from omni_lightning.parallel.placement import PoolLayout
 from omni_lightning.parallel.settings import PipelineSettings, PlacementSettings
@@ -162,7 +162,7 @@ def _mirror_new_groups(groups: list[list[int]]) -> None:
 class EncoderPool:
     """The encoder pool's groups (disaggregated placement), on every rank; members hold the pool's groups.
 
-    ``mesh`` shards the encoders (FSDP) over the pool, ``group`` is the pool's encoder group for the balancer and
+    ``mesh`` shards the encoders (FSDP) over the pool, ``group`` is the pool's encoder group for the resharder and
     ``sp_blocks`` its aligned SP blocks (as :class:`OmniMeshes`); all are ``None``/empty off the pool or with one
     encoder rank. ``transfers`` spans the world and carries only the pools' point-to-point transfers.
     """
@@ -282,8 +282,8 @@ class OmniLayout:
 def new_reorder_groups(dp_groups: list[list[int]], dp_rank: int, size: int) -> tuple[dist.ProcessGroup | None, int]:
     """Reorder groups of ``size`` consecutive data-parallel ranks in every data-parallel group, created in the same
     order on every rank (collective), on gloo (the loader exchanges host tensors): this rank's (``None`` alone) and
-    its index among those of its data-parallel group (:func:`~omni_lightning.balance.reorder.balance_groups`)."""
-    chunks = balance_groups(len(dp_groups[0]), size)
+    its index among those of its data-parallel group (:func:`~omni_lightning.balance.reorder.reorder_group_ranks`)."""
+    chunks = reorder_group_ranks(len(dp_groups[0]), size)
     index = next(i for i, chunk in enumerate(chunks) if dp_rank in chunk)
     if size == 1:
         return None, index

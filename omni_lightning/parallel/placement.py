@@ -13,7 +13,7 @@ The pools may have different data-parallel sizes ``D`` (LLM) and ``E`` (encoders
 * fan-in, ``E < D``: encoder rank ``e`` serves the LLM data-parallel ranks ``d`` with ``d % E == e``.
 
 So every LLM data-parallel rank is served and every encoder rank has work. The mapping is static, as a
-statically sized pool's is: within the encoder pool, :class:`~omni_lightning.runtime.reshard.EncoderBalancer`
+statically sized pool's is: within the encoder pool, :class:`~omni_lightning.runtime.reshard.Resharder`
 still evens out each micro-batch's work (with long-short SP when ``enc_sp > 1``).
 """
 

@@ -45,7 +45,7 @@ class JointCalibrator:
     """Times training steps ``skip`` to ``skip + steps - 1`` of the joint pipeline on this rank, then calibrates
     its item plan from every rank's records (``all_gather_object`` over the stage's tensor-parallel peers, each of
     which encodes a part of the stage's share, then over ``group``, the pipeline's ranks in stage order, then over
-    the data-parallel peers, between which the encoder balancer moves items), so that all of them compute the same
+    the data-parallel peers, between which the resharder moves items), so that all of them compute the same
     plans. The first ``skip`` steps are left out: they include one-off work (allocations, caches).
 
     ``llm_share``: the part of a stage's LLM work this rank runs (``1 / (tp * cp)``).
@@ -83,7 +83,7 @@ class JointCalibrator:
             self._calibrate()
 
     def _calibrate(self) -> None:
-        # Every rank must plan as its pipeline, its stage's tensor-parallel peers and (since the encoder balancer
+        # Every rank must plan as its pipeline, its stage's tensor-parallel peers and (since the resharder
         # reshards items between them) its data-parallel peers do, so every rank fits the same records: each stage's
         # LLM passes as its first TP peer timed them and all its peers' encoder work, summed over the replicas (with
         # resharding a rank's encoder time is a share of all replicas' items of that micro-batch index; costs are

@@ -8,7 +8,7 @@ every rank of both pools, as:
   of its inputs' shapes, then the inputs), all at once and asynchronously; the items of a micro-batch are shared
   among the serving ranks by predicted cost (:func:`~omni_lightning.runtime.joint.share_items`).
 * **Encoder rank**: receives micro-batch ``j``'s items from every LLM data-parallel rank it serves, encodes them
-  all in one pass per encoder (evened out over the pool by the encoder balancer), sends each LLM rank its outputs,
+  all in one pass per encoder (evened out over the pool by the resharder), sends each LLM rank its outputs,
   then runs the backward of ``j - 1`` once its gradients are back. So the encoder forward of ``j + 1`` overlaps the
   LLM's forward and backward of ``j``, and at most two micro-batches' encoder activations are alive (without a
   pipeline; see below).

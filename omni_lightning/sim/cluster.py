@@ -99,8 +99,8 @@ class Layout:
 
     ``micro_batches`` packed sequences of ``seq_len`` tokens per data-parallel rank and step; ``dp`` follows from
     the number of GPUs (``Layout.dp_of``). ``recompute`` is ``"selective"`` or ``"full"`` (full adds one forward to
-    the backward, for encoders and LLM alike). ``balance_group`` data-parallel ranks plan their samples together,
-    ``group_steps`` steps at a time (``OmniDataModule``'s ``balance_group_size`` and ``group_steps``).
+    the backward, for encoders and LLM alike). ``reorder_group`` data-parallel ranks plan their samples together,
+    ``group_steps`` steps at a time (``OmniDataModule``'s ``reorder_group_size`` and ``group_steps``).
     """
 
     tp: int = 8
@@ -110,11 +110,11 @@ class Layout:
     seq_len: int = 8192
     enc_sp: int = 8
     recompute: str = "selective"
-    balance_group: int = 8
+    reorder_group: int = 8
     group_steps: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp", "micro_batches", "seq_len", "enc_sp", "balance_group", "group_steps"):
+        for name in ("tp", "pp", "cp", "micro_batches", "seq_len", "enc_sp", "reorder_group", "group_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.recompute not in ("selective", "full"):

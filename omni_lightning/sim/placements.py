@@ -10,23 +10,23 @@ there moves the figures here:
   encoders run on the first pipeline stage, TP-sharded like it, inside its forward and backward (1F1B).
 * **disaggregated** (DistTrain): encoders on their own pool, sized once by
   :func:`omni_lightning.balance.allocation.solve_pools` for the workload's mean mix; the LLM pool's samples are
-  reordered (:func:`~omni_lightning.balance.reorder.plan_balance_group`, LPT and the 1F1B micro-batch order); encoder
+  reordered (:func:`~omni_lightning.balance.reorder.plan_reorder_group`, LPT and the 1F1B micro-batch order); encoder
   items go whole to the least-loaded encoder rank (:func:`~omni_lightning.balance.reshard.plan_encoder_work` without
   SP); the pools stream micro-batches to each other, so the step is the slower pool plus one micro-batch of encoder
   latency.
-* **omni** (OmniStrategy): grouped reordering in balance groups of data-parallel ranks, ``group_steps`` steps planned
-  together as the loader does (``plan_balance_group`` on the LLM cost: the encoder work is placed by the encoder
+* **omni** (OmniStrategy): grouped reordering in reorder groups of data-parallel ranks, ``group_steps`` steps planned
+  together as the loader does (``plan_reorder_group`` on the LLM cost: the encoder work is placed by the encoder
   plan, not by the loader; the steps' mean is what compares), each rank-step's micro-batches shaped for 1F1B as
   ``OmniDataModule`` shapes them under pipeline parallelism (towards the 1F1B cost profile, ``pipeline_order="ramp"``;
   with ``Scenario.pipeline_search``, refined by the loader's local search), long sequences split by context
   parallelism where one would exceed a micro-batch's fair share, encoder items (images, frames, clips) planned over
-  *every* GPU of the balance group with long-short SP (``plan_encoder_work``) and run in the joint pipeline's
+  *every* GPU of the reorder group with long-short SP (``plan_encoder_work``) and run in the joint pipeline's
   insertions.
-  Its ablations switch off multiplexing (encoders on stage 0's GPUs, still planned with LSSP), balancing (arrival
+  Its ablations switch off multiplexing (encoders on stage 0's GPUs, still planned with LSSP), reordering (arrival
   order) or LSSP (``enc_sp=1``).
 
 Scale: a step ends when the slowest data-parallel replica does (the gradient synchronisation waits for it), so by
-default every balance group is simulated, i.e. every data-parallel rank (``dp // balance_group`` whole groups):
+default every reorder group is simulated, i.e. every data-parallel rank (``dp // reorder_group`` whole groups):
 the expected maximum of long-tailed per-replica work grows with the number of replicas, and a fixed sample of them
 (``max_groups``) would give the same stragglers at 4096 and 8192 GPUs. A step's time is the slowest simulated
 rank's; the figure is the mean over ``steps`` steps, enough of them to average over the per-step modality mix (with
@@ -64,7 +64,7 @@ from omni_lightning.sim.schedules import joint_pipeline, one_f_one_b
 __all__ = ["OmniOptions", "PlacementResult", "Scenario", "Simulation"]
 
 _SELECTIVE_BYTES = 34  # bytes per token, layer and hidden unit of a layer's full activations
-# One step of a balance group's loader plan: each rank's micro-batches of pieces, the pieces (read, LLM share), and
+# One step of a reorder group's loader plan: each rank's micro-batches of pieces, the pieces (read, LLM share), and
 # the reads (pool indices).
 _LoaderPlan = tuple[list[list[list[int]]], list[tuple[int, float]], np.ndarray]
 
@@ -74,13 +74,13 @@ class Scenario:
     """What to simulate: model, cluster, layout, workload, and how much of it to sample.
 
     ``concentration``: Dirichlet concentration of the per-step modality mix (``None``: the spec's fixed mix).
-    ``steps``: steps drawn (the figures are means over them). ``max_groups``: balance groups simulated per step
+    ``steps``: steps drawn (the figures are means over them). ``max_groups``: reorder groups simulated per step
     (``None``: all of them, every data-parallel rank; a smaller number is only a quicker, optimistic look, since
     the ranks left out could only add stragglers). ``pipeline_search``: omni's loader also refines each rank-step's
     ramp of micro-batches by the local search on the 1F1B step time of their predicted costs, as
     ``OmniDataModule`` does by default (``pipeline_order="search"``); without it the simulator plans the ramp alone
     (``"ramp"``), since the search costs up to a second per rank-step at pp 8 with 32 micro-batches and every
-    rank-step of every balance group is planned, while at these scales a micro-batch holds enough samples for
+    rank-step of every reorder group is planned, while at these scales a micro-batch holds enough samples for
     the ramp to get within half a percent of it (``benchmarks/README.md``).
     """
 
@@ -100,7 +100,7 @@ class OmniOptions:
     """The three mechanisms the ablation switches off one at a time."""
 
     multiplex: bool = True
-    balance: bool = True
+    reorder: bool = True
     lssp: bool = True
 
 
@@ -144,7 +144,7 @@ class Simulation:
         self.cost_model = reference_cost_model(config)
         layout, cluster = scenario.layout, scenario.cluster
         self.dp = layout.dp_of(cluster.gpus)
-        group = min(layout.balance_group, self.dp)
+        group = min(layout.reorder_group, self.dp)
         self.group = group
         groups = self.dp // group
         self.ranks = (groups if scenario.max_groups is None else min(groups, scenario.max_groups)) * group
@@ -160,7 +160,7 @@ class Simulation:
         self.flops = cluster.effective_flops
         self.encoder_params = encoder_params(config, "vision") + encoder_params(config, "audio")
         self.llm_params = llm_params(config)
-        # The loader plan of a (step, balance group) is the same for omni and the ablations that keep balancing.
+        # The loader plan of a (step, reorder group) is the same for omni and the ablations that keep reordering.
         self._loader_plans: dict[tuple[int, int], _LoaderPlan] = {}
 
     # ------------------------------------------------------------------------------------------------ helpers
@@ -178,7 +178,7 @@ class Simulation:
     @property
     def sampling_note(self) -> str:
         """How much of the job the figures come from."""
-        return (f"simulated {self.ranks} of {self.dp} data-parallel ranks ({self.ranks // self.group} balance "
+        return (f"simulated {self.ranks} of {self.dp} data-parallel ranks ({self.ranks // self.group} reorder "
                 f"group(s) of {self.group}) x {len(self.draws)} steps, omni's loader planning "
                 f"{self.scenario.layout.group_steps} at a time{self._shaping_note}; step time = slowest simulated "
                 "rank, mean over the steps")
@@ -393,19 +393,19 @@ class Simulation:
             imbalance.append(max(gpu_busy) / float(np.mean(gpu_busy)))
         # A plan moves samples between the steps it plans together, so leftovers are scaled out over all steps.
         steps = [m * drawn / placed + sync for m, sync in zip(makespans_of_steps, syncs, strict=True)]
-        off = [label for label, on in (("multiplexing", options.multiplex), ("balancing", options.balance),
+        off = [label for label, on in (("multiplexing", options.multiplex), ("reordering", options.reorder),
                                        ("LSSP", options.lssp)) if not on]
         name = "omni" + "".join(f", no {label}" for label in off)
         return self._result(name, steps, memory, imbalance,
-                            f"{self.group * enc_gpus} encoder ranks per balance group, enc_sp {enc_sp}")
+                            f"{self.group * enc_gpus} encoder ranks per reorder group, enc_sp {enc_sp}")
 
     def _omni_micro_batches(self, options: OmniOptions, step: int, group: int) -> _LoaderPlan:
-        """Micro-batches of every rank of a balance group in one step, as lists of *pieces* ``(read, share of its
+        """Micro-batches of every rank of a reorder group in one step, as lists of *pieces* ``(read, share of its
         LLM work)``, where a read is a position in the returned array of pool indices.
 
-        Balanced: as the runtime's loader, each balance group plans ``layout.group_steps`` steps together (every
+        Balanced: as the runtime's loader, each reorder group plans ``layout.group_steps`` steps together (every
         rank buffers that many steps of reads; ``OmniDataModule(group_steps=8)``), so a sample may train in another
-        step of its group than the one it was read in. ``plan_balance_group`` runs over the group on the LLM cost
+        step of its group than the one it was read in. ``plan_reorder_group`` runs over the group on the LLM cost
         (each rank-step's micro-batches shaped for 1F1B as ``Scenario.pipeline_search`` says), after splitting any
         sequence whose LLM cost exceeds a micro-batch's fair share into context-parallel pieces (at most the balance
         group's size).
@@ -413,7 +413,7 @@ class Simulation:
         """
         layout, pool = self.scenario.layout, self.pool
         ranks = range(group * self.group, (group + 1) * self.group)
-        if not options.balance:
+        if not options.reorder:
             draw = self.draws[step]
             ids = np.concatenate([draw.samples[r] for r in ranks])
             micro, offset = [], 0
@@ -434,7 +434,7 @@ class Simulation:
         piece_read = np.repeat(np.arange(ids.size), degree)
         piece_share = np.repeat(1.0 / degree, degree)
         piece_tokens = np.ceil(np.repeat(tokens / degree, degree)).astype(np.int64)
-        plan = reorder.plan_balance_group(
+        plan = reorder.plan_reorder_group(
             pool.llm[ids[piece_read]] * piece_share, piece_tokens, np.repeat(owners, degree),
             np.zeros(piece_read.size), n_ranks=self.group,
             config=reorder.ReorderConfig(steps=len(planned), micro_batches=layout.micro_batches,
@@ -500,7 +500,7 @@ class Simulation:
         steps, imbalance, memory = [], [], 0.0
         for step, draw in enumerate(self.draws):
             ids = np.concatenate(draw.samples)
-            plan = reorder.plan_balance_group(
+            plan = reorder.plan_reorder_group(
                 pool.llm[ids], pool.tokens[ids], np.arange(ids.size) % llm_ranks, np.zeros(ids.size),
                 n_ranks=llm_ranks,
                 config=reorder.ReorderConfig(steps=1, micro_batches=micro, token_budget=layout.seq_len, pp=choice.pp),

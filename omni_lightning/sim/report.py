@@ -3,7 +3,7 @@
     omni-lightning simulate --workload FILE --gpus N [--preset NAME] [--sweep] [--tp 8 --pp 8 ...]
 
 Prints the scenario, one row per placement (step time, ratio to omni, max/mean per-GPU compute, memory per GPU or
-OOM), the ablation rows (omni with multiplexing, balancing or LSSP off), and with ``--sweep`` the step times at
+OOM), the ablation rows (omni with multiplexing, reordering or LSSP off), and with ``--sweep`` the step times at
 image:text 1:9 ... 9:1 with the disaggregated pools sized once for the workload's own mix. The last two lines are
 ``omni max/mean: Z`` and ``predicted speedup vs coupled: X, vs disaggregated: Y`` (``oom`` where a baseline does
 not fit).
@@ -23,7 +23,7 @@ from omni_lightning.sim.presets import PRESETS, preset_for
 __all__ = ["format_speedups", "image_text_mix", "simulate_main"]
 
 SWEEP = ((1, 9), (3, 7), (5, 5), (7, 3), (9, 1))
-_LAYOUT_FLAGS = ("tp", "pp", "cp", "micro_batches", "seq_len", "enc_sp", "recompute", "balance_group",
+_LAYOUT_FLAGS = ("tp", "pp", "cp", "micro_batches", "seq_len", "enc_sp", "recompute", "reorder_group",
                  "group_steps")
 
 
@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
                         "MegaScale-Omni preset with at most --gpus GPUs)")
     parser.add_argument("--steps", type=int, default=Scenario.steps,
                         help="simulated steps (the step times are their mean)")
-    parser.add_argument("--groups", type=int, default=0, help="balance groups simulated per step (0: all, i.e. "
+    parser.add_argument("--groups", type=int, default=0, help="reorder groups simulated per step (0: all, i.e. "
                         "every data-parallel rank; fewer is quicker but leaves out stragglers)")
     parser.add_argument("--pipeline-search", action="store_true",
                         help="omni's loader also refines each rank-step's ramp of micro-batches by a local search on "
@@ -115,7 +115,7 @@ def simulate_main(argv: list[str]) -> None:
     for result in (coupled, disaggregated, omni):
         print(_row(result, omni))
     print("ablation: omni with one mechanism off")
-    for options in (OmniOptions(multiplex=False), OmniOptions(balance=False), OmniOptions(lssp=False)):
+    for options in (OmniOptions(multiplex=False), OmniOptions(reorder=False), OmniOptions(lssp=False)):
         print(_row(sim.omni(options), omni))
     if not (coupled.oom or omni.oom):
         per_step = [c / o for c, o in zip(coupled.per_step_s, omni.per_step_s, strict=True)]

@@ -111,7 +111,7 @@ def loader_state_for_rank(saved: dict[str, Any], dp_rank: int, dp_size: int, *, 
     step count are still restored. What that guarantees: no sample is lost (the first epoch after the resume trains
     every sample once), and the samples the interrupted epoch had trained before the checkpoint are trained once
     more (none when the checkpoint fell on an epoch boundary of every rank). Mapping positions exactly would need a
-    new rank to finish the streams of the old ranks it inherits, whose epochs, shuffles and balance groups differ.
+    new rank to finish the streams of the old ranks it inherits, whose epochs, shuffles and reorder groups differ.
     """
     saved_dp = saved["parallel_dims"]["dp"]
     if saved_dp != dp_size:

@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from omni_lightning.data.resumable import commit_consumed
 from omni_lightning.datamodules.omni import OmniDataModule
+from omni_lightning.deprecations import warn_renamed
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.models.parallelize import check_model_fits_layout
@@ -73,10 +74,11 @@ class OmniStrategy(ModelParallelStrategy):
         ep: expert-parallel ranks for MoE layers, carved out of the ``dp_shard x cp`` ranks.
         enc_sp: largest number of data-parallel ranks one encoder item may be split over with sequence
             parallelism (a power of two dividing the encoder heads).
-        encoder_balance: reshard encoder items across the data-parallel ranks (the encoder pool's ranks under the
+        encoder_reshard: reshard encoder items across the data-parallel ranks (the encoder pool's ranks under the
             disaggregated placement) every step so each rank's encoder work is about equal, splitting long items with
             sequence parallelism (see :mod:`omni_lightning.runtime.reshard`); default ``True`` when there are
             several such ranks.
+        encoder_balance: deprecated name of ``encoder_reshard`` (warns once).
         pp_schedule: pipeline schedule when ``pp > 1``: ``"1F1B"``, ``"GPipe"``, ``"Interleaved1F1B"`` or
             ``"InterleavedZeroBubble"`` (the last two run ``pp_virtual_stages`` stages per rank).
         pp_microbatches: micro-batches per step in the pipeline (default ``pp``); each training batch is cut into
@@ -136,6 +138,7 @@ class OmniStrategy(ModelParallelStrategy):
         tp: int = 1,
         ep: int = 1,
         enc_sp: int = 1,
+        encoder_reshard: bool | None = None,
         encoder_balance: bool | None = None,
         pp_schedule: str = "1F1B",
         pp_microbatches: int | None = None,
@@ -158,10 +161,9 @@ class OmniStrategy(ModelParallelStrategy):
             raise ValueError(f"launcher={launcher!r} must be 'subprocess', 'fork' or 'spawn'")
         if timeout <= 0:
             raise ValueError(f"timeout={timeout} must be a positive number of seconds")
-        if enc_sp > 1 and encoder_balance is False:
-            raise ValueError(
-                f"enc_sp={enc_sp} splits items planned by the encoder balancer: drop encoder_balance=False"
-            )
+        encoder_reshard = _renamed_flag(encoder_reshard, encoder_balance)
+        if enc_sp > 1 and encoder_reshard is False:
+            raise ValueError(f"enc_sp={enc_sp} splits items planned by the resharder: drop encoder_reshard=False")
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
@@ -179,7 +181,7 @@ class OmniStrategy(ModelParallelStrategy):
         ParallelDims(world_size=_smallest_world(self._degrees), **self._degrees)
         self.pipeline_settings.resolved(pp)
         self._launcher_name = launcher
-        self._encoder_balance = encoder_balance
+        self._encoder_reshard = encoder_reshard
         self._parallel_dims: ParallelDims | None = None
         self._pool_layout: PoolLayout | None = None
         self._layout: OmniLayout | None = None
@@ -247,13 +249,19 @@ class OmniStrategy(ModelParallelStrategy):
         return size_encoder_pool(config, workload, world_size=world, llm_unit=unit, tp=degrees["tp"])
 
     @property
-    def encoder_balance(self) -> bool:
+    def encoder_reshard(self) -> bool:
         """Whether the data-parallel ranks share each step's encoder work (default: when there are several)."""
-        if self._encoder_balance is None:
+        if self._encoder_reshard is None:
             if (layout := self.pool_layout) is not None:
                 return layout.encoder_world_size > 1
             return self.parallel_dims.dp > 1
-        return self._encoder_balance
+        return self._encoder_reshard
+
+    @property
+    def encoder_balance(self) -> bool:
+        """Deprecated name of :attr:`encoder_reshard`."""
+        warn_renamed("OmniStrategy(encoder_balance=...)")
+        return self.encoder_reshard
 
     @property
     def layout(self) -> OmniLayout:
@@ -290,7 +298,7 @@ class OmniStrategy(ModelParallelStrategy):
                     raise ValueError(f"{name}.n_heads={encoder.n_heads} is not divisible by enc_sp={self._enc_sp}: "
                                      "pick enc_sp dividing the encoder heads")
         else:
-            check_model_fits_layout(model, dims, reshard=self.encoder_balance)
+            check_model_fits_layout(model, dims, reshard=self.encoder_reshard)
         if dims.pp_enabled:
             assign_layers(layer_costs(config.llm)[0], dims.pp * self.pipeline_settings.virtual_stages)
 
@@ -320,7 +328,7 @@ class OmniStrategy(ModelParallelStrategy):
             raise ValueError(f"OmniStrategy expected {expected} processes, the process group has "
                              f"{dist.get_world_size()}")
         layout = build_layout(dims, self.root_device.type, pipeline=self.pipeline_settings,
-                              placement=self.placement_settings, reshard=self.encoder_balance, pool=pool,
+                              placement=self.placement_settings, reshard=self.encoder_reshard, pool=pool,
                               pool_enc_sp=self._enc_sp)
         if isinstance(module, OmniModule):  # what the data module's plans price and pack by
             layout.cost_model, layout.packing = module.cost_model(), module.packing()
@@ -449,3 +457,14 @@ class OmniStrategy(ModelParallelStrategy):
 def _smallest_world(degrees: dict[str, int]) -> int:
     dp_shard = degrees["dp_shard"] if degrees["dp_shard"] != -1 else math.lcm(degrees["ep"], degrees["enc_sp"])
     return degrees["pp"] * degrees["dp_replicate"] * dp_shard * degrees["cp"] * degrees["tp"]
+
+
+def _renamed_flag(new: bool | None, old: bool | None) -> bool | None:
+    """``encoder_reshard``, or its deprecated name's value where only that was given."""
+    if old is None:
+        return new
+    warn_renamed("OmniStrategy(encoder_balance=...)")
+    if new is not None and new != old:
+        raise ValueError(f"encoder_reshard={new} and its deprecated name encoder_balance={old} disagree: "
+                         "give encoder_reshard alone")
+    return old

@@ -1,4 +1,4 @@
-"""BalancedStream's collectives: the wire format of moved samples, one metadata gather per group (two only when a
+"""ReorderedStream's collectives: the wire format of moved samples, one metadata gather per group (two only when a
 buffer outgrows a group), one payload exchange per group, none when nothing moves."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from distributed import run_distributed
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from omni_lightning.data.packing import DecodedSample
-from omni_lightning.data.reorder_stream import BalancedStream, BalanceSettings, _Wire
+from omni_lightning.data.reorder_stream import ReorderedStream, ReorderSettings, _Wire
 from omni_lightning.data.shards import existing_shards
 from omni_lightning.data.streaming import SampleStream
 from omni_lightning.modalities import DEFAULT_PACKING
@@ -70,9 +70,9 @@ class _NoLoader:
         return {}
 
 
-def _stream(group: dist.ProcessGroup | None, *, samples_per_step: int, group_steps: int) -> BalancedStream:
-    return BalancedStream(_NoLoader(), group=group, group_index=0, cost_model=COST,
-                          settings=BalanceSettings(samples_per_step=samples_per_step, group_steps=group_steps))
+def _stream(group: dist.ProcessGroup | None, *, samples_per_step: int, group_steps: int) -> ReorderedStream:
+    return ReorderedStream(_NoLoader(), group=group, group_index=0, cost_model=COST,
+                          settings=ReorderSettings(samples_per_step=samples_per_step, group_steps=group_steps))
 
 
 def _counting(name: str, calls: list[str]) -> Callable[..., Any]:
@@ -111,14 +111,14 @@ def _world_collectives(rank: int, world_size: int, shards: str) -> None:
     for balance in (True, False):
         samples = SampleStream(paths, dp_rank=rank, dp_size=world_size, batch_size=1, packing=PACK)
         loader = StatefulDataLoader(samples, batch_size=None, collate_fn=lambda item: item)
-        stream = BalancedStream(loader, group=dist.group.WORLD, group_index=0, cost_model=COST,
-                                settings=BalanceSettings(samples_per_step=2, group_steps=3, balance=balance),
+        stream = ReorderedStream(loader, group=dist.group.WORLD, group_index=0, cost_model=COST,
+                                settings=ReorderSettings(samples_per_step=2, group_steps=3, reorder=balance),
                                 packing=PACK)
         calls.clear()
         iterator = iter(stream)
         batches = [next(iterator) for _ in range(groups * 3)]
         assert calls.count("all_gather_single") == groups
-        moved = batches[-1]["balance"]["samples_moved"]
+        moved = batches[-1]["reorder"]["samples_moved"]
         assert (moved > 0, calls.count("all_to_all_single")) == ((True, groups) if balance else (False, 0)), calls
 
 
