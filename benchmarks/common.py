@@ -6,8 +6,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from omni_lightning.balance.cost import DEFAULT_ENCODERS, CostModel, feature_matrix
-from omni_lightning.balance.cost_fit import fit_cost_model
+from omni_lightning.balance.cost import DEFAULT_ENCODERS, CostModel, feature_matrix, fit_cost_model
 from omni_lightning.balance.workload import WORKLOADS_DIR, SampleMeta
 from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig, VisionEncoderConfig
 

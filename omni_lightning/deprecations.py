@@ -17,6 +17,7 @@ RENAMED: dict[str, str] = {
     "OmniDataModule(workload_balance=...)": "OmniDataModule(reorder=...)",
     "OmniDataModule(balance_group_size=...)": "OmniDataModule(reorder_group_size=...)",
     "omni_lightning.monitor.BalanceMonitor": "omni_lightning.monitor.LoadMonitor",
+    "omni_lightning.datamodules.BalanceSettings": "omni_lightning.datamodules.ReorderSettings",
     "balance/measured_*": "load/measured_*",
     "balance/*": "reorder/*",
     "encoder/*": "reshard/*",

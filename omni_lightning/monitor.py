@@ -145,8 +145,8 @@ class ThroughputMonitor(pl.Callback):
         flops = torch.tensor([batch_training_flops(batch, self._cost_model, self._packing)], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flops)
-        dims = getattr(trainer.strategy, "parallel_dims", None)
-        copies = trainer.world_size // dims.dp if dims is not None else 1  # peers that hold the same batch
+        layout = getattr(pl_module, "omni_layout", None)  # OmniModule's, handed over by OmniStrategy
+        copies = trainer.world_size // layout.dims.dp if layout is not None else 1  # peers that hold the same batch
         rate = float(flops) / copies / (now - last)
         metrics = {"throughput/flops_per_s": rate}
         if self.peak_flops is not None:

@@ -1,4 +1,4 @@
-"""The layers of DESIGN.md as import-linter checks them (``pyproject.toml``), and what the checker cannot see."""
+"""The house of layers (README, "Repository") as import-linter checks it, and what the checker cannot see."""
 
 from __future__ import annotations
 

@@ -6,8 +6,13 @@ import numpy as np
 import pytest
 
 from omni_lightning.balance.calibration import fit_joint_calibration
-from omni_lightning.balance.cost import CostModel, ModuleCost, feature_matrix
-from omni_lightning.balance.cost_fit import fit_cost_model, fit_cost_model_to_features
+from omni_lightning.balance.cost import (
+    CostModel,
+    ModuleCost,
+    feature_matrix,
+    fit_cost_model,
+    fit_cost_model_to_features,
+)
 from omni_lightning.balance.workload import SampleMeta
 from omni_lightning.batch import BYTE_ROLES
 from omni_lightning.data.packing import DecodedSample, pack_samples

@@ -21,9 +21,10 @@ from omni_lightning.balance.cost import (
     ModuleCost,
     feature_matrix,
     feature_names,
+    fit_cost_model,
     sample_features,
 )
-from omni_lightning.balance.cost_fit import _nnls, fit_cost_model
+from omni_lightning.balance.cost_fit import _nnls
 from omni_lightning.balance.workload import SampleMeta, load_workload, sample_metadata
 from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig, VisionEncoderConfig
 from omni_lightning.models.flops import reference_cost_model

@@ -11,12 +11,18 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 from distributed import free_port
 from lightning.fabric.utilities.rank_zero import LightningDeprecationWarning
 
-from omni_lightning import OmniDataModule, OmniStrategy, deprecations
+from omni_lightning import OmniDataModule, OmniStrategy, datamodules, deprecations
 from omni_lightning.cli import OmniCLI, _renamed_flag
+from omni_lightning.data.packing import pack_samples
+from omni_lightning.data.reorder_stream import ReorderSettings
+from omni_lightning.datamodules import collate
+from omni_lightning.modalities import packing_spec
+from omni_lightning.models.config import AUDIO_ID, BOS_ID, FIRST_TEXT_ID, IMAGE_ID, PAD_ID
 from omni_lightning.monitor import BalanceMonitor, LoadMonitor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,6 +93,19 @@ def test_simulate_balance_group_flag_is_reorder_group() -> None:
         assert _renamed_flag("--balance-group") == "--reorder-group"
     assert _renamed_flag("--balance-group=4") == "--reorder-group=4"
     assert _renamed_flag("--groups") == "--groups"
+
+
+def test_release_0_1_imports_still_work() -> None:
+    with pytest.warns(LightningDeprecationWarning, match="BalanceSettings is deprecated"):
+        assert datamodules.BalanceSettings is ReorderSettings
+    assert (PAD_ID, BOS_ID, IMAGE_ID, AUDIO_ID, FIRST_TEXT_ID) == (0, 1, 2, 3, 4)
+    image = np.zeros((32, 32, 3), np.uint8)
+    sample = collate.DecodedSample("s", np.array([5, 6]), images=[image])
+    old, new = collate.pack_samples([sample], patch_size=16), pack_samples([sample], packing_spec(patch_size=16))
+    assert old.keys() == new.keys() and all(
+        (old[k] == new[k]).all() for k in old if hasattr(old[k], "shape"))
+    with pytest.raises(ValueError, match="not a whole number of 14-pixel patches"):
+        collate.check_packable(sample)
 
 
 def test_readme_lists_every_renamed_name() -> None:

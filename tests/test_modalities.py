@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from omni_lightning.balance.cost import meta_items
+from omni_lightning.balance.cost import feature_matrix, meta_items
+from omni_lightning.balance.cost import sample_features as cost_sample_features
 from omni_lightning.balance.workload import SampleMeta
 from omni_lightning.batch import BYTE_ROLES, input_key
 from omni_lightning.data.packing import DecodedSample, pack_samples
+from omni_lightning.data.packing import sample_features as payload_sample_features
 from omni_lightning.modalities import DEFAULT_PACKING, packing_spec
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import ReferenceMLLM
@@ -56,6 +58,20 @@ def test_temporal_patches_cut_video_into_items_and_fill_images() -> None:
     meta = SampleMeta(modality="video", text_tokens=5, video_frames=3, video_grid=(2, 4))
     assert meta_items(meta, spec) == {"vision": [8, 8]}
     assert meta_items(meta, DEFAULT_PACKING) == {"vision": [8, 8, 8]}
+
+
+@pytest.mark.parametrize("temporal", [1, 2, 3])
+def test_metadata_and_payload_price_a_video_alike(temporal: int) -> None:
+    """The planners price a sample from its metadata (simulator, pool sizing) or from its payload (the loader): one
+    feature function, the same features, whatever the temporal patch."""
+    spec = packing_spec(temporal_patch_size=temporal)
+    meta = SampleMeta(modality="video", text_tokens=5, video_frames=5, video_grid=(2, 4),
+                      merge=(("video", 4),))
+    sample = DecodedSample("v", TEXT, media={"video": [_frames(5)]})
+    encoders = spec.encoder_names
+    np.testing.assert_array_equal(cost_sample_features(meta, encoders, spec),
+                                  payload_sample_features(sample, encoders, spec))
+    np.testing.assert_array_equal(feature_matrix([meta], encoders, spec)[0], cost_sample_features(meta, encoders, spec))
 
 
 def test_a_model_with_temporal_patches_trains_on_video() -> None:

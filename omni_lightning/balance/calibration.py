@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omni_lightning.balance.cost import CostModel, ModuleCost
-from omni_lightning.balance.cost_fit import fit_cost_model_to_features
+from omni_lightning.balance.cost import CostModel, ModuleCost, fit_cost_model_to_features
 
 __all__ = ["JointCalibration", "fit_joint_calibration"]
 

@@ -12,7 +12,7 @@ So the cost of some work is ``sum over modules of linear * tokens + quadratic * 
 features (:func:`work_features`: tokens and pairs of every encoder, then of the LLM) with the model's coefficients.
 The same function prices a sample, a packed micro-batch and a single encoder item for every planner. The model
 family derives the coefficients in training FLOPs from its shapes (``ReferenceMLLM.cost_model()``);
-:func:`~omni_lightning.balance.cost_fit.fit_cost_model` calibrates them in seconds. Only the *ratios* between costs
+:func:`fit_cost_model` calibrates them in seconds. Only the *ratios* between costs
 matter for balancing, so either unit works.
 
 Why balance on predicted compute rather than on token counts: with long-tailed resolutions and lengths, two
@@ -35,6 +35,12 @@ from typing import Any
 
 import numpy as np
 
+from omni_lightning.balance.cost_fit import (
+    check_enough_measurements,
+    checked_modules,
+    checked_seconds,
+    fit_coefficients,
+)
 from omni_lightning.balance.workload import SampleMeta
 from omni_lightning.batch import PackingSpec
 from omni_lightning.modalities import DEFAULT_PACKING
@@ -45,7 +51,10 @@ __all__ = [
     "ModuleCost",
     "feature_matrix",
     "feature_names",
+    "fit_cost_model",
+    "fit_cost_model_to_features",
     "meta_items",
+    "meta_llm_tokens",
     "sample_features",
     "work_features",
 ]
@@ -121,10 +130,21 @@ def meta_items(meta: SampleMeta, spec: PackingSpec = DEFAULT_PACKING) -> dict[st
     return items
 
 
+def meta_llm_tokens(meta: SampleMeta, spec: PackingSpec = DEFAULT_PACKING) -> int:
+    """The LLM tokens of a sample described by its metadata: :attr:`SampleMeta.llm_tokens` (a workload counts a
+    video's tokens frame by frame), with the video's frames grouped into the spec's temporal patches."""
+    if not meta.video_frames or spec.temporal_patch_size == 1:
+        return meta.llm_tokens
+    rows, cols = meta.video_grid
+    per_item = rows * cols // meta.merge_factor("video")
+    items = -(-meta.video_frames // spec.temporal_patch_size)
+    return meta.llm_tokens - (meta.video_frames - items) * per_item
+
+
 def sample_features(meta: SampleMeta, encoders: Sequence[str] = DEFAULT_ENCODERS,
                     spec: PackingSpec = DEFAULT_PACKING) -> np.ndarray:
-    """The features of one sample described by its metadata (its LLM tokens as the workload counts them)."""
-    return work_features(encoders, meta_items(meta, spec), [meta.llm_tokens])
+    """The features of one sample described by its metadata (its LLM tokens by :func:`meta_llm_tokens`)."""
+    return work_features(encoders, meta_items(meta, spec), [meta_llm_tokens(meta, spec)])
 
 
 def feature_matrix(metas: Iterable[SampleMeta], encoders: Sequence[str] = DEFAULT_ENCODERS,
@@ -150,7 +170,7 @@ def feature_matrix(metas: Iterable[SampleMeta], encoders: Sequence[str] = DEFAUL
                 rows += [row] * len(sizes)
                 columns += [column[modality.encoder]] * len(sizes)
                 tokens += sizes
-        llm[row] = meta.llm_tokens
+        llm[row] = meta_llm_tokens(meta, spec)
     out = np.zeros((len(metas), 2 * (len(encoders) + 1)))
     at, n = (np.array(rows, dtype=np.int64), np.array(columns, dtype=np.int64)), np.array(tokens, dtype=np.float64)
     np.add.at(out, at, n)
@@ -253,3 +273,65 @@ class CostModel:
 
 def _rebuild(encoders: dict[str, ModuleCost], llm: ModuleCost) -> CostModel:
     return CostModel(llm=llm, **encoders)
+
+
+def fit_cost_model(
+    measurements: Sequence[tuple[Sequence[SampleMeta], float]],
+    *,
+    modules: Sequence[str] | None = None,
+    encoders: Sequence[str] = DEFAULT_ENCODERS,
+    spec: PackingSpec = DEFAULT_PACKING,
+) -> CostModel:
+    """Calibrate a :class:`CostModel` (in seconds) with ``encoders`` and the LLM from measured step times.
+
+    Each measurement is ``(samples, seconds)``: the samples one rank processed in one step and that step's
+    measured compute time. The fit solves a non-negative least-squares problem on the per-step sums of the samples'
+    features (:func:`fit_cost_model_to_features`). Only the coefficients of ``modules`` (default: every module) are
+    fitted (the times must then cover exactly those modules' work); the others are zero.
+
+    Raises ``ValueError`` for an unknown or repeated module, a malformed measurement, an empty sample list, a
+    negative or non-finite time, fewer measurements than fitted coefficients, all-zero times, or a fitted module
+    that no measured sample uses (its coefficients would be arbitrary: fit without it).
+    If the features do not determine every coefficient (e.g. every image has the same size, so patches and
+    pairs are proportional), the fit still predicts the measured shapes but a warning is logged.
+    """
+    names = (*encoders, "llm")
+    modules = checked_modules(names if modules is None else modules, names)
+    check_enough_measurements(len(measurements), modules)
+    sums = np.empty((len(measurements), 2 * len(names)))
+    times = np.empty(len(measurements))
+    for i, measurement in enumerate(measurements):
+        if not (isinstance(measurement, (tuple, list)) and len(measurement) == 2):
+            raise ValueError(f"measurement {i} must be a (samples, seconds) pair, got {measurement!r}")
+        samples, seconds = measurement
+        if len(samples) == 0:
+            raise ValueError(f"measurement {i} has no samples: a step's time needs the samples it processed")
+        sums[i] = feature_matrix(samples, encoders, spec).sum(axis=0)
+        times[i] = checked_seconds(seconds, i)
+    return _from_coefficients(fit_coefficients(sums, times, modules, names), names)
+
+
+def fit_cost_model_to_features(features: np.ndarray, seconds: Sequence[float], *,
+                               modules: Sequence[str] | None = None,
+                               encoders: Sequence[str] = DEFAULT_ENCODERS) -> CostModel:
+    """Calibrate a :class:`CostModel` (in seconds) from measured work described by its features.
+
+    ``features[i]`` holds the features (:func:`feature_names` of ``encoders``) of what
+    measurement ``i`` timed, e.g. a packed micro-batch's, which are the sums of its samples' features, and
+    ``seconds[i]`` its measured time. Otherwise as :func:`fit_cost_model`, which this solves for.
+    """
+    names = (*encoders, "llm")
+    modules = checked_modules(names if modules is None else modules, names)
+    sums = np.asarray(features, dtype=np.float64)
+    if sums.ndim != 2 or sums.shape[1] != 2 * len(names) or sums.shape[0] != len(seconds):
+        raise ValueError(f"features of shape {list(sums.shape)} must be [measurements={len(seconds)}, "
+                         f"{2 * len(names)}] ({', '.join(feature_names(encoders))})")
+    if not (np.isfinite(sums) & (sums >= 0)).all():
+        raise ValueError("features must be finite and non-negative (token and attention-pair counts)")
+    check_enough_measurements(len(seconds), modules)
+    times = np.array([checked_seconds(t, i) for i, t in enumerate(seconds)])
+    return _from_coefficients(fit_coefficients(sums, times, modules, names), names)
+
+
+def _from_coefficients(coefficients: np.ndarray, names: tuple[str, ...]) -> CostModel:
+    return CostModel(**{name: ModuleCost(coefficients[2 * i], coefficients[2 * i + 1]) for i, name in enumerate(names)})

@@ -9,7 +9,22 @@ import torch
 from omni_lightning.batch import BYTE_ROLES, PackingSpec
 from omni_lightning.modalities import packing_spec
 
-__all__ = ["VisionEncoderConfig", "AudioEncoderConfig", "LLMConfig", "ReferenceMLLMConfig"]
+__all__ = [
+    "AUDIO_ID",
+    "BOS_ID",
+    "FIRST_TEXT_ID",
+    "IMAGE_ID",
+    "PAD_ID",
+    "AudioEncoderConfig",
+    "LLMConfig",
+    "ReferenceMLLMConfig",
+    "VisionEncoderConfig",
+]
+
+# Release 0.1's names of the byte roles' ids (the roles live in omni_lightning.batch.BYTE_ROLES now).
+PAD_ID, BOS_ID = BYTE_ROLES.pad, BYTE_ROLES.bos
+IMAGE_ID, AUDIO_ID = BYTE_ROLES.placeholder("image"), BYTE_ROLES.placeholder("audio")
+FIRST_TEXT_ID = BYTE_ROLES.first_free_id
 
 
 @dataclass

@@ -51,7 +51,7 @@ def check_model_fits_layout(model: ReferenceMLLM, dims: ParallelDims, *, reshard
         if llm.moe_every and llm.n_experts % dims.ep:
             raise ValueError(f"llm.n_experts={llm.n_experts} is not divisible by ep={dims.ep}; pick ep dividing it")
     if dims.enc_sp > 1 and not reshard:
-        raise ValueError(f"enc_sp={dims.enc_sp} splits items planned by the resharder: set encoder_balance=True")
+        raise ValueError(f"enc_sp={dims.enc_sp} splits items planned by the resharder: set encoder_reshard=True")
     for name, encoder in encoders.items():
         if dims.enc_sp > 1 and not encoder.supports_sequence_parallel:
             raise ValueError(f"enc_sp={dims.enc_sp} splits long items, which {type(encoder).__name__} cannot encode "

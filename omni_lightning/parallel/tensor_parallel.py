@@ -3,7 +3,7 @@
 Attention heads and MLP hidden units are split over the TP mesh; activations between blocks stay replicated,
 so the encoders' outputs can be written into the embeddings without any resharding. The LM head's logits stay
 sharded over the vocabulary (a DTensor) and the loss is computed under ``loss_parallel``. Encoders are not split:
-they are small, and their balance comes from data and sequence parallelism instead (see DESIGN.md).
+they are small, and their balance comes from data and (long-short) sequence parallelism instead.
 The plans themselves belong to the model (:class:`~omni_lightning.models.adapters.LLMAdapter`, applied by
 :func:`omni_lightning.models.parallelize.apply_tp`): the reference decoder keeps MoE feed-forward layers replicated
 over TP (expert parallelism is a separate dimension); Hugging Face decoders follow their ``base_model_tp_plan``.

@@ -18,8 +18,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from omni_lightning.balance.cost import CostModel
+from omni_lightning.balance.cost import CostModel, meta_llm_tokens
 from omni_lightning.balance.workload import WorkloadSpec, sample_metadata
+from omni_lightning.batch import PackingSpec
 from omni_lightning.modalities import DEFAULT_PACKING
 
 __all__ = ["SamplePool", "StepDraw", "draw_step"]
@@ -46,8 +47,9 @@ class SamplePool:
 
     @classmethod
     def build(cls, spec: WorkloadSpec, cost_model: CostModel, *, seq_len: int, per_modality: int = 2048,
-              seed: int = 0) -> SamplePool:
-        """Draw ``per_modality`` samples of each modality of ``spec``, cut to ``seq_len`` LLM tokens."""
+              seed: int = 0, packing: PackingSpec = DEFAULT_PACKING) -> SamplePool:
+        """Draw ``per_modality`` samples of each modality of ``spec``, cut to ``seq_len`` LLM tokens; ``packing``
+        (the model's) cuts media into encoder items."""
         rng = np.random.default_rng(seed)
         metas = []
         by_modality = []
@@ -56,16 +58,15 @@ class SamplePool:
             start = len(metas)
             metas.extend(sample_metadata(alone, rng, max_llm_tokens=seq_len) for _ in range(per_modality))
             by_modality.append(np.arange(start, len(metas)))
-        costs = cost_model.costs(metas)
+        costs = cost_model.costs(metas, packing)
         item_sample, item_cost, item_tokens, item_llm = [], [], [], []
-        packing = DEFAULT_PACKING
         for index, meta in enumerate(metas):
             for name, shapes in meta.media_shapes().items():  # every encoder item, by its modality's rule
                 modality = packing.modality(name)
                 cost = cost_model.module(modality.encoder)
                 for shape in shapes:
-                    outputs = _llm_tokens(name, shape, meta.merge_dict)
-                    for n, llm in zip(modality.item_tokens(shape, packing), outputs, strict=True):
+                    sizes = modality.item_tokens(shape, packing)
+                    for n, llm in zip(sizes, _llm_tokens(name, shape, meta.merge_dict, len(sizes)), strict=True):
                         item_sample.append(index)
                         item_cost.append(cost(n, n * n))
                         item_tokens.append(n)
@@ -74,7 +75,7 @@ class SamplePool:
         return cls(
             llm=costs[:, -1].copy(),
             encoder=costs[:, :-1].sum(axis=1),
-            tokens=np.array([m.llm_tokens for m in metas], dtype=np.int64),
+            tokens=np.array([meta_llm_tokens(m, packing) for m in metas], dtype=np.int64),
             item_sample=np.asarray(item_sample, dtype=np.int64)[order],
             item_cost=np.asarray(item_cost, dtype=np.float64)[order],
             item_tokens=np.asarray(item_tokens, dtype=np.float64)[order],
@@ -93,12 +94,12 @@ class SamplePool:
         return np.repeat(starts, counts) + offsets, position
 
 
-def _llm_tokens(modality: str, shape: tuple[int, ...], merge: dict[str, int]) -> list[int]:
-    """What each item of a media item of ``shape`` becomes in the LLM, by the workload's merge factors (as
-    :attr:`~omni_lightning.balance.workload.SampleMeta.llm_tokens` counts)."""
+def _llm_tokens(modality: str, shape: tuple[int, ...], merge: dict[str, int], items: int) -> list[int]:
+    """What each of the ``items`` encoder items of a media item of ``shape`` becomes in the LLM, by the workload's
+    merge factors (as :func:`~omni_lightning.balance.cost.meta_llm_tokens` counts)."""
     if modality == "audio":
         return [shape[0] // merge["audio"]]
-    return [shape[-2] * shape[-1] // merge[modality]] * (shape[0] if modality == "video" else 1)
+    return [shape[-2] * shape[-1] // merge[modality]] * items
 
 
 @dataclass

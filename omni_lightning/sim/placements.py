@@ -148,7 +148,8 @@ class Simulation:
         self.group = group
         groups = self.dp // group
         self.ranks = (groups if scenario.max_groups is None else min(groups, scenario.max_groups)) * group
-        self.pool = SamplePool.build(scenario.workload, self.cost_model, seq_len=layout.seq_len, seed=scenario.seed)
+        self.pool = SamplePool.build(scenario.workload, self.cost_model, seq_len=layout.seq_len, seed=scenario.seed,
+                                     packing=config.packing())
         # One random stream per step, which draws the step's modality mix first and then each rank's reads in rank
         # order: step k has the same mix, and rank r the same samples, at every GPU count, so the figures of one
         # workload at different scales differ by the ranks added and not by a different sample of mixes.

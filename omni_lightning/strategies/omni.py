@@ -362,7 +362,8 @@ class OmniStrategy(ModelParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self.layout.pipelined:
+        module = self.lightning_module
+        if isinstance(module, OmniModule) and module.step is not None and module.step.runs_backward:
             return closure_loss  # the pipeline schedule or the pool stream ran the backward inside training_step
         # Under TP the loss was taken over vocabulary-sharded logits; their backward needs the same context.
         with vocab_parallel_loss() if self.parallel_dims.tp_enabled else nullcontext():

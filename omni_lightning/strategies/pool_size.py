@@ -33,9 +33,9 @@ def size_encoder_pool(config: ReferenceMLLMConfig, workload: str, *, world_size:
     spec = load_workload(workload)
     with torch.device("meta"):
         model = ReferenceMLLM(config)
-    encoders = [model.vision, model.audio]
+    encoders = list(model.encoders.values())
     encoder_shape = ModuleShape(params=float(sum(p.numel() for e in encoders for p in e.parameters())),
-                                layers=config.vision.n_layers + config.audio.n_layers, dim=config.vision.dim)
+                                layers=sum(len(e.blocks) for e in encoders), dim=max(e.config.dim for e in encoders))
     llm_shape = ModuleShape(params=float(sum(p.numel() for p in model.llm.parameters())),
                             layers=config.llm.n_layers, dim=config.llm.dim)
     problem = pool_problem(cost_model or reference_cost_model(config), spec, world_size=world_size,
