@@ -94,9 +94,15 @@ class OmniModule(LightningModule):
         self.model: ReferenceMLLM | None = None
         self.omni_layout: OmniLayout | None = None  # handed over by OmniStrategy.setup_environment
         self.step: Step | None = None
+        self._cost_model: CostModel | None = None
         self._options = StepOptions(getattr(torch, param_dtype) if param_dtype else None, activation_checkpointing,
                                     compile_backend)
         self._last_step_time: float | None = None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype forward and backward compute in (``param_dtype``; fp32 when none was given)."""
+        return self._options.param_dtype or torch.float32
 
     @property
     def omni_meshes(self) -> OmniMeshes | None:
@@ -104,7 +110,10 @@ class OmniModule(LightningModule):
         return self.omni_layout.meshes if self.omni_layout is not None else None
 
     def cost_model(self) -> CostModel:
-        """The model's cost model in training FLOPs (from a meta-device copy before :meth:`configure_model`)."""
+        """The model's cost model in training FLOPs (from a meta-device copy before :meth:`configure_model`; of the
+        whole model on a rank that holds a part of it, a pipeline stage or a pool)."""
+        if self._cost_model is not None:
+            return self._cost_model
         return self._model_view().cost_model()
 
     def packing(self) -> PackingSpec:
@@ -151,6 +160,7 @@ class OmniModule(LightningModule):
                 self.config, init_checkpoint=self.hparams.init_checkpoint, seed=self.hparams.init_seed
             )
         device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
+        self._cost_model = model.cost_model()  # before this rank's step prunes the model to its part
         self.step = build_step(model, layout, device=device, options=self._options)
         broadcast = dist.is_initialized()
         if layout is not None and (layout.dims.pp > 1 or layout.pool is not None):

@@ -12,6 +12,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from device_discipline import device_discipline
 from distributed import free_port
 from torch.distributed.tensor import DTensor
 
@@ -177,7 +178,8 @@ def fit(
             ReferenceMLLMConfig.tiny(), learning_rate=LEARNING_RATE, init_checkpoint=str(seed_checkpoint)
         )
     datamodule = datamodule or WebDataModule(shards, batch_size=BATCH_SIZE)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    with device_discipline():  # inherited by the fork-started ranks
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
 
 
 def assert_resumes_under(
@@ -205,8 +207,12 @@ def assert_resumes_under(
 def reference_run(
     shards: str, seed_checkpoint: Path, *, dp_size: int, steps: int, accumulate: int = 1,
     config: ReferenceMLLMConfig | None = None, clip: float | None = None, pipeline_micro_batches: int = 1,
+    param_dtype: torch.dtype | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process runs the global batch of every micro-batch: the union of what the ``dp_size`` ranks read.
+
+    ``param_dtype`` computes as FSDP's mixed precision does: fp32 master weights and optimizer, parameters cast to
+    ``param_dtype`` for the forward and backward (buffers stay fp32), gradients cast back to fp32.
 
     With ``accumulate`` > 1 each optimizer step averages that many micro-batch losses, as Lightning does; ``clip``
     clips the global gradient norm before each step (after the gradients are recorded, as Lightning's hooks see them).
@@ -220,9 +226,11 @@ def reference_run(
     model.load_state_dict(torch.load(seed_checkpoint, weights_only=True))
     module = OmniModule(config, learning_rate=LEARNING_RATE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=module.hparams.betas, weight_decay=0.0)
+    master, model = model, _compute_copy(model, param_dtype)
     losses, first_grads = [], {}
     for step in range(steps):
         optimizer.zero_grad()
+        _load_compute_copy(master, model)
         for _ in range(accumulate):
             per_rank = [[next(stream) for _ in range(BATCH_SIZE)] for stream in streams]
             cuts = [split_micro_batches(pack_samples(samples), pipeline_micro_batches, DEFAULT_PACKING)
@@ -240,12 +248,32 @@ def reference_run(
             loss = loss_sum / count
             ((loss + config.llm.moe_aux_loss_coef * aux) / accumulate).backward()
             losses.append(loss.item())
+        if model is not master:
+            for name, p in master.named_parameters():
+                p.grad = model.get_parameter(name).grad.float()
         if step == 0:
-            first_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+            first_grads = {name: p.grad.clone() for name, p in master.named_parameters()}
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
         optimizer.step()
     return losses, first_grads
+
+
+def _compute_copy(model: ReferenceMLLM, dtype: torch.dtype | None) -> ReferenceMLLM:
+    if dtype is None:
+        return model
+    copy = ReferenceMLLM(model.config)
+    for p in copy.parameters():
+        p.data = p.data.to(dtype)
+    return copy
+
+
+def _load_compute_copy(master: ReferenceMLLM, compute: ReferenceMLLM) -> None:
+    if compute is not master:
+        with torch.no_grad():
+            for name, p in compute.named_parameters():
+                p.copy_(master.get_parameter(name))
+                p.grad = None
 
 
 class RecordKeys(pl.Callback):

@@ -45,3 +45,16 @@ def test_a_model_built_in_a_subclass_trains_as_the_built_in_one(tiny_shards: str
     built_in = _train(OmniModule(init_seed=1), tiny_shards)
     assert len(own) == 3
     torch.testing.assert_close(own, built_in, rtol=1e-6, atol=0)
+
+
+def test_mixed_precision_in_one_process_without_a_process_group(tiny_shards: str) -> None:
+    """``param_dtype`` under a plain Trainer (no process group, so no FSDP): the forward runs under autocast, the
+    weights stay fp32, and the losses stay within bf16's reach of fp32's (1e-2; a wrong loss would be far off)."""
+    torch.manual_seed(0)
+    mixed = OmniModule(init_seed=1, param_dtype="bfloat16")
+    losses = _train(mixed, tiny_shards)
+    torch.manual_seed(0)
+    full = _train(OmniModule(init_seed=1), tiny_shards)
+    assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
+    torch.testing.assert_close(losses, full, rtol=1e-2, atol=0)
+    assert losses != full  # bf16 really ran

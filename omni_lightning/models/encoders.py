@@ -73,7 +73,7 @@ class VisionEncoder(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-token stem: ``(tokens [n_patches, dim], tokens per item)``. Items can be resharded after it."""
         half = self.config.dim // 2
-        x = self.patch_embed(patches)
+        x = self.patch_embed(patches.to(self.patch_embed.weight.dtype))  # pixels arrive fp32; weights may be bf16
         # 2-D position: half the channels encode the row, half the column, so any resolution works.
         pos = torch.cat([sincos_features(positions[:, 0], half), sincos_features(positions[:, 1], half)], dim=-1)
         return x + pos.to(x.dtype), self.item_tokens(patches, positions, grids)
@@ -89,9 +89,11 @@ class VisionEncoder(nn.Module):
         return self.projector(x.reshape(-1, self.config.dim * self.config.merge))
 
     def dummy_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A single 2x2-patch item, run by a rank that has no images so that its collectives match the others'."""
+        """A single 2x2-patch item, run by a rank that has no images so that its collectives match the others'; in
+        the stem's compute dtype."""
         positions = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]], device=device)
-        return torch.zeros(4, self.config.patch_dim, device=device), positions, torch.tensor([[2, 2]], device=device)
+        patches = torch.zeros(4, self.config.patch_dim, device=device, dtype=self.patch_embed.weight.dtype)
+        return patches, positions, torch.tensor([[2, 2]], device=device)
 
 
 class AudioEncoder(nn.Module):
@@ -140,6 +142,7 @@ class AudioEncoder(nn.Module):
                 f"audio clip lengths {lengths.tolist()} must be non-empty multiples of {self.config.downsample}"
             )
         # Convolve clip by clip: a kernel sliding across a clip boundary would mix two recordings.
+        mels = mels.to(self.conv1.weight.dtype)  # mel frames arrive fp32; weights may be bf16
         clips = [
             F.gelu(self.conv2(F.gelu(self.conv1(clip.t().unsqueeze(0))))).squeeze(0).t()
             for clip in mels.split(lengths.tolist())
@@ -160,6 +163,6 @@ class AudioEncoder(nn.Module):
     def dummy_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """One clip of ``downsample`` frames for a rank without audio (see :meth:`VisionEncoder.dummy_inputs`)."""
         return (
-            torch.zeros(self.config.downsample, self.config.n_mels, device=device),
+            torch.zeros(self.config.downsample, self.config.n_mels, device=device, dtype=self.conv1.weight.dtype),
             torch.tensor([self.config.downsample], device=device),
         )

@@ -56,7 +56,8 @@ class GroupedExperts(nn.Module):
 
     def compute(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Run the experts held here on ``rows`` sorted by (local) expert, ``counts`` rows each."""
-        w1, w3, w2 = _local(self.w1), _local(self.w3), _local(self.w2)
+        # Expert weights stay fp32 outside FSDP's mixed-precision policy: compute in the activations' dtype.
+        w1, w3, w2 = (_local(w).to(rows.dtype) for w in (self.w1, self.w3, self.w2))
         outputs = []
         # Every local expert runs, even on zero rows, so its weights always get a (possibly zero) gradient.
         for expert, part in enumerate(rows.split(counts.tolist())):

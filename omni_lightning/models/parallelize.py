@@ -107,6 +107,9 @@ def parallelize_reference(
     if activation_checkpointing:
         apply_ac(blocks)
     if fsdp_mesh is None:
+        if param_dtype is not None:  # it would be ignored: mixed precision is FSDP's policy here
+            raise ValueError(f"param_dtype={param_dtype} needs an FSDP mesh (a 1-rank one where there is no data "
+                             "parallelism); without a process group run the forward under torch.autocast")
         return
     ignored = set(experts) or None
     if not stages:

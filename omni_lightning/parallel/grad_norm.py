@@ -23,12 +23,13 @@ def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float,
     ``counted=False`` this rank's squares stay out of that sum (a peer in ``pp_group`` holds the same ones).
     """
     squares = []
+    device = next((p.device for p in parameters), torch.device("cpu"))  # a rank without gradients still reduces
     for p in parameters:
         if p.grad is None or (not_in_norm and p in not_in_norm):
             continue
         norm = p.grad.norm()
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).double() ** 2)
-    total_squares = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
+    total_squares = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64, device=device)
     if not counted:
         total_squares = torch.zeros_like(total_squares)
     if pp_group is not None:

@@ -10,7 +10,7 @@ order; a second request returns the same group.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from omni_lightning.balance.cost import CostModel
     from omni_lightning.batch import PackingSpec
 
-__all__ = ["EncoderPool", "ModelGroups", "OmniLayout", "OmniMeshes", "build_encoder_pool", "build_layout",
-           "build_meshes", "new_reorder_groups"]
+__all__ = ["JOINT_STREAMS", "POOL_STREAMS", "EncoderPool", "ModelGroups", "OmniLayout", "OmniMeshes",
+           "build_encoder_pool", "build_layout", "build_meshes", "new_reorder_groups", "new_streams"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,9 @@ class OmniMeshes:
     encoder_sp_blocks: dict[int, dist.ProcessGroup]
     ep_mesh: DeviceMesh | None = None
     expert_replica_group: dist.ProcessGroup | None = None
+    #: A 1-rank data-parallel mesh of the LLM mesh where no data-parallel degree exceeds 1: FSDP over it gives
+    #: layouts without data parallelism (TP or PP alone, one process) mixed precision as the others get it.
+    unit_fsdp_mesh: DeviceMesh | None = None
 
     @property
     def encoder_sp_group(self) -> dist.ProcessGroup | None:
@@ -76,8 +79,14 @@ class OmniMeshes:
 
     @property
     def fsdp_mesh(self) -> DeviceMesh | None:
-        """Mesh for ``fully_shard``: 2-D ``(dp_replicate, dp_shard_cp)`` for HSDP, else the 1-D sharding mesh."""
+        """Mesh for ``fully_shard``: 2-D ``(dp_replicate, dp_shard_cp)`` for HSDP, else the 1-D sharding mesh
+        (``None`` without data parallelism)."""
         return self.views.get("hsdp") or self.views.get("dp_shard_cp") or self.views.get("dp_replicate")
+
+    def mixed_precision_mesh(self) -> DeviceMesh | None:
+        """Mesh for ``fully_shard`` when parameters compute in another dtype: :attr:`fsdp_mesh`, or the 1-rank
+        :attr:`unit_fsdp_mesh` where there is no data parallelism."""
+        return self.fsdp_mesh or self.unit_fsdp_mesh
 
 
 def build_meshes(parallel_dims: ParallelDims, device_type: str, *, pool: PoolLayout | None = None) -> OmniMeshes:
@@ -93,23 +102,26 @@ def build_meshes(parallel_dims: ParallelDims, device_type: str, *, pool: PoolLay
             f"the process group has {dist.get_world_size()} ranks but the layout was built for {world_size}"
         )
     names = parallel_dims.materialized_dims
+    # Without data parallelism the mesh keeps a dp_shard dimension of degree 1 (one group per rank), whose slice is
+    # the 1-rank mesh mixed precision runs FSDP over; it shares the root with the TP mesh, as FSDP2 requires.
+    unit_dp = not any(d in names for d in ("dp_replicate", "dp_shard", "cp"))
+    mesh_names = tuple(d for d in parallel_dims.degrees if d in names or (unit_dp and d == "dp_shard"))
     views: dict[str, DeviceMesh] = {}
-    world: DeviceMesh | None = None
     rank = dist.get_rank()
     member = rank < parallel_dims.world_size
-    if names:
-        shape = tuple(parallel_dims.degrees[n] for n in names)
-        if pool is None:
-            world = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        else:
-            world = DeviceMesh(device_type, torch.arange(parallel_dims.world_size).reshape(shape),
-                               mesh_dim_names=names)
-        if member:
-            views.update(_views(world, names))
-        else:  # the flattened views' groups: the same group creations, which only a member of the mesh can slice
-            for flat_name, components in FLATTENED_DIMS.items():
-                if len([d for d in components if d in names]) > 1:
-                    _mirror_new_groups(parallel_dims.groups(flat_name))
+    shape = tuple(parallel_dims.degrees[n] for n in mesh_names)
+    if pool is None:
+        world = init_device_mesh(device_type, shape, mesh_dim_names=mesh_names)
+    else:
+        world = DeviceMesh(device_type, torch.arange(parallel_dims.world_size).reshape(shape),
+                           mesh_dim_names=mesh_names)
+    unit_fsdp_mesh = world["dp_shard"] if unit_dp and member else None
+    if member:
+        views.update(_views(world, names))
+    else:  # the flattened views' groups: the same group creations, which only a member of the mesh can slice
+        for flat_name, components in FLATTENED_DIMS.items():
+            if len([d for d in components if d in names]) > 1:
+                _mirror_new_groups(parallel_dims.groups(flat_name))
 
     encoder_group = _new_subgroups(parallel_dims.groups("encoder"), rank)
     blocks: dict[int, dist.ProcessGroup] = {}
@@ -131,7 +143,7 @@ def build_meshes(parallel_dims: ParallelDims, device_type: str, *, pool: PoolLay
         else:
             ep_mesh = shard_view
         expert_replicas = _new_subgroups(parallel_dims.expert_replica_groups(), rank)
-    return OmniMeshes(parallel_dims, world, views, encoder_group, blocks, ep_mesh, expert_replicas)
+    return OmniMeshes(parallel_dims, world, views, encoder_group, blocks, ep_mesh, expert_replicas, unit_fsdp_mesh)
 
 
 def _views(world: DeviceMesh, names: tuple[str, ...]) -> dict[str, DeviceMesh]:
@@ -164,7 +176,8 @@ class EncoderPool:
 
     ``mesh`` shards the encoders (FSDP) over the pool, ``group`` is the pool's encoder group for the resharder and
     ``sp_blocks`` its aligned SP blocks (as :class:`OmniMeshes`); all are ``None``/empty off the pool or with one
-    encoder rank. ``transfers`` spans the world and carries only the pools' point-to-point transfers.
+    encoder rank. ``transfers`` spans the world for the pools' collectives (the gradient norm); ``streams`` are the
+    pools' point-to-point streams, one group each (:data:`POOL_STREAMS`, see :func:`new_streams`).
     """
 
     layout: PoolLayout
@@ -172,15 +185,33 @@ class EncoderPool:
     group: dist.ProcessGroup | None
     sp_blocks: dict[int, dist.ProcessGroup]
     transfers: dist.ProcessGroup
+    streams: dict[str, dist.ProcessGroup]
+
+
+#: The disaggregated placement's streams: items to the encoder pool, their outputs back, the outputs' gradients.
+POOL_STREAMS = ("items", "outputs", "gradients")
+#: The joint pipeline's streams: each stage's encoder outputs to stage 0, their gradients back.
+JOINT_STREAMS = ("outputs", "gradients")
+
+
+def new_streams(names: tuple[str, ...], groups: list[list[int]], rank: int) -> dict[str, dist.ProcessGroup] | None:
+    """One group of ``groups`` per point-to-point stream (collective; this rank's, ``None`` outside them all).
+
+    NCCL matches the point-to-point operations of a pair of ranks within a group in the order they are issued and
+    ignores tags, so both sides must issue them in the same order. A stream carries one kind of message in one
+    direction, micro-batch after micro-batch, which both sides issue in the same order by construction; two
+    directions in one group would have to interleave alike on both sides, which a schedule cannot promise.
+    """
+    streams = {name: dist.new_subgroups_by_enumeration(groups)[0] for name in names}
+    return streams if any(rank in group for group in groups) else None
 
 
 def build_encoder_pool(layout: PoolLayout, enc_sp: int, device_type: str) -> EncoderPool:
     """Create the encoder pool's mesh, SP blocks and the transfer group (collective: every rank calls it)."""
     rank, ranks = dist.get_rank(), layout.encoder_ranks
-    mesh, group = None, None
-    if len(ranks) > 1:
-        mesh = DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=("encoder_pool",))
-        group = mesh.get_group() if rank in ranks else None
+    # A 1-rank pool has a mesh too (mixed precision runs FSDP over it) but no group to reshard over.
+    mesh = DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=("encoder_pool",))
+    group = mesh.get_group() if rank in ranks and len(ranks) > 1 else None
     blocks: dict[int, dist.ProcessGroup] = {}
     degree = 2
     while degree <= enc_sp:
@@ -188,8 +219,11 @@ def build_encoder_pool(layout: PoolLayout, enc_sp: int, device_type: str) -> Enc
         if mine is not None:
             blocks[degree] = mine
         degree *= 2
-    transfers = dist.new_group(ranks=list(range(layout.world_size)))
-    return EncoderPool(layout, mesh, group, blocks, transfers)
+    everyone = list(range(layout.world_size))
+    transfers = dist.new_group(ranks=everyone)
+    streams = new_streams(POOL_STREAMS, [everyone], rank)
+    assert streams is not None
+    return EncoderPool(layout, mesh, group, blocks, transfers, streams)
 
 
 def _new_subgroups(groups: list[list[int]], rank: int) -> dist.ProcessGroup | None:
@@ -224,7 +258,7 @@ class OmniLayout:
     pool: EncoderPool | None = None
     cost_model: CostModel | None = None
     packing: PackingSpec | None = None
-    _created: dict[tuple[object, ...], dist.ProcessGroup | None] = field(default_factory=dict, repr=False)
+    _created: dict[tuple[object, ...], Any] = field(default_factory=dict, repr=False)  # groups made on first use
 
     @property
     def is_encoder_rank(self) -> bool:
@@ -258,17 +292,20 @@ class OmniLayout:
         """This rank's reorder group (see :func:`new_reorder_groups`) and its index in its data-parallel group."""
         key = ("reorder", size)
         if key not in self._created:
-            self._created[key] = new_reorder_groups(self.dims.groups("dp"), self.dp_rank, size)  # type: ignore[assignment]
-        return self._created[key]  # type: ignore[return-value]
+            self._created[key] = new_reorder_groups(self.dims.groups("dp"), self.dp_rank, size)
+        return self._created[key]
 
     def relay_group(self) -> dist.ProcessGroup | None:
         """A gloo group of this rank's pipeline peers (stage 0 first): stage 0 relays each step's shapes over it."""
         return self._subgroups(("relay",), self.dims.groups("pp"), backend="gloo")
 
-    def pipeline_transfer_group(self) -> dist.ProcessGroup | None:
-        """A group of this rank's pipeline peers for the joint pipeline's transfers alone, so they never meet the
-        schedule's."""
-        return self._subgroups(("pipeline_transfers",), self.dims.groups("pp"), backend=None)
+    def pipeline_transfer_streams(self) -> dict[str, dist.ProcessGroup] | None:
+        """Groups of this rank's pipeline peers for the joint pipeline's transfers alone (:data:`JOINT_STREAMS`, see
+        :func:`new_streams`), so they never meet the schedule's."""
+        key = ("pipeline_transfers",)
+        if key not in self._created:
+            self._created[key] = new_streams(JOINT_STREAMS, self.dims.groups("pp"), self.rank)
+        return self._created[key]
 
     def _subgroups(self, key: tuple[object, ...], groups: list[list[int]], *,
                    backend: str | None) -> dist.ProcessGroup | None:

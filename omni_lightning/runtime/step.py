@@ -94,6 +94,8 @@ class PlainStep:
     step holds) the loss is divided by the loss tokens of the whole step, so the update does not depend on how the
     step was cut into micro-batches; other batches get Lightning's equal weighting of accumulated batches.
     ``source=None`` leaves encoding to the model's own forward (a model a user built and wrapped themselves).
+    ``autocast`` runs the forward under ``torch.autocast`` in that dtype: mixed precision in one process without
+    a process group, where FSDP cannot run (fp32 weights, gradients and optimizer all the same).
     """
 
     model: ReferenceMLLM
@@ -101,6 +103,7 @@ class PlainStep:
     meshes: OmniMeshes | None = None
     runs_backward: bool = False
     forward_cpu_seconds: dict[str, float] = field(default_factory=dict)
+    autocast: torch.dtype | None = None
 
     @property
     def encoder_stats(self) -> Mapping[str, float]:
@@ -108,13 +111,15 @@ class PlainStep:
 
     def run(self, batch: PackedBatch, *, train: bool, accumulate: int, last_of_step: bool = True) -> StepResult:
         model, meshes = self.model, self.meshes
-        started = time.thread_time()
-        encoded = None
-        if self.source is not None:
-            self.source.start([batch], train=train)
-            encoded = self.source.outputs(0)
-        encoded_at = time.thread_time()
-        logits = model(batch, encoded)
+        device_type = batch["input_ids"].device.type
+        with torch.autocast(device_type, self.autocast) if self.autocast is not None else nullcontext():
+            started = time.thread_time()
+            encoded = None
+            if self.source is not None:
+                self.source.start([batch], train=train)
+                encoded = self.source.outputs(0)
+            encoded_at = time.thread_time()
+            logits = model(batch, encoded)
         # This thread's forward CPU seconds (a blocked collective costs none), for the measured balance.
         self.forward_cpu_seconds = {"encoders": encoded_at - started, "llm": time.thread_time() - encoded_at}
         if self.source is not None:
@@ -358,9 +363,9 @@ def build_step(model: ReferenceMLLM, layout: OmniLayout | None, *, device: torch
                options: StepOptions = StepOptions()) -> Step:
     """Prune ``model`` to what this rank runs, parallelise it and return its step (see the module docstring)."""
     if layout is None:  # one process, or a strategy that does not parallelise the model itself
-        parallelize_reference(model, param_dtype=options.param_dtype, compile_backend=options.compile_backend,
+        parallelize_reference(model, compile_backend=options.compile_backend,
                               activation_checkpointing=options.activation_checkpointing)
-        return PlainStep(model, LocalEncoders(model))
+        return PlainStep(model, LocalEncoders(model), autocast=options.param_dtype)
     model.use_groups(layout.model_groups)
     if layout.pool is not None:
         return _pool_step(model, layout, device, options)
@@ -377,8 +382,10 @@ def build_step(model: ReferenceMLLM, layout: OmniLayout | None, *, device: torch
 def _parallelize(model: ReferenceMLLM, meshes: OmniMeshes, options: StepOptions,
                  stages: Sequence[nn.Module] = ()) -> None:
     tp, dp_cp = meshes.get("tp"), meshes.get("dp_cp")
+    # Mixed precision is FSDP's policy, so a layout without data parallelism runs FSDP over one rank for it.
+    fsdp_mesh = meshes.mixed_precision_mesh() if options.param_dtype is not None else meshes.fsdp_mesh
     parallelize_reference(model, tp_mesh=tp, ep_mesh=meshes.ep_mesh, expert_replicas=meshes.expert_replica_group,
-                          gradient_divide=dp_cp.size() if dp_cp is not None else 1, fsdp_mesh=meshes.fsdp_mesh,
+                          gradient_divide=dp_cp.size() if dp_cp is not None else 1, fsdp_mesh=fsdp_mesh,
                           stages=stages, param_dtype=options.param_dtype,
                           activation_checkpointing=options.activation_checkpointing,
                           compile_backend=options.compile_backend)
@@ -405,11 +412,11 @@ def _pipeline_runner(model: ReferenceMLLM, layout: OmniLayout, device: torch.dev
     if settings.encoders == "joint":
         joint = _joint_encoders(model, layout, settings, dtype, resharder)
         if settings.calibration_steps and settings.schedule == "1F1B":  # GPipe's plan is plain LPT
-            transfers = layout.pipeline_transfer_group()
-            assert transfers is not None
-            calibrator = JointCalibrator(joint, transfers, steps=settings.calibration_steps,
+            streams = layout.pipeline_transfer_streams()
+            assert streams is not None
+            calibrator = JointCalibrator(joint, streams["outputs"], steps=settings.calibration_steps,
                                          clock=action_clock(device), flops=model.cost_model(),
-                                         llm_share=joint.llm_share)
+                                         llm_share=joint.llm_share, device=device)
         source = joint
     elif settings.encoders == "first_stage" and meshes.local_rank("pp") == 0:
         source = LocalEncoders(model, resharder)
@@ -423,12 +430,12 @@ def _pipeline_runner(model: ReferenceMLLM, layout: OmniLayout, device: torch.dev
 def _joint_encoders(model: ReferenceMLLM, layout: OmniLayout, settings: Any, dtype: torch.dtype,
                     resharder: Resharder | None) -> JointEncoders:
     meshes, dims = layout.meshes, layout.dims
-    transfers = layout.pipeline_transfer_group()
-    assert transfers is not None
+    streams = layout.pipeline_transfer_streams()
+    assert streams is not None
     costs = model.cost_model()
     dp_cp, tp = meshes.get("dp_cp"), meshes.get("tp")
     # 1F1B has finished micro-batch T - pp's backward on stage 0 when it starts T; GPipe only at the end.
-    return JointEncoders(model, transfers, dict(costs.encoders), n_microbatches=settings.microbatches,
+    return JointEncoders(model, streams, dict(costs.encoders), n_microbatches=settings.microbatches,
                          lag=dims.pp if settings.schedule == "1F1B" else settings.microbatches,
                          one_f_one_b=settings.schedule == "1F1B", llm_share=1 / (dims.tp * dims.cp), dtype=dtype,
                          dp_group=dp_cp.get_group() if dp_cp is not None else None,
@@ -445,14 +452,16 @@ def _pool_step(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, o
     side = _PoolSide(layout, microbatches, lag)
     if layout.is_encoder_rank:
         del model.llm
-        parallelize_reference(model, fsdp_mesh=pool.mesh, param_dtype=options.param_dtype,
+        several = pool.layout.encoder_world_size > 1
+        parallelize_reference(model, fsdp_mesh=pool.mesh if several or options.param_dtype else None,
+                              param_dtype=options.param_dtype,
                               activation_checkpointing=options.activation_checkpointing,
                               compile_backend=options.compile_backend)
         resharder = None
         if pool.group is not None and layout.reshard:
             costs = {name: encoder.cost() for name, encoder in model.encoders.items()}
             resharder = Resharder(pool.group, pool.sp_blocks, costs, enc_sp=max(pool.sp_blocks, default=1))
-        worker = EncoderPoolWorker(pool.layout, pool.transfers, LocalEncoders(model, resharder), model.packing,
+        worker = EncoderPoolWorker(pool.layout, pool.streams, LocalEncoders(model, resharder), model.packing,
                                    device=device, dtype=dtype)
         return PoolEncoderStep(model, worker, side, device)
     costs = dict(model.cost_model().encoders)
@@ -462,10 +471,11 @@ def _pool_step(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, o
     if meshes.local_rank("pp") == 0:  # the first pipeline stage embeds: it receives the encoder outputs
         cp = meshes.get("cp")
         # The encoder pool's FSDP averages over its ranks, the LLM's loss is scaled by its data-parallel size.
-        scale = (pool.layout.encoder_world_size if pool.mesh is not None else 1) / meshes.size("dp_cp")
-        link = EncoderPoolLink(pool.layout, pool.transfers, model.packing, costs, width=model.config.llm.dim,
+        scale = pool.layout.encoder_world_size / meshes.size("dp_cp")
+        peers = [mesh.get_group() for mesh in (meshes.get("cp"), meshes.get("tp")) if mesh is not None]
+        link = EncoderPoolLink(pool.layout, pool.streams, model.packing, costs, width=model.config.llm.dim,
                                dtype=dtype, cp_group=cp.get_group() if cp is not None else None,
-                               gradient_scale=scale)
+                               gradient_scale=scale, peer_groups=peers)
     check_model_fits_layout(model, dims, reshard=False)
     if dims.pp == 1:
         _parallelize(model, meshes, options)

@@ -86,7 +86,7 @@ class WhisperEncoderAdapter(nn.Module):
 
     def dummy_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """One clip of 4 mel frames, for a rank that has no audio."""
-        return (torch.zeros(_MELS_PER_TOKEN, self.config.num_mel_bins, device=device),
+        return (torch.zeros(_MELS_PER_TOKEN, self.config.num_mel_bins, device=device, dtype=self.conv1.weight.dtype),
                 torch.tensor([_MELS_PER_TOKEN], device=device))
 
     def cost(self) -> ModuleCost:

@@ -105,7 +105,8 @@ class SiglipVisionAdapter(nn.Module):
     def dummy_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One 2x2-patch item (one merge window), for a rank that has no images."""
         positions = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]], device=device)
-        patches = torch.zeros(4, self.patch_embedding.weight[0].numel(), device=device)
+        weight = self.patch_embedding.weight
+        patches = torch.zeros(4, weight[0].numel(), device=device, dtype=weight.dtype)
         return patches, positions, torch.tensor([[2, 2]], device=device)
 
     def cost(self) -> ModuleCost:
