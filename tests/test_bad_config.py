@@ -64,6 +64,14 @@ def _setup(data: Callable[[str], WebDataModule], devices: int = 4, dp_rank: int 
     return run
 
 
+def _flash(installed: bool) -> Callable[[str], None]:
+    """Trainer.fit of a model that insists on flash-attn, in a process that has it or not (CPU, fp32 either way)."""
+    def run(shards: str) -> None:
+        with mock.patch("omni_lightning.parallel.attention.FLASH_ATTN_INSTALLED", installed):
+            _fit(1, replace(TINY, attention_backend="flash"))(shards)
+    return run
+
+
 def _vision(**changes: Any) -> Callable[[str], None]:
     return lambda _: ReferenceMLLMConfig(vision=VisionEncoderConfig(**changes))
 
@@ -144,6 +152,10 @@ CASES: dict[str, Case] = {
                                     r"vision.n_heads=4 is not divisible by enc_sp=8: .* pick enc_sp dividing"),
     "layers-fewer-than-stages": Case(_fit(2, TINY, pp=2, pp_schedule="Interleaved1F1B", pp_virtual_stages=4),
                                      r"4 decoder layers cannot fill 8 pipeline stages .* use fewer stages"),
+    "flash-attn-not-installed": Case(_flash(installed=False),
+                                     r"attention_backend='flash' needs the flash_attn package .* 'auto' picks"),
+    "flash-attn-needs-half-cuda": Case(_flash(installed=True), r"attention_backend='flash' needs fp16/bf16 CUDA "
+                                                               r"tensors, got torch.float32 on cpu"),
     # ---- model configuration: ReferenceMLLMConfig(...)
     "model-size-not-positive": Case(lambda _: _model(n_layers=0), r"llm.n_layers must be a positive integer, got 0"),
     "llm-dim-vs-heads": Case(lambda _: _model(dim=60), r"llm.dim=60 must be divisible by llm.n_heads=8"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -15,7 +16,8 @@ from omni_lightning.modalities import DEFAULT_PACKING, patchify
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.llm import MoEFeedForward
 from omni_lightning.models.mllm import ReferenceMLLM
-from omni_lightning.parallel.attention import flash_attn_available, varlen_attention
+from omni_lightning.parallel import attention
+from omni_lightning.parallel.attention import flash_attn_available, select_attention_kernel, varlen_attention
 from omni_lightning.runtime.loss import next_token_loss_sum
 
 # The byte tokens' roles (ids 0-3) and their first text id.
@@ -54,6 +56,82 @@ def test_sdpa_varlen_matches_naive_reference(causal: bool, heads: int, kv_heads:
     ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
     for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("device", "dtype", "flash", "torch_varlen", "expected"), [
+    ("cuda", torch.bfloat16, True, True, "flash_attn"),
+    ("cuda", torch.float16, False, True, "torch_varlen"),
+    ("cuda", torch.bfloat16, False, False, "sdpa"),
+    ("cuda", torch.float32, True, True, "sdpa"),  # flash-attn refuses fp32
+    ("cpu", torch.bfloat16, True, True, "sdpa"),
+    ("cpu", torch.float32, False, False, "sdpa"),
+])
+def test_auto_attention_picks_the_kernel_by_dtype_and_device(device: str, dtype: torch.dtype, flash: bool,
+                                                             torch_varlen: bool, expected: str) -> None:
+    assert select_attention_kernel("auto", device_type=device, dtype=dtype, flash_installed=flash,
+                                   torch_varlen=torch_varlen) == expected
+    assert select_attention_kernel("sdpa", device_type=device, dtype=dtype, flash_installed=flash,
+                                   torch_varlen=torch_varlen) == "sdpa"
+
+
+def test_forced_flash_attention_names_what_it_lacks() -> None:
+    assert select_attention_kernel("flash", device_type="cuda", dtype=torch.bfloat16, flash_installed=True,
+                                   torch_varlen=False) == "flash_attn"
+    with pytest.raises(ValueError, match="needs fp16/bf16 CUDA tensors, got torch.float32 on cuda"):
+        select_attention_kernel("flash", device_type="cuda", dtype=torch.float32, flash_installed=True,
+                                torch_varlen=True)
+    with pytest.raises(ValueError, match="needs the flash_attn package"):
+        select_attention_kernel("flash", device_type="cuda", dtype=torch.bfloat16, flash_installed=False,
+                                torch_varlen=True)
+
+
+def _fake_varlen_attn(newer: bool) -> Callable[..., torch.Tensor]:
+    """A CPU stand-in for ``torch.nn.attention.varlen.varlen_attn`` with its documented semantics, in the signature
+    of torch >= 2.11 (``window_size``, ``enable_gqa``) or of 2.10 (``is_causal``, every query head's keys)."""
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, gqa):
+        assert torch.equal(cu_q, cu_k) and max_q == max_k == int(cu_q.diff().max())
+        assert gqa or k.shape[1] == q.shape[1], "this kernel wants every query head's keys"
+        return varlen_attention(q, k, v, cu_q, causal=causal, backend="sdpa")
+
+    if newer:
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                        window_size=(-1, -1), enable_gqa=False):
+            assert window_size in ((-1, -1), (-1, 0))
+            return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=window_size == (-1, 0),
+                          gqa=enable_gqa)
+    else:
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+            return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=is_causal, gqa=False)
+    return varlen_attn
+
+
+@pytest.mark.parametrize("newer", [True, False])
+def test_torch_varlen_is_called_with_its_own_causal_and_gqa_arguments(newer: bool,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel itself is CUDA-only; its call (causal as a window or a flag, grouped-query heads) is checked
+    against a stand-in with the documented semantics, for both signatures the supported torch versions have."""
+    import torch.nn.attention.varlen as varlen
+
+    monkeypatch.setattr(varlen, "varlen_attn", _fake_varlen_attn(newer))
+    call = attention._load_torch_varlen()
+    assert call is not None
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 5, 16, 17], dtype=torch.int32)
+    q, k, v = torch.randn(17, 4, 8), torch.randn(17, 2, 8), torch.randn(17, 2, 8)
+    for causal in (True, False):
+        torch.testing.assert_close(call(q, k, v, cu, 11, causal),
+                                   varlen_attention(q, k, v, cu, causal=causal, backend="sdpa"))
+
+
+def test_bf16_attention_on_cpu_runs_sdpa_and_matches_fp32() -> None:
+    """CPU bf16 takes SDPA (the fused kernels are CUDA-only); within bf16's rounding of the fp32 result."""
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    q, k, v = torch.randn(16, 4, 8), torch.randn(16, 2, 8), torch.randn(16, 2, 8)
+    fp32 = varlen_attention(q, k, v, cu, causal=True)
+    bf16 = varlen_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu, causal=True)
+    assert bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.float(), fp32, atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.skipif(not flash_attn_available(), reason="flash-attn needs CUDA and the flash_attn package")

@@ -1,22 +1,30 @@
 """One attention entry point for packed variable-length sequences.
 
 Items (images, audio clips, text samples) are packed back to back into one token dimension and delimited by
-``cu_seqlens`` (cumulative lengths, ``[0, l0, l0+l1, ...]``). On CUDA with flash-attn installed the packed tensors
-go straight to ``flash_attn_varlen_func``; elsewhere PyTorch SDPA runs item by item (optionally causal), which
-does the same work, ``sum(len_i ** 2)``, at the cost of one call per item.
+``cu_seqlens`` (cumulative lengths, ``[0, l0, l0+l1, ...]``). Which kernel runs is decided by the tensors
+(:func:`select_attention_kernel`): fp16/bf16 tensors on CUDA go straight to flash-attn's varlen kernel where it
+is installed, else to PyTorch's own (``torch.nn.attention.varlen``) where this torch has it; everything else
+(fp32 anywhere, any dtype on CPU) runs PyTorch SDPA item by item (optionally causal), which does the same work,
+``sum(len_i ** 2)``, at the cost of one call per item.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from typing import Literal
+import inspect
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttentionBackend", "cu_seqlens_from_lengths", "flash_attn_available", "varlen_attention"]
+__all__ = ["AttentionBackend", "AttentionKernel", "attention_kernel", "cu_seqlens_from_lengths",
+           "flash_attn_available", "select_attention_kernel", "varlen_attention"]
 
 AttentionBackend = Literal["auto", "sdpa", "flash"]
+AttentionKernel = Literal["flash_attn", "torch_varlen", "sdpa"]
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def cu_seqlens_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
@@ -24,9 +32,70 @@ def cu_seqlens_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     return F.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
 
 
+# Looked up once, at import: the kernel choice runs inside compiled graphs, which should not trace a lookup.
+FLASH_ATTN_INSTALLED = importlib.util.find_spec("flash_attn") is not None
+
+
 def flash_attn_available() -> bool:
     """Whether the flash-attn varlen kernel can be used in this process."""
-    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+    return torch.cuda.is_available() and FLASH_ATTN_INSTALLED
+
+
+def _load_torch_varlen() -> Callable[..., torch.Tensor] | None:
+    """PyTorch's varlen attention (torch >= 2.10), called as flash-attn is, or ``None`` where this torch lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    parameters = inspect.signature(varlen_attn).parameters
+    gqa = "enable_gqa" in parameters
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_seqlen: int,
+             causal: bool) -> torch.Tensor:
+        if not gqa and k.shape[1] != q.shape[1]:  # older kernels want every query head's keys
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+        kwargs: dict[str, Any] = {"enable_gqa": True} if gqa and k.shape[1] != q.shape[1] else {}
+        if "window_size" in parameters:  # torch > 2.10
+            kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+        else:
+            kwargs["is_causal"] = causal
+        return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
+
+    return call
+
+
+_TORCH_VARLEN = _load_torch_varlen()
+
+
+def select_attention_kernel(backend: AttentionBackend, *, device_type: str, dtype: torch.dtype,
+                            flash_installed: bool, torch_varlen: bool) -> AttentionKernel:
+    """The kernel for tensors of ``dtype`` on ``device_type``: the fused varlen kernels take fp16/bf16 on CUDA
+    only (flash-attn first, then PyTorch's), everything else runs SDPA item by item. ``backend="flash"`` insists
+    on flash-attn (``ValueError`` naming what is missing), ``"sdpa"`` on SDPA."""
+    fused = device_type == "cuda" and dtype in _HALF
+    if backend == "sdpa":
+        return "sdpa"
+    if backend == "flash":
+        if not flash_installed:
+            raise ValueError("attention_backend='flash' needs the flash_attn package (pip install -e '.[gpu]'); "
+                             "'auto' picks a kernel by dtype and device")
+        if not fused:
+            raise ValueError(f"attention_backend='flash' needs fp16/bf16 CUDA tensors, got {dtype} on {device_type}: "
+                             "train with param_dtype='bfloat16' on a GPU, or use 'auto'")
+        return "flash_attn"
+    if backend != "auto":
+        raise ValueError(f"attention backend {backend!r} must be 'auto', 'sdpa' or 'flash'")
+    if fused and flash_installed:
+        return "flash_attn"
+    if fused and torch_varlen:
+        return "torch_varlen"
+    return "sdpa"
+
+
+def attention_kernel(backend: AttentionBackend, device_type: str, dtype: torch.dtype) -> AttentionKernel:
+    """The kernel :func:`varlen_attention` runs for tensors of ``dtype`` on ``device_type`` in this process."""
+    return select_attention_kernel(backend, device_type=device_type, dtype=dtype,
+                                   flash_installed=FLASH_ATTN_INSTALLED, torch_varlen=_TORCH_VARLEN is not None)
 
 
 def varlen_attention(
@@ -47,8 +116,8 @@ def varlen_attention(
         cu_seqlens: int32 ``[n_items + 1]`` cumulative item lengths.
         causal: mask future tokens inside each item.
         max_seqlen: longest item (flash-attn needs it; computed when omitted).
-        backend: ``"flash"`` forces flash-attn, ``"sdpa"`` forces the per-item SDPA path, ``"auto"`` picks flash-attn
-            when it is importable and the tensors are on CUDA.
+        backend: ``"flash"`` insists on flash-attn, ``"sdpa"`` on the per-item SDPA path, ``"auto"`` picks by dtype
+            and device (:func:`select_attention_kernel`).
 
     Returns:
         ``[total, n_heads, head_dim]``.
@@ -60,14 +129,17 @@ def varlen_attention(
         # Keep q, k and v in the graph so that a rank with nothing to attend still produces (zero) gradients for
         # every projection: FSDP reduce-scatters expect the same gradients on every rank.
         return q + 0.0 * (k.sum() + v.sum())
-    use_flash = backend == "flash" or (backend == "auto" and q.is_cuda and flash_attn_available())
-    if use_flash:
-        from flash_attn import flash_attn_varlen_func
-
+    kernel = attention_kernel(backend, q.device.type, q.dtype)
+    if kernel != "sdpa":
         if max_seqlen is None:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=causal)
+        if kernel == "flash_attn":
+            from flash_attn import flash_attn_varlen_func
+
+            return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=causal)
+        assert _TORCH_VARLEN is not None
+        return _TORCH_VARLEN(q, k, v, cu, max_seqlen, causal)
     # Item by item: the work is sum(len_i ** 2), as with flash-attn, where a block-diagonal mask over the packed
     # sequence would cost (sum len_i) ** 2 and make the cost model's per-item attention term wrong.
     bounds = cu_seqlens.tolist()

@@ -31,6 +31,7 @@ from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.models.parallelize import check_model_fits_layout
 from omni_lightning.module import OmniModule
+from omni_lightning.parallel.attention import attention_kernel
 from omni_lightning.parallel.dims import ParallelDims
 from omni_lightning.parallel.fsdp import set_gradient_sync
 from omni_lightning.parallel.layout import EncoderPool, OmniLayout, OmniMeshes, build_layout
@@ -181,6 +182,7 @@ class OmniStrategy(ModelParallelStrategy):
         ParallelDims(world_size=_smallest_world(self._degrees), **self._degrees)
         self.pipeline_settings.resolved(pp)
         self._launcher_name = launcher
+        self._stepping = self._synced = False  # inside an optimizer step's closure; its gradients reduced already
         self._encoder_reshard = encoder_reshard
         self._parallel_dims: ParallelDims | None = None
         self._pool_layout: PoolLayout | None = None
@@ -289,6 +291,9 @@ class OmniStrategy(ModelParallelStrategy):
                 raise ValueError("placement='disaggregated' needs an OmniModule whose config is a ReferenceMLLMConfig "
                                  "(item sizes and output widths travel by it)")
             return
+        if config.attention_backend == "flash":  # fails here naming what flash-attn lacks, not at the first forward
+            device_type = self.parallel_devices[0].type if self.parallel_devices else "cpu"
+            attention_kernel("flash", device_type, getattr(module, "compute_dtype", torch.float32))
         dims = self.parallel_dims
         with torch.device("meta"):
             model = ReferenceMLLM(config)
@@ -364,7 +369,14 @@ class OmniStrategy(ModelParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         module = self.lightning_module
         if isinstance(module, OmniModule) and module.step is not None and module.step.runs_backward:
-            return closure_loss  # the pipeline schedule or the pool stream ran the backward inside training_step
+            # The pipeline schedule or the pool stream ran the backward inside training_step; a pipeline has no
+            # single backward to wrap, so the hooks run once, now: the step's reduced loss, gradients in place
+            # (reduced too on the optimizer step's last batch, where what the step leaves to reduce is reduced).
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # on_before_backward(loss)
+            if self._stepping:
+                module.sync_gradients()
+                self._synced = True
+            return self.precision_plugin.post_backward(closure_loss, module)  # on_after_backward
         # Under TP the loss was taken over vocabulary-sharded logits; their backward needs the same context.
         with vocab_parallel_loss() if self.parallel_dims.tp_enabled else nullcontext():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -384,10 +396,14 @@ class OmniStrategy(ModelParallelStrategy):
         def closure_then_sync_and_guard() -> Any:
             # What the step leaves to be reduced (experts outside FSDP, encoders replicated over the pipeline) is
             # reduced once the last backward of the step has run, before the precision plugin's hooks and gradient
-            # clipping see the gradients.
-            result = closure()
+            # clipping see the gradients (in backward already, for a step that runs its own).
+            self._stepping, self._synced = True, False
+            try:
+                result = closure()
+            finally:
+                self._stepping = False
             module = self.lightning_module
-            if isinstance(module, OmniModule):
+            if isinstance(module, OmniModule) and not self._synced:
                 module.sync_gradients()
             self._guard.check(module, optimizer, result, rank=self.global_rank, world_size=self.world_size,
                               device=self.root_device)
