@@ -184,6 +184,7 @@ def _calibrator(monkeypatch: pytest.MonkeyPatch, steps: int) -> tuple[JointCalib
     monkeypatch.setattr(calibration.dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(calibration.dist, "all_gather_object",
                         lambda out, obj, group=None: out.__setitem__(slice(None), [obj, obj]))
+    monkeypatch.setattr(calibration.dist, "broadcast", lambda tensor, src, group=None: None)  # rank 0 is the source
     joint = _Joint()
     joint.model = type("Model", (), {"packing": DEFAULT_PACKING})
     clock = iter(range(10**6))

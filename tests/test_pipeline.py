@@ -215,7 +215,8 @@ def test_calibrated_joint_plan_uses_the_measured_costs(monkeypatch: pytest.Monke
     with torch.device("meta"):
         model = ReferenceMLLM(config)
     flops = reference_cost_model(config)
-    joint = JointEncoders(model, None, {"vision": flops.vision, "audio": flops.audio},  # type: ignore[arg-type]
+    joint = JointEncoders(model, {"outputs": None, "gradients": None},  # type: ignore[dict-item]
+                          {"vision": flops.vision, "audio": flops.audio},
                           n_microbatches=8, lag=pp, one_f_one_b=True)
     rng = np.random.default_rng(0)
     micro_batches = []

@@ -35,6 +35,20 @@ class JointCalibration:
     encoder_forward_share: float
     stage_shares: tuple[float, ...]
 
+    def to_array(self) -> np.ndarray:
+        """The figures as one float64 vector (the cost model's coefficients, the two forward shares, the stage
+        shares): what one rank broadcasts, so that every rank plans from the same numbers."""
+        shares = [self.forward_share, self.encoder_forward_share, *self.stage_shares]
+        return np.concatenate([self.cost_model.coefficients, np.asarray(shares, dtype=np.float64)])
+
+    @classmethod
+    def from_array(cls, values: np.ndarray, modules: Sequence[str]) -> JointCalibration:
+        """Inverse of :meth:`to_array` for a cost model of ``modules`` (encoders, then ``"llm"``)."""
+        values = np.asarray(values, dtype=np.float64)
+        n = 2 * len(modules)
+        cost = CostModel(**{name: ModuleCost(values[2 * i], values[2 * i + 1]) for i, name in enumerate(modules)})
+        return cls(cost, float(values[n]), float(values[n + 1]), tuple(float(x) for x in values[n + 2 :]))
+
 
 def fit_joint_calibration(features: np.ndarray, actions: Sequence[Sequence[tuple[str, int, float]]], *,
                           flops: CostModel, llm_share: float = 1.0) -> JointCalibration:

@@ -23,11 +23,14 @@ import torch
 import torch.distributed as dist
 
 from omni_lightning.balance.cost import CostModel
+from omni_lightning.balance.digest import plan_digest
 from omni_lightning.balance.reorder import GroupPlan, PipelineOrder, ReorderConfig, plan_in_place, plan_reorder_group
 from omni_lightning.batch import IGNORE_INDEX, PackingSpec
 from omni_lightning.data.packing import DecodedSample, pack_samples, sample_features, sample_layout
 from omni_lightning.data.streaming import BadSample
 from omni_lightning.modalities import DEFAULT_PACKING
+from omni_lightning.parallel.agreement import check_plans_agree
+from omni_lightning.parallel.compat import all_gather_single
 
 __all__ = ["ReorderSettings", "ReorderedStream", "apply_length_policy", "llm_length"]
 
@@ -101,6 +104,13 @@ def apply_length_policy(
     meta = {**sample.meta, "text_tokens": keep_text}
     meta.pop("llm_tokens", None)
     return replace(sample, tokens=sample.tokens[:keep_text], meta=meta), "truncated"
+
+
+def _assignment_digest(plan: GroupPlan) -> int:
+    """What every member of a reorder group must agree on: the samples of every (rank, step) and those left over.
+    How a rank cuts and orders its own steps into micro-batches is its own (only it runs the 1F1B search)."""
+    bins = [sorted(i for ids in step for i in ids) for rank in plan.micro_batches for step in rank]
+    return plan_digest([len(plan.micro_batches), *bins, sorted(plan.leftover)])
 
 
 def _pack(samples: list[DecodedSample], spec: PackingSpec) -> dict[str, Any]:
@@ -242,6 +252,8 @@ class ReorderedStream:
             wires = [_Wire(s) if moves and s is not None else None for s in samples]
             gathered = self._all_gather(self._rows(samples, wires))
             plan = self._plan(gathered, group_number)
+            check_plans_agree("loader's reordering plan", _assignment_digest(plan), self.group,
+                              device=torch.device("cpu"))  # a gloo group: the loader exchanges host tensors
             owned = self._owned_ids(gathered)
             local = {i: samples[i - owned.start] for i in owned if samples[i - owned.start] is not None}
             outgoing = {i: wires[i - owned.start] for i in local}
@@ -332,7 +344,7 @@ class ReorderedStream:
         first[0, 0] = rows.shape[0]
         first[1 : 1 + min(rows.shape[0], block)] = torch.from_numpy(rows[:block])
         out = torch.empty(size * (block + 1), columns, dtype=torch.int64)
-        dist.all_gather_single(out, first, group=self.group)
+        all_gather_single(out, first, group=self.group)
         heads = out.view(size, block + 1, columns).numpy()
         lengths = heads[:, 0, 0].tolist()
         parts = [heads[r, 1 : 1 + min(n, block)] for r, n in enumerate(lengths)]
@@ -342,7 +354,7 @@ class ReorderedStream:
             rest = torch.zeros(longest - block, columns, dtype=torch.int64)
             rest[: len(extra)] = torch.from_numpy(extra)
             tails = torch.empty(size * (longest - block), columns, dtype=torch.int64)
-            dist.all_gather_single(tails, rest, group=self.group)
+            all_gather_single(tails, rest, group=self.group)
             tail = tails.view(size, longest - block, columns).numpy()
             parts = [np.concatenate([parts[r], tail[r, : max(n - block, 0)]]) for r, n in enumerate(lengths)]
         return np.concatenate(parts)

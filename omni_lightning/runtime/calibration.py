@@ -16,9 +16,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
-from omni_lightning.balance.calibration import fit_joint_calibration
+from omni_lightning.balance.calibration import JointCalibration, fit_joint_calibration
 from omni_lightning.balance.cost import CostModel, work_features
 from omni_lightning.batch import PackedBatch, PackingSpec
 from omni_lightning.parallel.timing import ActionLog
@@ -45,17 +46,20 @@ class JointCalibrator:
     """Times training steps ``skip`` to ``skip + steps - 1`` of the joint pipeline on this rank, then calibrates
     its item plan from every rank's records (``all_gather_object`` over the stage's tensor-parallel peers, each of
     which encodes a part of the stage's share, then over ``group``, the pipeline's ranks in stage order, then over
-    the data-parallel peers, between which the resharder moves items), so that all of them compute the same
-    plans. The first ``skip`` steps are left out: they include one-off work (allocations, caches).
+    the data-parallel peers, between which the resharder moves items); global rank 0 fits the figures and
+    broadcasts them, so that every rank plans from identical numbers. The first ``skip`` steps are left out: they
+    include one-off work (allocations, caches).
 
     ``llm_share``: the part of a stage's LLM work this rank runs (``1 / (tp * cp)``).
     """
 
     def __init__(self, joint: JointEncoders, group: dist.ProcessGroup, *, steps: int, clock: Callable[[], float],
-                 flops: CostModel, llm_share: float = 1.0, skip: int = 1) -> None:
+                 flops: CostModel, llm_share: float = 1.0, skip: int = 1,
+                 device: torch.device | None = None) -> None:
         if steps < 1:
             raise ValueError(f"calibration steps={steps} must be at least 1 (0 turns calibration off)")
         self.joint, self.group, self.steps, self.skip = joint, group, steps, skip
+        self.device = device or torch.device("cpu")
         self.flops, self.llm_share, self.clock = flops, llm_share, clock
         self.seen = 0
         self.calibrated = False
@@ -104,11 +108,8 @@ class JointCalibrator:
         features = np.sum([f for f, _ in replicas], axis=0)
         everyone = [[a for _, stage_actions in replicas for a in stage_actions[s]] for s in range(len(stages))]
         self.calibrated, self._features, self._actions = True, [], []
-        try:
-            figures = fit_joint_calibration(features, everyone, flops=self.flops, llm_share=self.llm_share)
-        except ValueError as error:  # every rank has the same records, so all of them land here
-            logger.warning("the joint pipeline keeps planning items in FLOPs: its timed steps could not calibrate "
-                           "it (%s)", error)
+        figures = self._fitted_once(features, everyone)
+        if figures is None:
             return
         self.joint.calibrate(figures.cost_model, forward_share=figures.forward_share,
                              encoder_forward_share=figures.encoder_forward_share, stage_shares=figures.stage_shares)
@@ -116,3 +117,22 @@ class JointCalibrator:
             logger.info("joint pipeline calibrated on %d micro-batches: forward shares %.2f (LLM), %.2f (encoders); "
                         "stage shares of the LLM time %s", features.shape[0], figures.forward_share,
                         figures.encoder_forward_share, [round(share, 3) for share in figures.stage_shares])
+
+    def _fitted_once(self, features: np.ndarray, actions: list[list[tuple[str, int, float]]]
+                     ) -> JointCalibration | None:
+        """Rank 0 fits the figures and broadcasts them (``None``: the records could not calibrate the plan), so
+        that every rank plans from identical numbers whatever its floating-point arithmetic would have made of the
+        same records."""
+        modules = self.flops.modules
+        length = 2 * len(modules) + 2 + len(actions)
+        vector = np.full(length, np.nan)
+        if dist.get_rank() == 0:
+            try:
+                vector = fit_joint_calibration(features, actions, flops=self.flops, llm_share=self.llm_share).to_array()
+            except ValueError as error:
+                logger.warning("the joint pipeline keeps planning items in FLOPs: its timed steps could not "
+                               "calibrate it (%s)", error)
+        shared = torch.as_tensor(vector, dtype=torch.float64).to(self.device)
+        dist.broadcast(shared, src=0)
+        values = shared.cpu().numpy()
+        return None if np.isnan(values).any() else JointCalibration.from_array(values, modules)

@@ -36,7 +36,7 @@ before the optimizer step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,8 +46,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from omni_lightning.balance.cost import CostModel, ModuleCost
+from omni_lightning.balance.digest import plan_digest
 from omni_lightning.balance.pipeline_order import assign_encoder_items, lpt_ranks, stage_shares_of
 from omni_lightning.batch import EncoderOutputs
+from omni_lightning.parallel.agreement import check_plans_agree
 from omni_lightning.parallel.timing import ActionLog, timed, waiting
 from omni_lightning.runtime.items import item_layout, select_items
 from omni_lightning.runtime.reshard import EncoderStep, Resharder
@@ -128,7 +130,9 @@ class JointEncoders:
 
     Args:
         model: the (pruned) ReferenceMLLM; every pipeline rank keeps its encoders.
-        p2p_group: a process group over this rank's pipeline ranks, used only for these transfers.
+        streams: groups over this rank's pipeline ranks used only for these transfers, one per direction
+            (:data:`~omni_lightning.parallel.layout.JOINT_STREAMS`): ``"outputs"`` (to stage 0; also the group of
+            the step-boundary reductions) and ``"gradients"`` (back).
         costs: cost of each encoder by name, per stem token and per attention pair.
         n_microbatches: micro-batches per step.
         lag: how many micro-batches after its forward an encoder backward runs (``pp`` for 1F1B; for GPipe the
@@ -145,18 +149,19 @@ class JointEncoders:
             keep them in step.
     """
 
-    def __init__(self, model: nn.Module, p2p_group: dist.ProcessGroup, costs: dict[str, ModuleCost], *,
+    def __init__(self, model: nn.Module, streams: Mapping[str, dist.ProcessGroup], costs: dict[str, ModuleCost], *,
                  n_microbatches: int, lag: int, one_f_one_b: bool = False, llm_share: float = 1.0,
                  dtype: torch.dtype = torch.float32, dp_group: dist.ProcessGroup | None = None,
                  tp_group: dist.ProcessGroup | None = None, resharder: Resharder | None = None) -> None:
-        self.model, self.group, self.costs = model, p2p_group, costs
+        self.model, self.costs = model, costs
+        self.group, self.gradient_group = streams["outputs"], streams["gradients"]
         # Predicted LLM cost of each micro-batch, in the unit of the encoders' FLOP costs, for the plan of a 1F1B step;
         # a rank runs ``llm_share`` of a stage's LLM work (1 / (tp * cp)) but every item it is given whole.
         self.llm_cost, self.llm_share = model.llm.cost(), llm_share
         self.forward_share = self.encoder_forward_share = 1 / 3  # FLOPs: the backward computes two gradients
         self.stage_shares: np.ndarray | None = None  # each stage's share of a micro-batch's LLM work; None: equal
         self.one_f_one_b = one_f_one_b
-        self.pp, self.rank = dist.get_world_size(p2p_group), dist.get_rank(p2p_group)
+        self.pp, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.n_microbatches, self.lag, self.dtype, self.dp_group = n_microbatches, lag, dtype, dp_group
         self.tp_group, self.resharder = tp_group, resharder
         self.tp, self.tp_rank = (dist.get_world_size(tp_group), dist.get_rank(tp_group)) if tp_group else (1, 0)
@@ -209,12 +214,17 @@ class JointEncoders:
         self._items = {m: [_Items(name, batch, self.model, self.costs[name]) for name in self.model.encoder_names]
                        for m, batch in enumerate(micro_batches)}
         self._plan(micro_batches)
+        decisions = plan_digest([a for m in range(len(micro_batches)) for items in self._items[m]
+                                 for a in (items.owner, items.peer)])
+        device = micro_batches[0]["input_ids"].device if micro_batches else torch.device("cpu")
+        for group in (self.group, self.tp_group):  # the pipeline's ranks, and the stage's tensor-parallel peers
+            check_plans_agree("joint pipeline's item plan", decisions, group, device=device)
         mine = np.array([[items.peer_rows(self.rank, self.tp)[self.tp_rank] > 0 for items in self._items[m]]
                          for m in range(len(micro_batches))], dtype=np.int64).reshape(len(micro_batches), -1)
         if self.dp_group is not None:  # a dummy is needed wherever a data-parallel peer runs the encoder
-            agreed = torch.from_numpy(mine)
+            agreed = torch.from_numpy(mine).to(device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.dp_group)
-            mine = agreed.numpy()
+            mine = agreed.cpu().numpy()
         self._runs = mine.astype(bool)
         for m in range(len(micro_batches)):
             self._post_receives(m)
@@ -327,7 +337,7 @@ class JointEncoders:
                 posted.append((buffers, works))
             elif self.train and items.rows_of(self.rank):
                 grad = torch.empty(items.rows_of(self.rank), width, dtype=self.dtype, device=device)
-                works = [dist.irecv(grad, group=self.group, group_src=0, tag=self._tag(m, modality, True))]
+                works = [dist.irecv(grad, group=self.gradient_group, group_src=0, tag=self._tag(m, modality, True))]
                 posted.append((grad, works))
             else:
                 posted.append((None, []))
@@ -437,7 +447,7 @@ class JointEncoders:
             self._incoming[m][modality] = (by_rank[0], [])
             for r in range(1, self.pp):
                 if by_rank[r].shape[0]:
-                    self._sends.append(dist.isend(by_rank[r].contiguous(), group=self.group, group_dst=r,
+                    self._sends.append(dist.isend(by_rank[r].contiguous(), group=self.gradient_group, group_dst=r,
                                                   tag=self._tag(m, modality, True)))
         del self.encoded[m]
 

@@ -22,13 +22,15 @@ With a pipeline, stage 0 runs ``p`` forwards of 1F1B before its first backward, 
 of ``j - p`` after the forward of ``j`` (``lag``; after every forward under GPipe) and holds at most ``p + 1``
 micro-batches' activations.
 
-Every transfer is point to point on a process group of its own, so it never meets the pools' collectives, and every
-encoder rank runs every encoder on every micro-batch (a dummy item where it has none), so the encoder pool's FSDP
-collectives line up whatever the data.
+Every transfer is point to point, on one group per stream (items, outputs, gradients: one kind of message in one
+direction each, so that both sides issue a pair's operations in the same order, which NCCL needs), apart from the
+pools' collectives; and every encoder rank runs every encoder on every micro-batch (a dummy item where it has
+none), so the encoder pool's FSDP collectives line up whatever the data.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,7 +38,9 @@ import torch
 import torch.distributed as dist
 
 from omni_lightning.balance.cost import ModuleCost
+from omni_lightning.balance.digest import plan_digest
 from omni_lightning.batch import EncoderOutputs, PackedBatch, PackingSpec, input_key
+from omni_lightning.parallel.agreement import check_plans_agree
 from omni_lightning.parallel.placement import PoolLayout
 from omni_lightning.runtime.encoders import LocalEncoders
 from omni_lightning.runtime.items import item_layout, select_items
@@ -97,10 +101,12 @@ class EncoderPoolLink:
         gradient_scale: factor applied to the outputs' gradients before they travel (see :meth:`send_gradients`).
     """
 
-    def __init__(self, layout: PoolLayout, group: dist.ProcessGroup, spec: PackingSpec, costs: dict[str, ModuleCost],
-                 *, width: int, dtype: torch.dtype, cp_group: dist.ProcessGroup | None, gradient_scale: float) -> None:
+    def __init__(self, layout: PoolLayout, streams: Mapping[str, dist.ProcessGroup], spec: PackingSpec,
+                 costs: dict[str, ModuleCost], *, width: int, dtype: torch.dtype, cp_group: dist.ProcessGroup | None,
+                 gradient_scale: float, peer_groups: Sequence[dist.ProcessGroup] = ()) -> None:
         rank = dist.get_rank()
-        self.layout, self.group, self.spec, self.costs, self.dtype = layout, group, spec, costs, dtype
+        self.layout, self.streams, self.spec, self.costs, self.dtype = layout, streams, spec, costs, dtype
+        self.peer_groups = peer_groups  # the data-parallel rank's other consumers: they plan the owners too
         self.width, self.cp_group, self.gradient_scale = width, cp_group, gradient_scale
         self.tags = _Tags(spec)
         dp_rank = layout.dp_rank_of(rank)
@@ -118,15 +124,19 @@ class EncoderPoolLink:
         """Before the first micro-batch: the leader sends every micro-batch's items; every rank posts receives."""
         self.train = train
         self._plans = []
-        for m, batch in enumerate(micro_batches):
-            owners = item_owners(batch, self.spec, self.costs, len(self.servers))
+        every_owner = [item_owners(batch, self.spec, self.costs, len(self.servers)) for batch in micro_batches]
+        digest = plan_digest([owner for owners in every_owner for owner in owners.values()])
+        device = micro_batches[0]["input_ids"].device if micro_batches else torch.device("cpu")
+        for group in self.peer_groups:
+            check_plans_agree("encoder pool's item plan", digest, group, device=device)
+        for m, (batch, owners) in enumerate(zip(micro_batches, every_owner, strict=True)):
             rows = {fmt.name: _output_rows(batch, self.spec, fmt.name) for fmt in self.spec.encoders}
             device = batch["input_ids"].device
             incoming = []
             for e, fmt in enumerate(self.spec.encoders):
                 buffers = [torch.empty(int(rows[fmt.name][owners[fmt.name] == s].sum()), self.width, dtype=self.dtype,
                                        device=device) for s in range(len(self.servers))]
-                works = [self._irecv(buffer, server, self.tags.of(m, e, "output"))
+                works = [dist.irecv(buffer, src=server, group=self.streams["outputs"], tag=self.tags.of(m, e, "output"))
                          for buffer, server in zip(buffers, self.servers, strict=True) if buffer.shape[0]]
                 incoming.append((buffers, works))
             self._plans.append({"owners": owners, "rows": rows, "incoming": incoming})
@@ -182,7 +192,7 @@ class EncoderPoolLink:
             sizes = [int(rows[owner == s].sum()) for s in range(len(self.servers))]
             for piece, server in zip(by_arrival.split(sizes), self.servers, strict=True):
                 if piece.shape[0]:
-                    self._isend(piece, server, self.tags.of(m, e, "gradient"))
+                    self._isend(piece, server, "gradients", self.tags.of(m, e, "gradient"))
         del self._leaves[m]
 
     def finish(self) -> None:
@@ -206,16 +216,13 @@ class EncoderPoolLink:
             _, rows = item_layout(batch, self.spec, fmt.name)
             picked = select_items(inputs, rows, np.flatnonzero(mine[fmt.name]))
             header = torch.tensor([d for x in picked for d in x.shape], dtype=torch.int64, device=device)
-            self._isend(header, server, self.tags.of(m, e, "header"))
+            self._isend(header, server, "items", self.tags.of(m, e, "header"))
             for i, tensor in enumerate(picked):
                 if tensor.numel():
-                    self._isend(tensor, server, self.tags.of(m, e, "input", i))
+                    self._isend(tensor, server, "items", self.tags.of(m, e, "input", i))
 
-    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        self._sends.append(dist.isend(tensor.contiguous(), dst=dst, group=self.group, tag=tag))
-
-    def _irecv(self, buffer: torch.Tensor, src: int, tag: int) -> dist.Work:
-        return dist.irecv(buffer, src=src, group=self.group, tag=tag)
+    def _isend(self, tensor: torch.Tensor, dst: int, stream: str, tag: int) -> None:
+        self._sends.append(dist.isend(tensor.contiguous(), dst=dst, group=self.streams[stream], tag=tag))
 
 
 class EncoderPoolWorker:
@@ -223,7 +230,7 @@ class EncoderPoolWorker:
 
     Args:
         layout: both pools' ranks.
-        group: the same world-wide transfer group as the LLM side's.
+        streams: the same world-wide point-to-point streams as the LLM side's.
         source: encodes a packed batch of items (:class:`~omni_lightning.runtime.encoders.LocalEncoders` over the
             model pruned to its encoders, resharding over the pool).
         spec: how micro-batches are packed (the encoders, their inputs).
@@ -231,10 +238,10 @@ class EncoderPoolWorker:
         dtype: dtype of the outputs sent.
     """
 
-    def __init__(self, layout: PoolLayout, group: dist.ProcessGroup, source: LocalEncoders, spec: PackingSpec, *,
-                 device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, layout: PoolLayout, streams: Mapping[str, dist.ProcessGroup], source: LocalEncoders,
+                 spec: PackingSpec, *, device: torch.device, dtype: torch.dtype) -> None:
         rank = dist.get_rank()
-        self.layout, self.group, self.source, self.spec = layout, group, source, spec
+        self.layout, self.streams, self.source, self.spec = layout, streams, source, spec
         self.device, self.dtype = device, dtype
         self.tags = _Tags(spec)
         self.clients = layout.served_by(rank)  # LLM data-parallel ranks, in the order outputs are concatenated
@@ -260,7 +267,7 @@ class EncoderPoolWorker:
                 pieces = out.detach().to(self.dtype).split([rows[e] for rows in per_client_rows])
                 for consumers, piece in zip(self.consumers, pieces, strict=True):
                     if piece.shape[0]:
-                        sends += [dist.isend(piece.contiguous(), dst=consumer, group=self.group,
+                        sends += [dist.isend(piece.contiguous(), dst=consumer, group=self.streams["outputs"],
                                              tag=self.tags.of(m, e, "output")) for consumer in consumers]
             if train:
                 in_flight[m] = (outputs, per_client_rows)
@@ -283,13 +290,13 @@ class EncoderPoolWorker:
             for e, fmt in enumerate(spec.encoders):
                 templates = fmt.empty(spec)
                 header = torch.empty(sum(t.ndim for t in templates), dtype=torch.int64, device=device)
-                dist.recv(header, src=leader, group=self.group, tag=self.tags.of(m, e, "header"))
+                dist.recv(header, src=leader, group=self.streams["items"], tag=self.tags.of(m, e, "header"))
                 dims = header.tolist()
                 for i, (name, template) in enumerate(zip(fmt.input_names, templates, strict=True)):
                     shape, dims = dims[: template.ndim], dims[template.ndim :]
                     tensor = torch.empty(shape, dtype=getattr(torch, str(template.dtype)), device=device)
                     if tensor.numel():
-                        dist.recv(tensor, src=leader, group=self.group, tag=self.tags.of(m, e, "input", i))
+                        dist.recv(tensor, src=leader, group=self.streams["items"], tag=self.tags.of(m, e, "input", i))
                     client[input_key(fmt.name, name)] = tensor
                     parts.setdefault(input_key(fmt.name, name), []).append(tensor)
             per_client_rows.append([int(_output_rows(client, spec, fmt.name).sum()) for fmt in spec.encoders])
@@ -302,7 +309,7 @@ class EncoderPoolWorker:
             for leader, rows in zip(self.leaders, per_client_rows, strict=True):
                 piece = torch.empty(rows[e], out.shape[1], dtype=self.dtype, device=out.device)
                 if piece.shape[0]:
-                    dist.recv(piece, src=leader, group=self.group, tag=self.tags.of(m, e, "gradient"))
+                    dist.recv(piece, src=leader, group=self.streams["gradients"], tag=self.tags.of(m, e, "gradient"))
                 pieces.append(piece)
             grads.append(torch.cat(pieces).to(out.dtype))
         # Outputs of no item still carry their dummy encoder pass: an empty gradient keeps the FSDP hooks in line.

@@ -27,8 +27,11 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from omni_lightning.balance.cost import ModuleCost
+from omni_lightning.balance.digest import plan_digest
 from omni_lightning.balance.reshard import ItemExchange, plan_encoder_work, plan_item_exchange
+from omni_lightning.parallel.agreement import check_plans_agree
 from omni_lightning.parallel.attention import cu_seqlens_from_lengths
+from omni_lightning.parallel.compat import all_gather_single
 
 __all__ = ["EncoderStep", "Resharder"]
 
@@ -87,7 +90,7 @@ class Resharder:
         local = [lengths[name].to(torch.int64) for name in names]
         counts = torch.tensor([t.numel() for t in local], dtype=torch.int64, device=device)
         all_counts = torch.zeros(self.n_ranks * len(names), dtype=torch.int64, device=device)
-        dist.all_gather_single(all_counts, counts, group=self.group)
+        all_gather_single(all_counts, counts, group=self.group)
         all_counts = all_counts.cpu().view(self.n_ranks, len(names))
         width = int(all_counts.sum(1).max())
         gathered = torch.zeros(self.n_ranks * width, dtype=torch.int64, device=device)
@@ -95,20 +98,24 @@ class Resharder:
             padded = torch.zeros(width, dtype=torch.int64, device=device)
             flat = torch.cat(local)
             padded[: flat.numel()] = flat
-            dist.all_gather_single(gathered, padded, group=self.group)
+            all_gather_single(gathered, padded, group=self.group)
         gathered = gathered.cpu().view(self.n_ranks, width)
-        steps = {}
+        steps, decisions = {}, []
         for m, name in enumerate(names):
             start = all_counts[:, :m].sum(1)
             per_rank = [gathered[r, start[r] : start[r] + all_counts[r, m]].numpy() for r in range(self.n_ranks)]
-            steps[name] = self._plan_one(name, per_rank, multiples[name], int(all_counts[self.rank, m]))
+            steps[name], decision = self._plan_one(name, per_rank, multiples[name], int(all_counts[self.rank, m]))
+            decisions += decision
+        check_plans_agree("encoder resharding plan", plan_digest(decisions), self.group, device=device)
         self.stats = _summary(steps)
         return steps
 
-    def _plan_one(self, name: str, per_rank: list[np.ndarray], multiple: int, own: int) -> EncoderStep:
+    def _plan_one(self, name: str, per_rank: list[np.ndarray], multiple: int, own: int
+                  ) -> tuple[EncoderStep, list[object]]:
+        """The encoder's step on this rank, and the group-wide decisions behind it (what the ranks must agree on)."""
         item_lengths = np.concatenate(per_rank)
         if item_lengths.size == 0:
-            return EncoderStep(None, own)
+            return EncoderStep(None, own), [0]
         owners = np.repeat(np.arange(self.n_ranks), [len(x) for x in per_rank])
         cost = self.costs[name]
         item_costs = cost.linear * item_lengths + cost.quadratic * item_lengths.astype(np.float64) ** 2
@@ -117,10 +124,11 @@ class Resharder:
         if unbalanced.rank_cost.max() <= plan.rank_cost.max() * (1.0 + self.min_gain):
             # Already about as even as resharding would make it (e.g. the loader balanced the samples): every rank
             # encodes its own items and nothing travels.
-            return EncoderStep(None, own, unbalanced.rank_cost, unbalanced.rank_cost, 0, 0)
+            return EncoderStep(None, own, unbalanced.rank_cost, unbalanced.rank_cost, 0, 0), [1]
         exchange = plan_item_exchange(item_lengths, owners, plan, rank=self.rank, n_ranks=self.n_ranks,
                                       multiple=multiple)
-        return EncoderStep(exchange, own, plan.rank_cost, unbalanced.rank_cost, plan.items_split, plan.moved)
+        step = EncoderStep(exchange, own, plan.rank_cost, unbalanced.rank_cost, plan.items_split, plan.moved)
+        return step, [2, plan.rank_of, plan.sp_start, plan.sp_degree]
 
     def encode(
         self, encoder: nn.Module, inputs: tuple[torch.Tensor, ...], step: EncoderStep,
