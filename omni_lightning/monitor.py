@@ -15,6 +15,7 @@ from omni_lightning.balance.cost import CostModel
 from omni_lightning.batch import PackingSpec
 from omni_lightning.deprecations import warn_renamed, with_deprecated_names
 from omni_lightning.modalities import DEFAULT_PACKING
+from omni_lightning.parallel.compat import all_gather_single
 from omni_lightning.runtime.calibration import micro_batch_features
 
 __all__ = ["BalanceMonitor", "LoadMonitor", "ThroughputMonitor", "batch_training_flops", "loggers_write_this_step"]
@@ -57,11 +58,13 @@ class LoadMonitor(pl.Callback):
                            batch_idx: int) -> None:
         seconds = time.thread_time() - self._started
         forward = getattr(pl_module, "forward_cpu_seconds", {})
-        mine = torch.tensor([seconds, forward.get("encoders", 0.0), forward.get("llm", 0.0)], dtype=torch.float64)
+        device = trainer.strategy.root_device  # the default group is NCCL in a GPU job
+        mine = torch.tensor([seconds, forward.get("encoders", 0.0), forward.get("llm", 0.0)], dtype=torch.float64,
+                            device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone = torch.empty(dist.get_world_size() * 3, dtype=torch.float64)
-            dist.all_gather_single(everyone, mine)
-            everyone = everyone.view(-1, 3)
+            everyone = torch.empty(dist.get_world_size() * 3, dtype=torch.float64, device=device)
+            all_gather_single(everyone, mine)
+            everyone = everyone.view(-1, 3).cpu()
         else:
             everyone = mine[None]
         per_rank = everyone[:, 0]
@@ -142,7 +145,8 @@ class ThroughputMonitor(pl.Callback):
         now, last, self._last = time.perf_counter(), self._last, time.perf_counter()
         if last is None or self._cost_model is None:
             return  # the first batch has no start to measure from
-        flops = torch.tensor([batch_training_flops(batch, self._cost_model, self._packing)], dtype=torch.float64)
+        flops = torch.tensor([batch_training_flops(batch, self._cost_model, self._packing)], dtype=torch.float64,
+                             device=trainer.strategy.root_device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flops)
         layout = getattr(pl_module, "omni_layout", None)  # OmniModule's, handed over by OmniStrategy
