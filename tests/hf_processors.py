@@ -1,0 +1,83 @@
+"""Processors built offline the way a user's checkpoint arrives: a small byte-level BPE trained in milliseconds,
+wrapped as a transformers fast tokenizer with Qwen2-VL-like special tokens and a ChatML chat template (with or
+without a ``{% generation %}`` region), and a Qwen2-VL image processor (its PIL implementation), saved with
+``save_pretrained`` and loaded back through the same path a user's directory takes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+            "<|video_pad|>", "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>", "<image>", "<s>", "</s>"]
+# The multimodal tokens a Qwen-style tokenizer declares by name (tokenizer.image_token, ...).
+NAMED = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "audio_token": "<|AUDIO|>"}
+CORPUS = [
+    "You are a helpful assistant.", "You describe media.", "system user assistant", "Compare the left and right.",
+    "The left one is red, the right one is blue.", "What happens? A cat jumps; someone laughs.",
+    "Describe the picture please. A cat sits on a mat.", "这只猫可爱吗？是的，非常可爱！", "🐱😺🎉 emoji and 猫",
+]
+
+# In the spirit of Qwen2-VL's template (and Qwen2.5-Omni's audio): typed parts, each media item in its wrappers.
+PARTS = (
+    "{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif content['type'] == 'audio' or 'audio' in content %}<|audio_bos|><|AUDIO|><|audio_eos|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}"
+)
+
+
+def chatml(generation: bool) -> str:
+    """ChatML as Qwen2-VL writes it; with ``generation``, a region around assistant content and ``<|im_end|>``."""
+    # HF's Jinja trims the newline after a block tag (trim_blocks), so after endgeneration it is written as a literal.
+    assistant = (f"{{% generation %}}{PARTS}<|im_end|>{{% endgeneration %}}{{{{ '\\n' }}}}" if generation
+                 else f"{PARTS}<|im_end|>\n")
+    return (
+        "{% for message in messages %}"
+        "{% if loop.first and message['role'] != 'system' %}"
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+        "<|im_start|>{{ message['role'] }}\n"
+        # Newlines before block tags, as Qwen's templates write them.
+        "{% if message['role'] == 'assistant' %}" + assistant + "{% else %}" + PARTS + "<|im_end|>\n{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+def train_bpe(corpus: list[str] = CORPUS, vocab_size: int = 600) -> Tokenizer:
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(corpus * 4, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    return backend
+
+
+def save_tokenizer(path: Path, backend: Tokenizer, template: str, *, named: bool = False) -> Any:
+    """Wrap, save and load back, as a user's checkpoint loads; ``named`` declares the multimodal tokens by name."""
+    extra: Any = [t for t in SPECIALS if t not in ("<s>", "<|im_end|>")]
+    if named:
+        extra = {**{t: t for t in extra if t not in NAMED.values()}, **NAMED}
+        extra = {k if k in NAMED else f"extra_{i}": v for i, (k, v) in enumerate(extra.items())}
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(backend.to_str()), bos_token="<s>",
+                                      eos_token="<|im_end|>", pad_token="<|endoftext|>", extra_special_tokens=extra)
+    wrapped.chat_template = template
+    wrapped.save_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def save_processor(path: Path, *, generation: bool = True, patch_size: int = 14, merge_size: int = 2,
+                   min_pixels: int = 28 * 28, max_pixels: int = 28 * 28 * 16) -> Path:
+    """A Qwen2-VL-like processor directory: the tokenizer (named multimodal tokens, ChatML) and the PIL image
+    processor with a small pixel budget."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    save_tokenizer(path, train_bpe(), chatml(generation), named=True)
+    Qwen2VLImageProcessorPil(patch_size=patch_size, merge_size=merge_size, temporal_patch_size=1,
+                             size={"shortest_edge": min_pixels, "longest_edge": max_pixels}).save_pretrained(path)
+    return path
