@@ -80,27 +80,34 @@ def input_key(encoder: str, name: str) -> str:
 
 @dataclass(frozen=True)
 class TokenRoles:
-    """Token ids that are not text: padding, the start of a sample, and each modality's placeholder (several
-    modalities may share one id, as image and video do in the byte roles).
+    """Token ids that are not text: padding, the start of a sample (``None`` where the tokenizer has none), the end
+    of one, and each modality's placeholder (several modalities may share one id, as image and video do in the byte
+    roles).
 
     The byte roles (the default) keep ids 0-3 for these, so a byte tokenizer's text starts at :attr:`first_free_id`.
+    A real tokenizer's roles (:func:`omni_lightning.data.processor.load_processor`) are ordinary ids of its
+    vocabulary: its samples come rendered, with their targets marked, so no id range is reserved.
     """
 
     pad: int = 0
-    bos: int = 1
+    bos: int | None = 1
     placeholders: tuple[tuple[str, int], ...] = (("image", 2), ("video", 2), ("audio", 3))
+    eos: int | None = None
 
     def __post_init__(self) -> None:
-        ids = {"pad": self.pad, "bos": self.bos, **{f"placeholder {m}": i for m, i in self.placeholders}}
+        ids = {"pad": self.pad, "bos": self.bos, "eos": self.eos,
+               **{f"placeholder {m}": i for m, i in self.placeholders}}
         for name, value in ids.items():
+            if value is None and name in ("bos", "eos"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"token role {name} must be a non-negative integer id, got {value!r}")
         names = [m for m, _ in self.placeholders]
         if len(set(names)) != len(names):
             raise ValueError(f"modalities {names} have more than one placeholder each")
-        if {self.pad, self.bos} & {i for _, i in self.placeholders} or self.pad == self.bos:
-            raise ValueError(f"pad ({self.pad}), bos ({self.bos}) and the placeholders {dict(self.placeholders)} "
-                             "must be distinct ids")
+        if {self.pad, self.bos, self.eos} & {i for _, i in self.placeholders} or self.pad == self.bos:
+            raise ValueError(f"pad ({self.pad}), bos ({self.bos}), eos ({self.eos}) and the placeholders "
+                             f"{dict(self.placeholders)} must be distinct ids")
 
     def placeholder(self, modality: str) -> int:
         """The placeholder id of ``modality``."""
@@ -112,8 +119,13 @@ class TokenRoles:
 
     @property
     def special_ids(self) -> np.ndarray:
-        """Every id with a role, sorted: never text, never a target."""
-        return np.unique([self.pad, self.bos, *(i for _, i in self.placeholders)])
+        """Every id with a role but the end of a sample, sorted: never text, never a target."""
+        return np.unique([i for i in (self.pad, self.bos, *(i for _, i in self.placeholders)) if i is not None])
+
+    @property
+    def filler(self) -> int:
+        """The one token of a filler micro-batch (a step with fewer samples than micro-batches)."""
+        return self.pad if self.bos is None else self.bos
 
     @property
     def first_free_id(self) -> int:
@@ -206,6 +218,9 @@ class PackingSpec:
     vision_merge: int = 4
     temporal_patch_size: int = 1
     audio_downsample: int = 4
+    # How pixels are normalised into patches: the processor's mean and std (0.5 and 0.5: to [-1, 1]).
+    pixel_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    pixel_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
 
     def __post_init__(self) -> None:
         for name in ("patch_size", "vision_merge", "temporal_patch_size", "audio_downsample"):

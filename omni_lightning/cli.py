@@ -15,6 +15,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 
 import omni_lightning  # noqa: F401  (registers strategy="omni")
+from omni_lightning.data.conversation_shards import conversations_to_shards
 from omni_lightning.data.jsonl import jsonl_to_shards
 from omni_lightning.data.synthetic import make_synthetic_shards
 from omni_lightning.datamodules.omni import OmniDataModule
@@ -77,16 +78,24 @@ class OmniCLI(LightningCLI):
 
 def make_shards_main(argv: list[str]) -> None:
     """``omni-lightning make-shards``: write synthetic multimodal webdataset shards from a workload spec, or
-    convert a JSONL manifest with its image and mel files (``--from-jsonl``)."""
+    convert a JSONL manifest with its image and mel files (``--from-jsonl``) or a file of conversations with their
+    media folder (``--from-conversations``)."""
     parser = argparse.ArgumentParser(
         prog="omni-lightning make-shards",
-        description="Write synthetic multimodal webdataset shards, or convert a JSONL manifest (--from-jsonl).",
+        description="Write synthetic multimodal webdataset shards, or convert a JSONL manifest (--from-jsonl) or a "
+                    "file of conversations (--from-conversations).",
     )
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--from-jsonl", default=None, metavar="FILE",
                         help="convert this manifest instead (one {id, text, images, audio} object per line; see "
                              "omni_lightning.data.jsonl); --samples-per-shard, --patch-size, --n-mels and "
                              "--prefix apply, the workload arguments do not")
+    parser.add_argument("--from-conversations", default=None, metavar="FILE",
+                        help="convert dialogues (a .json list or .jsonl; LLaVA, ShareGPT or typed-content messages; "
+                             "see omni_lightning.data.conversation_shards) with their media under --media-root, "
+                             "stored as they are; --samples-per-shard and --prefix apply")
+    parser.add_argument("--media-root", default=None,
+                        help="folder the conversations' media paths are relative to (default: the file's own)")
     parser.add_argument("--root", default=None, help="folder the manifest's paths are relative to (default: its own)")
     parser.add_argument("--max-side", type=int, default=448, help="longest image side after resizing, in pixels")
     parser.add_argument("--workload", default="omni_mix", help="preset name or path to a workload YAML")
@@ -100,6 +109,13 @@ def make_shards_main(argv: list[str]) -> None:
     parser.add_argument("--vocab-size", type=int, default=256)
     parser.add_argument("--prefix", default="train")
     args = parser.parse_args(argv)
+    if args.from_jsonl is not None and args.from_conversations is not None:
+        parser.error("--from-jsonl and --from-conversations are alternatives: give one")
+    if args.from_conversations is not None:
+        paths = conversations_to_shards(args.from_conversations, args.out, media_root=args.media_root,
+                                        samples_per_shard=args.samples_per_shard, prefix=args.prefix)
+        print(f"wrote {len(paths)} shards to {args.out}")
+        return
     if args.from_jsonl is not None:
         paths = jsonl_to_shards(args.from_jsonl, args.out, root=args.root, samples_per_shard=args.samples_per_shard,
                                 patch_size=args.patch_size, max_side=args.max_side, n_mels=args.n_mels,

@@ -91,7 +91,11 @@ def patchify(frames: np.ndarray, spec: PackingSpec) -> tuple[np.ndarray, np.ndar
     steps, height, width, channels = frames.shape
     rows, cols = _grid(height, width, spec, "an image")
     patch = spec.patch_size
-    pixels = np.asarray(frames, dtype=np.float32) / 127.5 - 1.0
+    if spec.pixel_mean == spec.pixel_std == (0.5, 0.5, 0.5):
+        pixels = np.asarray(frames, dtype=np.float32) / 127.5 - 1.0
+    else:  # as Hugging Face's image processors compute it: rescale in float64, normalise in float32
+        rescaled = (np.asarray(frames, dtype=np.float64) * (1 / 255)).astype(np.float32)
+        pixels = (rescaled - np.asarray(spec.pixel_mean, np.float32)) / np.asarray(spec.pixel_std, np.float32)
     # [T, rows, p, cols, p, C] -> [rows, cols, C, T, p, p]: one vector per patch.
     patches = pixels.reshape(steps, rows, patch, cols, patch, channels).transpose(1, 3, 5, 0, 2, 4)
     patches = patches.reshape(rows, cols, -1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from typing_extensions import override
 
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.batch import PackingSpec
+from omni_lightning.data.packing import DATA_COUNTS
 from omni_lightning.deprecations import with_deprecated_names
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import ReferenceMLLM
@@ -97,6 +99,7 @@ class OmniModule(LightningModule):
         self._cost_model: CostModel | None = None
         self._options = StepOptions(getattr(torch, param_dtype) if param_dtype else None, activation_checkpointing,
                                     compile_backend)
+        self._sizes_from_data = model is None  # the vocabulary and token roles come from the data's processor
         self._last_step_time: float | None = None
 
     @property
@@ -138,6 +141,31 @@ class OmniModule(LightningModule):
     def forward_cpu_seconds(self) -> dict[str, float]:
         """Thread CPU seconds of the last forward's encoder stage and LLM, where the step measures them."""
         return self.step.forward_cpu_seconds if self.step is not None else {}
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Take the vocabulary and token roles from the data module's processor (Lightning runs the data module's
+        setup first): a reference model built without explicit sizes adopts them; a given config must agree. The
+        resolved config replaces the ``model`` hyper-parameter, so the checkpoint records it."""
+        processor = getattr(getattr(self._trainer, "datamodule", None), "data_processor", None)
+        if processor is None or processor.is_bytes or self._built_model or self.model is not None:
+            return
+        config, llm = self.config, self.config.llm
+        if self._sizes_from_data:
+            llm = replace(llm, vocab_size=processor.vocab_size)
+        elif config.roles not in (None, processor.roles):
+            raise ValueError(f"the model's token roles {config.roles} differ from those of the processor at "
+                             f"{processor.source} ({processor.roles})")
+        elif llm.vocab_size < processor.vocab_size:
+            raise ValueError(f"llm.vocab_size={llm.vocab_size} is smaller than the vocabulary of the tokenizer at "
+                             f"{processor.source} (len(tokenizer) = {processor.vocab_size}): leave the model's sizes "
+                             "to the data (OmniModule() without a model) or raise llm.vocab_size")
+        self.config = replace(config, llm=llm, roles=processor.roles)
+        self.hparams["model"] = self.config
+        self._cost_model = None
+        check = getattr(self._trainer.strategy, "check_model_fits", None)
+        if check is not None:  # the pre-launch check ran with the sizes unresolved (tp must divide the vocabulary)
+            check(self)
 
     @override
     def configure_model(self) -> None:
@@ -214,7 +242,21 @@ class OmniModule(LightningModule):
                 self._log_plan("reorder", batch["reorder"], samples)
             if plan := step.encoder_stats:  # this step's encoder plan (group-wide), this rank's bytes
                 self._log_plan("reshard", plan, samples)
+            if hasattr(getattr(self._trainer, "datamodule", None), "data_processor"):  # every rank, or none
+                self._log_data(batch.get("data"))
         return {"loss": result.loss, "global_loss": stats["loss"]}
+
+    def _log_data(self, counts: Mapping[str, int] | None) -> None:
+        """``data/*``: what went into this step, summed over the data-parallel ranks. Peers holding the same samples
+        (tensor, context and pipeline parallel) count them once, through the first of them."""
+        layout = self.omni_layout
+        first_copy = layout is None or not layout.is_encoder_rank and all(
+            layout.meshes.local_rank(name) == 0 for name in ("tp", "cp", "pp"))
+        mine = [float(counts[k]) if counts is not None and first_copy else 0.0 for k in DATA_COUNTS]
+        total = torch.tensor(mine, dtype=torch.float64, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total)
+        self.log_dict({f"data/{k}": v for k, v in zip(DATA_COUNTS, total.tolist(), strict=True)}, batch_size=1)
 
     def _log_plan(self, prefix: str, stats: Mapping[str, float], samples: int) -> None:
         metrics = {f"{prefix}/{k}": float(v) for k, v in stats.items()}

@@ -13,6 +13,7 @@ from unittest import mock
 import lightning.pytorch as pl
 import pytest
 import torch.distributed as dist
+from hf_processors import save_processor
 
 from omni_lightning import OmniDataModule, OmniModule, OmniStrategy, ReferenceMLLMConfig, WebDataModule
 from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, VisionEncoderConfig
@@ -61,6 +62,14 @@ def _setup(data: Callable[[str], WebDataModule], devices: int = 4, dp_rank: int 
         module = data(shards)
         module.trainer, module.omni_layout = trainer, _mock_layout(trainer, config, dp_rank)
         module.setup("fit")
+    return run
+
+
+def _with_processor(**settings: Any) -> Callable[[str], None]:
+    """OmniDataModule with a Qwen2-VL-like processor directory (patch 14, 2x2 merge) and ``settings``."""
+    def run(shards: str) -> None:
+        processor = save_processor(Path(shards.split("{")[0]).parent / "processor")
+        OmniDataModule(shards, processor=str(processor), **settings)
     return run
 
 
@@ -173,6 +182,11 @@ CASES: dict[str, Case] = {
     "attention-backend-unknown": Case(lambda _: ReferenceMLLMConfig(attention_backend="xformers"),
                                       r"attention_backend='xformers' must be 'auto', 'sdpa' or 'flash'"),
     # ---- data settings: OmniDataModule(...) and its setup on every rank
+    "processor-not-a-directory": Case(lambda s: OmniDataModule(s, processor="no/such/processor"),
+                                      r"processor='no/such/processor' is not a directory"),
+    "size-contradicts-processor": Case(_with_processor(patch_size=16),
+                                       r"patch_size=16 but the processor at .* has patch_size=14: leave patch_size"),
+    "layout-unknown": Case(lambda s: OmniDataModule(s, layout="tfrecord"), r"layout='tfrecord' must be one of"),
     "reorder-unknown": Case(lambda s: OmniDataModule(s, reorder="sorted"),
                             r"reorder='sorted' must be 'grouped' or 'none'"),
     "pipeline-order-unknown": Case(lambda s: OmniDataModule(s, pipeline_order="sorted"),

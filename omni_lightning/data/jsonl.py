@@ -29,7 +29,7 @@ from omni_lightning.balance.workload import SampleMeta
 from omni_lightning.data.streaming import ByteTokenizer, Tokenizer
 from omni_lightning.data.synthetic import npy_bytes, png_bytes
 
-__all__ = ["jsonl_to_shards"]
+__all__ = ["jsonl_to_shards", "write_shard"]
 
 _MERGE = (("audio", 4), ("image", 4), ("video", 4))
 # webdataset splits a member name at its first dot, and keys become file names inside the tar.
@@ -82,7 +82,7 @@ def _records(manifest: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                     raise ValueError(f"{manifest}:{number}: not JSON ({error})") from None
 
 
-def _write_shard(path: Path, samples: list[dict[str, Any]]) -> None:
+def write_shard(path: Path, samples: list[dict[str, Any]]) -> None:
     """Write under a temporary name and rename, so an interrupted conversion leaves no shard that looks whole."""
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -123,7 +123,7 @@ def jsonl_to_shards(
 
     def flush() -> None:
         paths.append(str(out / f"{prefix}-{len(paths):06d}.tar"))
-        _write_shard(Path(paths[-1]), pending)
+        write_shard(Path(paths[-1]), pending)
         pending.clear()
 
     for number, record in _records(manifest):

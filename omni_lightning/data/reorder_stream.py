@@ -26,7 +26,14 @@ from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.digest import plan_digest
 from omni_lightning.balance.reorder import GroupPlan, PipelineOrder, ReorderConfig, plan_in_place, plan_reorder_group
 from omni_lightning.batch import IGNORE_INDEX, PackingSpec
-from omni_lightning.data.packing import DecodedSample, pack_samples, sample_features, sample_layout
+from omni_lightning.data.packing import (
+    DecodedSample,
+    data_counts,
+    empty_batch,
+    pack_samples,
+    sample_features,
+    sample_layout,
+)
 from omni_lightning.data.streaming import BadSample
 from omni_lightning.modalities import DEFAULT_PACKING
 from omni_lightning.parallel.agreement import check_plans_agree
@@ -98,6 +105,12 @@ def apply_length_policy(
         return sample, ""
     if policy == "error":
         raise ValueError(f"sample {sample.key}: {length} LLM tokens exceed max_seq_len={max_seq_len}")
+    if sample.targets is not None:  # rendered: cut the tail, never into a media item's run, keeping a target
+        placeholders = np.flatnonzero(np.isin(sample.tokens, [i for _, i in spec.roles.placeholders]))
+        if policy == "drop" or (placeholders.size and placeholders[-1] >= max_seq_len) or not sample.targets[
+                1:max_seq_len].any():
+            return None, "dropped"
+        return replace(sample, tokens=sample.tokens[:max_seq_len], targets=sample.targets[:max_seq_len]), "truncated"
     keep_text = len(sample.tokens) - (length - max_seq_len)
     if policy == "drop" or keep_text < 1:
         return None, "dropped"
@@ -114,13 +127,7 @@ def _assignment_digest(plan: GroupPlan) -> int:
 
 
 def _pack(samples: list[DecodedSample], spec: PackingSpec) -> dict[str, Any]:
-    if samples:
-        return pack_samples(samples, spec)
-    # An empty micro-batch still runs every module (all ranks must issue the same collectives) but adds no loss.
-    batch = pack_samples([DecodedSample(key="", tokens=np.array([spec.roles.first_free_id]))], spec)
-    batch["labels"].fill_(IGNORE_INDEX)
-    batch.update(keys=[], num_samples=0)
-    return batch
+    return pack_samples(samples, spec) if samples else empty_batch(spec)
 
 
 # Received arrays are views into one receive buffer; each starts at an offset aligned as an allocator's would be.
@@ -132,12 +139,14 @@ def _aligned(nbytes: int) -> int:
 
 
 def _arrays(sample: DecodedSample) -> list[np.ndarray]:
-    return [sample.tokens, *(np.asarray(item) for items in sample.media.values() for item in items)]
+    targets = [] if sample.targets is None else [sample.targets]
+    return [sample.tokens, *(np.asarray(item) for items in sample.media.values() for item in items), *targets]
 
 
 class _Wire:
     """A sample as the payload exchange sends it: each array's raw bytes at an aligned offset, then a pickled
-    header (key, metadata, array layouts), then the header's length in the last 8 bytes.
+    header (key, metadata, array layouts, a rendered sample's media order), then the header's length in the last 8
+    bytes. A rendered sample's targets travel as its last array.
 
     Its size is known before the plan, so it travels with the gathered metadata and the receiver needs no separate
     size exchange; the receiver's arrays are views of the received bytes, not copies made by unpickling.
@@ -150,7 +159,8 @@ class _Wire:
             layouts.append((array.dtype.str, array.shape, offset))
             offset += _aligned(array.nbytes)
         counts = [(name, len(items)) for name, items in sample.media.items()]
-        self.header = pickle.dumps((sample.key, sample.meta, counts, layouts), protocol=pickle.HIGHEST_PROTOCOL)
+        self.header = pickle.dumps((sample.key, sample.meta, counts, layouts, sample.media_order,
+                                    sample.targets is not None), protocol=pickle.HIGHEST_PROTOCOL)
         self.nbytes = offset + _aligned(len(self.header) + 8)
 
     def write(self, out: memoryview, start: int) -> None:
@@ -169,13 +179,14 @@ class _Wire:
         """The sample written at ``data[start : start + nbytes]``; its arrays are views of ``data``."""
         end = start + nbytes
         length = int.from_bytes(data[end - 8 : end], "little")
-        key, meta, counts, layouts = pickle.loads(data[end - 8 - length : end - 8])
+        key, meta, counts, layouts, media_order, rendered = pickle.loads(data[end - 8 - length : end - 8])
         arrays = [np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=start + offset).reshape(shape)
                   for dtype, shape, offset in layouts]
         media, next_array = {}, 1
         for name, count in counts:
             media[name], next_array = arrays[next_array : next_array + count], next_array + count
-        return DecodedSample(key=key, tokens=arrays[0], meta=meta, media=media)
+        return DecodedSample(key=key, tokens=arrays[0], meta=meta, media=media,
+                             targets=arrays[-1] if rendered else None, media_order=media_order)
 
 
 class ReorderedStream:
@@ -276,6 +287,10 @@ class ReorderedStream:
                     **{k: float(v) for k, v in self.counters.items()},
                 }
                 packed = [_pack([everything[i] for i in ids], self.packing) for ids in micro_batches]
+                # The group's skips count in its first step (they happened while reading it).
+                skipped = self.counters["skipped"] - group_start["counters"]["skipped"] if step == 0 else 0
+                counts = data_counts([everything[i] for ids in micro_batches for i in ids], packed, self.packing,
+                                     skipped=skipped)
                 # The module divides by the step's loss tokens (all micro-batches, all ranks), not each micro-batch's,
                 # so accumulated gradients equal one pass over the whole step however the samples were split.
                 step = {"loss_tokens": sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in packed),
@@ -285,14 +300,14 @@ class ReorderedStream:
                     self._state = {**group_start, "yielded": yielded}
                     if yielded > skip:
                         yield {"micro_batches": packed, "num_samples": sum(b["num_samples"] for b in packed),
-                               "reorder": stats, "step": step}
+                               "reorder": stats, "step": step, "data": counts}
                     continue
                 for batch in packed:
                     yielded += 1
                     self._state = {**group_start, "yielded": yielded}
                     if yielded <= skip:
                         continue
-                    yield {**batch, "reorder": stats, "step": step}
+                    yield {**batch, "reorder": stats, "step": step, "data": counts}
             group_number, skip = group_number + 1, 0
 
     # ------------------------------------------------------------------------------------------------ steps

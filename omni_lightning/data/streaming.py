@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import json
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -218,6 +218,7 @@ class ShardStream(IterableDataset):
         max_batches: int | None = None,
         on_bad_sample: Literal["skip", "error"] = "error",
         tokenizer: Tokenizer | None = None,
+        reader: Callable[[dict[str, Any]], DecodedSample] | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -226,6 +227,7 @@ class ShardStream(IterableDataset):
             raise ValueError(f"on_bad_sample={on_bad_sample!r} must be 'skip' or 'error'")
         self.on_bad_sample = on_bad_sample
         self.tokenizer = tokenizer
+        self.reader = reader
         self.worker_shards = assign_shards(shards, dp_rank=dp_rank, dp_size=dp_size, num_workers=num_workers)
         self.dp_rank = dp_rank
         self.dp_size = dp_size
@@ -275,8 +277,8 @@ class ShardStream(IterableDataset):
                             continue  # fast-forward to the resumed position without decoding
                         self._consumed += 1
                         try:
-                            sample = decode_sample(raw, patch_size=self.packing.patch_size,
-                                                   tokenizer=self.tokenizer)
+                            sample = (self.reader(raw) if self.reader is not None else
+                                      decode_sample(raw, patch_size=self.packing.patch_size, tokenizer=self.tokenizer))
                             check_packable(sample, self.packing)
                         except ValueError as error:
                             yield self._bad(url, key, str(error))

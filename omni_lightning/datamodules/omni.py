@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.reorder import PIPELINE_ORDERS, PipelineOrder
+from omni_lightning.data.layouts import Layout
 from omni_lightning.data.relay import StageRelay
 from omni_lightning.data.reorder_stream import LengthPolicy, ReorderedStream, ReorderSettings
 from omni_lightning.data.resumable import ResumableLoader
@@ -87,9 +88,17 @@ class OmniDataModule(WebDataModule):
         synthetic: generate synthetic shards into the directory of ``shards`` if none exist yet.
         val_shards: optional validation shards (same format).
         val_batches: micro-batches per validation pass on every rank (equal counts keep collectives aligned).
-        patch_size: pixels per side of a vision patch; must match the model's vision encoder.
-        vision_merge: vision tokens merged into one LLM token (4 = 2x2); must match the model.
+        patch_size: pixels per side of a vision patch; must match the model's vision encoder (default: the
+            processor's, else 14).
+        vision_merge: vision tokens merged into one LLM token (4 = 2x2); must match the model (default: the
+            processor's, else 4).
         audio_downsample: mel frames per audio token; must match the model.
+        processor: a local Hugging Face processor or tokenizer directory (offline): tokenizer, token roles,
+            vocabulary and media policy; ``None`` is UTF-8 bytes (the synthetic demo). See
+            :class:`~omni_lightning.datamodules.WebDataModule`.
+        layout: ``"auto"`` (per sample), ``"pairs"``, ``"conversations"`` or ``"synthetic"``
+            (:mod:`omni_lightning.data.layouts`).
+        caption_key: the json key of an image-text pair's caption.
         workload_balance: deprecated name of ``reorder`` (warns once).
         balance_group_size: deprecated name of ``reorder_group_size`` (warns once); a value other than its default
             (8) is the one used.
@@ -116,16 +125,19 @@ class OmniDataModule(WebDataModule):
         synthetic: SyntheticShards | None = None,
         val_shards: str | list[str] | None = None,
         val_batches: int = 4,
-        patch_size: int = 14,
-        vision_merge: int = 4,
+        patch_size: int | None = None,
+        vision_merge: int | None = None,
         audio_downsample: int = 4,
+        processor: str | None = None,
+        layout: Layout = "auto",
+        caption_key: str | None = None,
         workload_balance: Literal["grouped", "none"] | None = None,
         balance_group_size: int | None = _DEFAULT_GROUP,
     ) -> None:
         super().__init__(
             shards, batch_size=samples_per_step, num_workers=num_workers, seed=seed, synthetic=synthetic,
             val_shards=val_shards, val_batches=val_batches, patch_size=patch_size, vision_merge=vision_merge,
-            audio_downsample=audio_downsample,
+            audio_downsample=audio_downsample, processor=processor, layout=layout, caption_key=caption_key,
         )
         reorder = _renamed("workload_balance", workload_balance, None, "reorder", reorder, "grouped")
         reorder_group_size = _renamed("balance_group_size", balance_group_size, _DEFAULT_GROUP, "reorder_group_size",
@@ -251,7 +263,7 @@ class OmniDataModule(WebDataModule):
         return SampleStream(
             existing_shards(self.shards), dp_rank=self.dp_rank, dp_size=self.dp_size, batch_size=1,
             num_workers=self.num_workers, seed=self.seed, packing=self.packing,
-            on_bad_sample=self.on_bad_sample, tokenizer=self.tokenizer,
+            on_bad_sample=self.on_bad_sample, tokenizer=self.tokenizer, reader=self.reader(),
         )
 
     @override

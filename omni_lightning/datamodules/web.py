@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
+from dataclasses import replace
 from typing import Any
 
 from lightning.pytorch import LightningDataModule
 from torchdata.stateful_dataloader import StatefulDataLoader
 from typing_extensions import override
 
+from omni_lightning.data.layouts import Layout, SampleReader
+from omni_lightning.data.media import ImagePolicy
+from omni_lightning.data.processor import DataProcessor, byte_processor, load_processor
 from omni_lightning.data.resumable import ResumableLoader
 from omni_lightning.data.shards import SyntheticShards, existing_shards, expand_shards, synthetic_target
 from omni_lightning.data.streaming import ShardStream, assign_shards
@@ -34,7 +39,16 @@ class WebDataModule(LightningDataModule):
         synthetic: generate synthetic shards into the directory of ``shards`` if none exist yet.
         val_shards: optional validation shards (same format).
         val_batches: micro-batches per validation pass on every rank (equal counts keep FSDP collectives aligned).
-        patch_size, vision_merge, audio_downsample: must match the model's vision/audio configuration.
+        patch_size, vision_merge, audio_downsample: must match the model's vision/audio configuration; with a
+            ``processor`` the first two default to its values (14 and 4 without one), and a value that contradicts
+            it is an error.
+        processor: a local Hugging Face processor or tokenizer directory (read offline): the tokenizer, its token
+            roles and vocabulary (which a reference model built without explicit sizes adopts), the image, video
+            and audio policy. ``None``: UTF-8 bytes with ids 0-3 reserved, as the synthetic demo.
+        layout: how shards are read, decided per sample by default (``"auto"``): ``"pairs"`` (``KEY.jpg`` with
+            ``KEY.txt`` / ``KEY.json``), ``"conversations"`` (a dialogue in ``KEY.json`` naming its media members),
+            ``"synthetic"`` (this project's own shards). See :mod:`omni_lightning.data.layouts`.
+        caption_key: the json key holding an image-text pair's caption (else ``txt``, else ``caption``).
 
     The data-parallel rank and size come from ``trainer.strategy.distributed_sampler_kwargs``, so TP/CP/PP peers
     of OmniStrategy read the same samples and any other strategy works too.
@@ -50,11 +64,16 @@ class WebDataModule(LightningDataModule):
         synthetic: SyntheticShards | None = None,
         val_shards: str | list[str] | None = None,
         val_batches: int = 4,
-        patch_size: int = 14,
-        vision_merge: int = 4,
+        patch_size: int | None = None,
+        vision_merge: int | None = None,
         audio_downsample: int = 4,
+        processor: str | None = None,
+        layout: Layout = "auto",
+        caption_key: str | None = None,
     ) -> None:
         super().__init__()
+        self.data_processor: DataProcessor | None = load_processor(processor) if processor is not None else None
+        patch_size, vision_merge = self._processor_sizes(patch_size=patch_size, vision_merge=vision_merge)
         self.shards = shards
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -62,10 +81,34 @@ class WebDataModule(LightningDataModule):
         self.synthetic = synthetic
         self.val_shards = val_shards
         self.val_batches = val_batches
-        self.packing = packing_spec(patch_size=patch_size, vision_merge=vision_merge, audio_downsample=audio_downsample)
+        roles = self.data_processor.roles if self.data_processor is not None else None
+        self.packing = packing_spec(patch_size=patch_size, vision_merge=vision_merge, audio_downsample=audio_downsample,
+                                    **({"roles": roles} if roles is not None else {}))
+        self.layout, self.caption_key = layout, caption_key
+        SampleReader(byte_processor(), self.packing, layout)  # checks the layout's name now
         self.dp_rank, self.dp_size = 0, 1
         # OmniStrategy hands its layout over before setup: the ranks, the pipeline, the model's packing and costs.
         self.omni_layout: OmniLayout | None = None
+
+    def _processor_sizes(self, **given: int | None) -> tuple[int, int]:
+        """``patch_size`` and ``vision_merge``: as given, else the processor's, else 14 and 4; a given value that
+        contradicts the processor is an error naming both."""
+        defaults = {"patch_size": 14, "vision_merge": 4}
+        fixed = dict(self.data_processor.explicit) if self.data_processor is not None else {}
+        for name, value in given.items():
+            if value is not None and name in fixed and value != fixed[name]:
+                raise ValueError(f"{name}={value} but the processor at {self.data_processor.source} has "
+                                 f"{name}={fixed[name]}: leave {name} unset (it defaults to the processor's)")
+        resolved = {name: value if value is not None else fixed.get(name, defaults[name])
+                    for name, value in given.items()}
+        return resolved["patch_size"], resolved["vision_merge"]
+
+    def reader(self) -> SampleReader:
+        """Turns this data module's raw samples into decoded ones by their layout, for the model's packing."""
+        processor = self.data_processor or byte_processor(
+            ImagePolicy(patch_size=self.packing.patch_size, merge=math.isqrt(self.packing.vision_merge)))
+        return SampleReader(processor, self.packing, self.layout, self.caption_key,
+                            legacy_tokenizer=getattr(self, "tokenizer", None))
 
     @override
     def prepare_data(self) -> None:
@@ -117,6 +160,14 @@ class WebDataModule(LightningDataModule):
             if getattr(self.packing, name) != value:
                 raise ValueError(f"{type(self).__name__}({name}={getattr(self.packing, name)}) but the model expects "
                                  f"{name}={value}: set {name}={value} on the data module")
+        if self.data_processor is not None:
+            # The model takes its token roles from this processor (OmniModule.setup) unless it has its own.
+            if model.roles != self.packing.roles and getattr(config, "roles", None) is not None:
+                raise ValueError(f"the model's token roles {model.roles} differ from those of the processor at "
+                                 f"{self.data_processor.source} ({self.packing.roles}): train the model with the "
+                                 "tokenizer it was built for")
+            image = self.data_processor.image
+            model = replace(model, roles=self.packing.roles, pixel_mean=image.mean, pixel_std=image.std)
         self.packing = model
 
     def stream(self, shards: str | list[str], *, dp_rank: int | None = None, dp_size: int | None = None,
@@ -131,6 +182,7 @@ class WebDataModule(LightningDataModule):
             seed=self.seed,
             packing=self.packing,
             max_batches=max_batches,
+            reader=self.reader(),
         )
 
     @override

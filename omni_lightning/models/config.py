@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omni_lightning.batch import BYTE_ROLES, PackingSpec
+from omni_lightning.batch import BYTE_ROLES, PackingSpec, TokenRoles
 from omni_lightning.modalities import packing_spec
 
 __all__ = [
@@ -91,6 +91,9 @@ class ReferenceMLLMConfig:
     audio: AudioEncoderConfig = field(default_factory=AudioEncoderConfig)
     llm: LLMConfig = field(default_factory=LLMConfig)
     attention_backend: str = "auto"
+    # The token roles of the data it trains on: ``None`` for the byte roles (ids 0-3), else a tokenizer's, which
+    # OmniModule fills in from the data module's processor (and saves with the hyper-parameters).
+    roles: TokenRoles | None = None
 
     def __post_init__(self) -> None:
         llm = self.llm
@@ -112,9 +115,12 @@ class ReferenceMLLMConfig:
                              " change dim or n_heads")
         if llm.n_heads % llm.n_kv_heads:
             raise ValueError(f"llm.n_heads={llm.n_heads} must be a multiple of llm.n_kv_heads={llm.n_kv_heads}")
-        if llm.vocab_size <= BYTE_ROLES.first_free_id:
+        if self.roles is None and llm.vocab_size <= BYTE_ROLES.first_free_id:
             raise ValueError(f"llm.vocab_size={llm.vocab_size} must exceed the {BYTE_ROLES.first_free_id} reserved "
                              "ids")
+        if self.roles is not None and llm.vocab_size <= int(self.roles.special_ids.max()):
+            raise ValueError(f"llm.vocab_size={llm.vocab_size} must exceed every token role's id "
+                             f"{self.roles.special_ids.tolist()}")
         if llm.moe_every and not 1 <= llm.moe_top_k <= llm.n_experts:
             raise ValueError(f"llm.moe_top_k={llm.moe_top_k} must be in [1, n_experts={llm.n_experts}]")
         for name, enc in (("vision", self.vision), ("audio", self.audio)):
@@ -129,10 +135,10 @@ class ReferenceMLLMConfig:
 
     def packing(self) -> PackingSpec:
         """How samples pack for this model: its encoders' patch size, merge, temporal patch and downsampling, with
-        the byte tokens' roles."""
+        its data's token roles (the byte roles unless :attr:`roles` says otherwise)."""
         return packing_spec(patch_size=self.vision.patch_size, vision_merge=self.vision.merge,
                             temporal_patch_size=self.vision.temporal_patch_size,
-                            audio_downsample=self.audio.downsample)
+                            audio_downsample=self.audio.downsample, roles=self.roles or BYTE_ROLES)
 
     @classmethod
     def tiny(cls, *, moe: bool = False) -> ReferenceMLLMConfig:
@@ -146,4 +152,5 @@ class ReferenceMLLMConfig:
 
 # Checkpoints store the module's hyperparameters, these configs among them; Lightning loads them with
 # ``weights_only=True``, which accepts only allow-listed classes.
-torch.serialization.add_safe_globals([VisionEncoderConfig, AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig])
+torch.serialization.add_safe_globals([VisionEncoderConfig, AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig,
+                                      TokenRoles])

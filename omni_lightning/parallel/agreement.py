@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from omni_lightning.parallel.compat import all_gather_single
+
 __all__ = ["PlanDisagreement", "check_plans_agree"]
 
 
@@ -27,7 +29,7 @@ def check_plans_agree(what: str, digest: int, group: dist.ProcessGroup | None, *
     size = dist.get_world_size(group)
     mine = torch.tensor([digest], dtype=torch.int64, device=device)
     everyone = torch.empty(size, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
+    all_gather_single(everyone, mine, group=group)
     digests = everyone.tolist()
     if len(set(digests)) == 1:
         return

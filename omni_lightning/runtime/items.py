@@ -37,9 +37,9 @@ def select_items(inputs: tuple[torch.Tensor, ...], rows: list[np.ndarray], items
 
 
 def filler_batch(spec: PackingSpec, device: torch.device) -> PackedBatch:
-    """A micro-batch of one BOS token and no loss, for a step with fewer samples than micro-batches."""
+    """A micro-batch of one filler token and no loss, for a step with fewer samples than micro-batches."""
     batch: PackedBatch = {
-        "input_ids": torch.tensor([spec.roles.bos], device=device),
+        "input_ids": torch.tensor([spec.roles.filler], device=device),
         "labels": torch.tensor([IGNORE_INDEX], device=device),
         "position_ids": torch.zeros(1, dtype=torch.long, device=device),
         "cu_seqlens": torch.tensor([0, 1], dtype=torch.int32, device=device),
