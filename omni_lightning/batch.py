@@ -30,6 +30,7 @@ __all__ = [
     "EncoderOutputs",
     "IGNORE_INDEX",
     "MediaShape",
+    "PendingMedia",
     "EncoderFormat",
     "EncoderInput",
     "Modality",
@@ -37,6 +38,7 @@ __all__ = [
     "PackingSpec",
     "TokenRoles",
     "input_key",
+    "media_shape",
 ]
 
 IGNORE_INDEX = -100
@@ -71,6 +73,22 @@ class EncoderOutputs(Mapping[str, tuple["torch.Tensor", ...]]):
         return len(self._outputs)
 
 MediaShape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PendingMedia:
+    """A media item not decoded yet: its bytes and the array shape its header promises. Plans price it by that
+    shape, so only the rank that trains it decodes it, after the plan
+    (:meth:`omni_lightning.data.layouts.SampleReader.decode`)."""
+
+    data: bytes
+    shape: tuple[int, ...]
+    member: str = ""
+
+
+def media_shape(item: Any) -> tuple[int, ...]:
+    """The array shape of a media item, decoded or pending."""
+    return tuple(item.shape) if isinstance(item, PendingMedia) else tuple(np.shape(item))
 
 
 def input_key(encoder: str, name: str) -> str:

@@ -16,7 +16,17 @@ from typing import Any
 
 import numpy as np
 
-from omni_lightning.batch import BYTE_ROLES, EncoderFormat, EncoderInput, MediaShape, Modality, PackingSpec, TokenRoles
+from omni_lightning.batch import (
+    BYTE_ROLES,
+    EncoderFormat,
+    EncoderInput,
+    MediaShape,
+    Modality,
+    PackingSpec,
+    PendingMedia,
+    TokenRoles,
+    media_shape,
+)
 
 __all__ = ["AUDIO", "AUDIO_ENCODER", "DEFAULT_PACKING", "IMAGE", "VIDEO", "VISION_ENCODER", "packing_spec", "patchify"]
 
@@ -109,27 +119,35 @@ def patchify(frames: np.ndarray, spec: PackingSpec) -> tuple[np.ndarray, np.ndar
     return windowed(patches), windowed(grid).astype(np.int64), np.array([[rows, cols]], dtype=np.int64)
 
 
+def _decoded(item: Any) -> np.ndarray:
+    if isinstance(item, PendingMedia):
+        raise ValueError(f"media {item.member or '(unnamed)'} is not decoded yet: decode pending media after the plan, "
+                         "before packing")
+    return np.asarray(item)
+
+
 def _image_shape(image: Any, spec: PackingSpec) -> MediaShape:
-    array = np.asarray(image)
-    if array.ndim != 3 or array.shape[2] != _CHANNELS:
-        raise ValueError(f"an image must be [height, width, 3], got shape {list(array.shape)}")
-    return _grid(array.shape[0], array.shape[1], spec, "an image")
+    shape = media_shape(image)
+    if len(shape) != 3 or shape[2] != _CHANNELS:
+        raise ValueError(f"an image must be [height, width, 3], got shape {list(shape)}")
+    return _grid(shape[0], shape[1], spec, "an image")
 
 
 def _image_inputs(image: Any, spec: PackingSpec) -> tuple[np.ndarray, ...]:
-    frames = np.broadcast_to(np.asarray(image), (spec.temporal_patch_size, *np.shape(image)))
+    image = _decoded(image)
+    frames = np.broadcast_to(image, (spec.temporal_patch_size, *image.shape))
     return patchify(frames, spec)
 
 
 def _video_shape(video: Any, spec: PackingSpec) -> MediaShape:
-    array = np.asarray(video)
-    if array.ndim != 4 or array.shape[3] != _CHANNELS or array.shape[0] < 1:
-        raise ValueError(f"a video must be [frames >= 1, height, width, 3], got shape {list(array.shape)}")
-    return (array.shape[0], *_grid(array.shape[1], array.shape[2], spec, "a video frame"))
+    shape = media_shape(video)
+    if len(shape) != 4 or shape[3] != _CHANNELS or shape[0] < 1:
+        raise ValueError(f"a video must be [frames >= 1, height, width, 3], got shape {list(shape)}")
+    return (shape[0], *_grid(shape[1], shape[2], spec, "a video frame"))
 
 
 def _video_inputs(video: Any, spec: PackingSpec) -> tuple[np.ndarray, ...]:
-    frames = np.asarray(video)
+    frames = _decoded(video)
     step = spec.temporal_patch_size
     padded = -(-frames.shape[0] // step) * step
     if padded > frames.shape[0]:  # the last temporal patch repeats the last frame
@@ -139,10 +157,10 @@ def _video_inputs(video: Any, spec: PackingSpec) -> tuple[np.ndarray, ...]:
 
 
 def _audio_shape(mel: Any, spec: PackingSpec) -> MediaShape:
-    array = np.asarray(mel)
-    if array.ndim != 2:
-        raise ValueError(f"a mel spectrogram must be [frames, n_mels], got shape {list(array.shape)}")
-    frames = array.shape[0]
+    shape = media_shape(mel)
+    if len(shape) != 2:
+        raise ValueError(f"a mel spectrogram must be [frames, n_mels], got shape {list(shape)}")
+    frames = shape[0]
     if frames == 0 or frames % spec.audio_downsample:
         raise ValueError(f"{frames} mel frames is not a positive multiple of {spec.audio_downsample}")
     return (frames,)
@@ -161,7 +179,8 @@ def _clip_items(shape: MediaShape, spec: PackingSpec) -> list[int]:
 
 
 def _clip_inputs(mel: Any, spec: PackingSpec) -> tuple[np.ndarray, ...]:
-    return np.asarray(mel, dtype=np.float32), np.array([np.shape(mel)[0]], dtype=np.int64)
+    mel = _decoded(mel)
+    return np.asarray(mel, dtype=np.float32), np.array([mel.shape[0]], dtype=np.int64)
 
 
 IMAGE = Modality(name="image", encoder="vision", shape=_image_shape, item_tokens=_image_items, build=_image_inputs)

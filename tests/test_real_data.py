@@ -14,6 +14,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +29,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lightning_runs import LEARNING_RATE, assert_resumes_under, fit
 from PIL import Image
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from omni_lightning import OmniDataModule, OmniModule, ReferenceMLLMConfig
-from omni_lightning.batch import IGNORE_INDEX
+from omni_lightning.batch import IGNORE_INDEX, PendingMedia
 from omni_lightning.cli import main, make_shards_main
 from omni_lightning.data.conversations import parse_dialogue
 from omni_lightning.data.jsonl import write_shard
 from omni_lightning.data.layouts import LayoutNeedsProcessor, detect_layout
 from omni_lightning.data.packing import pack_samples
 from omni_lightning.data.processor import load_processor
+from omni_lightning.data.reorder_stream import ReorderedStream, ReorderSettings
 from omni_lightning.data.shards import expand_shards
-from omni_lightning.data.streaming import open_shard
+from omni_lightning.data.streaming import SampleStream, open_shard
+from omni_lightning.models.flops import reference_cost_model
 
 REPO = Path(__file__).resolve().parents[1]
 CAPTIONS = ["A cat sits on a mat.", "The left one is red, the right one is blue.", "What happens? A cat jumps.",
@@ -159,7 +164,7 @@ def test_conversation_targets_are_the_templates_assistant_tokens(processor_dir: 
         assert sample.tokens[keep].tolist() == list(own["input_ids"])
         assert sample.targets[keep].astype(int).tolist() == list(own["assistant_masks"])
         assert len(sample.media["image"]) == len(runs) == len(dialogue.media)
-    batch = pack_samples([sample], data.packing)
+    batch = pack_samples([reader.decode(sample)], data.packing)
     expected = np.where(sample.targets[1:], sample.tokens[1:], IGNORE_INDEX).tolist() + [IGNORE_INDEX]
     assert batch["labels"].tolist() == expected
 
@@ -168,7 +173,7 @@ def test_bad_members_are_named(processor_dir: Path) -> None:
     reader = OmniDataModule(None, processor=str(processor_dir)).reader()
     good = {"role": "user", "content": "<image> What?"}, {"role": "assistant", "content": "A cat."}
     cases = {
-        "truncated image": ({"jpg": _image(40, 40, 0)[:50], "txt": b"A cat."}, "jpg cannot be decoded"),
+        "truncated image": ({"jpg": _image(40, 40, 0)[:50], "txt": b"A cat."}, "jpg cannot be (read|decoded)"),
         "empty caption": ({"jpg": _image(40, 40, 0), "txt": b"  "}, "txt is empty"),
         "non-UTF-8 caption": ({"jpg": _image(40, 40, 0), "txt": b"\xff\xfe"}, "txt is not UTF-8"),
         "missing member": ({"json": json.dumps({"messages": list(good), "images": ["0.jpg"]}).encode()},
@@ -180,7 +185,7 @@ def test_bad_members_are_named(processor_dir: Path) -> None:
                                "0.jpg": _image(40, 40, 0)}, "assistant"),
         "audio without an encoder of its kind": (
             {"json": json.dumps({"messages": [{"role": "user", "content": "<audio> Hear?"}, good[1]],
-                                 "audios": ["0.wav"]}).encode(), "0.wav": b"RIFF"}, "cannot be decoded"),
+                                 "audios": ["0.wav"]}).encode(), "0.wav": b"RIFF"}, "0.wav cannot be read"),
     }
     for name, (members, message) in cases.items():
         with pytest.raises(ValueError, match=message):
@@ -347,7 +352,7 @@ def test_any_mix_of_members_is_a_sample_or_a_named_bad_sample(processor_dir: Pat
     data = _fuzz_data(processor_dir)
     raw = {"__key__": "fuzzed", **{m: _PIECES[m][i % len(_PIECES[m])] for m, i in choice.items()}}
     try:
-        sample = data.reader()(raw)
+        sample = data.reader().decode(data.reader()(raw))
     except ValueError as error:
         assert "fuzzed" in str(error)
         return
@@ -371,3 +376,53 @@ def test_a_tokenizer_without_named_multimodal_tokens(tmp_path: Path) -> None:
     assert processor.placeholder("image") == tokenizer.convert_tokens_to_ids("<image>")
     with pytest.raises(ValueError, match=r"has no video placeholder token \(looked for <video>\)"):
         processor.placeholder("video")
+
+
+def test_sizes_come_from_headers_and_lying_headers_are_fitted_or_skipped(processor_dir: Path, tmp_path: Path) -> None:
+    """The reader plans media from their headers (nothing decoded); decoding after the plan pads a clip a little
+    short of its promise to the planned frames, and refuses one far short."""
+    import soundfile
+
+    data = OmniDataModule(None, processor=str(processor_dir))
+    reader = data.reader()
+    wav = io.BytesIO()
+    soundfile.write(wav, np.sin(np.arange(16000) / 7).astype(np.float32), 16000, format="WAV")
+    dialogue = {"messages": [{"role": "user", "content": "<image><audio> ?"}, {"role": "assistant", "content": "A."}],
+                "images": ["0.jpg"], "audios": ["0.wav"]}
+    sample = reader({"__key__": "planned", "json": json.dumps(dialogue).encode(), "0.jpg": _image(50, 90, 0),
+                     "0.wav": wav.getvalue()})
+    (image,), (clip,) = sample.media["image"], sample.media["audio"]
+    assert isinstance(image, PendingMedia) and isinstance(clip, PendingMedia)
+    assert image.shape == (56, 84, 3) and clip.shape == (100, 80)  # 50x90 resized to 2x3 merge windows; 1 s
+    decoded = reader.decode(sample)
+    assert decoded.media["image"][0].shape == image.shape and decoded.media["audio"][0].shape == clip.shape
+    pack_samples([decoded], data.packing)
+    for promised, fits in ((104, True), (140, False)):  # 4 frames short: one audio token; 40 frames: 29%
+        lying = replace(sample, media={**sample.media, "audio": [replace(clip, shape=(promised, 80))]})
+        if fits:
+            assert reader.decode(lying).media["audio"][0].shape == (promised, 80)
+        else:
+            with pytest.raises(ValueError, match="decodes to 100 frames, 40 fewer than the 140 its header promised"):
+                reader.decode(lying)
+
+
+def test_each_trained_sample_is_decoded_once_after_the_plan(processor_dir: Path, pair_shards: str) -> None:
+    """Reordering moves undecoded samples; the rank that trains one decodes it, once, in a worker thread."""
+    data = OmniDataModule(pair_shards, processor=str(processor_dir))
+    reader, calls = data.reader(), []
+
+    def decode(sample: Any) -> Any:
+        calls.append((sample.key, threading.current_thread().name))
+        return reader.decode(sample)
+
+    samples = SampleStream(expand_shards(pair_shards), dp_rank=0, dp_size=1, batch_size=1, packing=data.packing,
+                           reader=reader)
+    loader = StatefulDataLoader(samples, batch_size=None, collate_fn=lambda item: item)
+    stream = ReorderedStream(loader, group=None, group_index=0,
+                             cost_model=reference_cost_model(ReferenceMLLMConfig.tiny()),
+                             settings=ReorderSettings(samples_per_step=2, group_steps=2), packing=data.packing,
+                             decode=decode)
+    batches = [batch for _, batch in zip(range(4), stream, strict=False)]
+    trained = [key for batch in batches for key in batch["keys"]]
+    assert sorted(key for key, _ in calls) == sorted(trained) and len(set(trained)) == len(trained) == 8
+    assert all(name.startswith("omni-decode") for _, name in calls)

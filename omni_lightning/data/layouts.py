@@ -8,21 +8,30 @@
   (``"images": ["0.jpg"]`` for ``KEY.0.jpg``; also videos and audio clips).
 - ``synthetic``: the project's own shards (:func:`~omni_lightning.data.streaming.decode_sample`).
 
-A referenced member that is missing, a media member nothing references, a member that cannot be decoded, or a
+A referenced member that is missing, a media member nothing references, a member whose header cannot be read, or a
 sample no rule recognises raises ``ValueError`` naming it: the stream counts and logs it as a bad sample.
+
+Reading plans from headers alone: each media item is a :class:`~omni_lightning.batch.PendingMedia` holding its
+bytes and the shape it will decode to (an image's resized grid, a video's sampled frames, a clip's mel frames), which
+is what the loader's plan prices and what the placeholders are counted from. Only the rank that trains a sample
+decodes it, after the plan (:meth:`SampleReader.decode`). Headers can lie: a decoded video up to
+:data:`VIDEO_FRAME_TOLERANCE` of its planned frames short (at least one temporal patch) is padded with its last frame,
+an audio clip up to :data:`AUDIO_FRAME_TOLERANCE` short (at least one audio token) with its last mel frame, and
+longer ones are trimmed to the plan; anything further off, or an image of another size, is a bad sample.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
 
-from omni_lightning.batch import PackingSpec
+from omni_lightning.batch import PackingSpec, PendingMedia
 from omni_lightning.data.conversations import (
     MediaRef,
     RenderedDialogue,
@@ -30,17 +39,32 @@ from omni_lightning.data.conversations import (
     render_caption,
     render_dialogue,
 )
-from omni_lightning.data.media import decode_audio, decode_image, decode_video, log_mel
+from omni_lightning.data.media import (
+    audio_duration,
+    decode_audio,
+    decode_image,
+    decode_video,
+    image_size,
+    log_mel,
+    mel_frames,
+    sample_frame_indices,
+    smart_resize,
+    video_info,
+)
 from omni_lightning.data.packing import DecodedSample
 from omni_lightning.data.processor import DataProcessor
 from omni_lightning.data.streaming import decode_sample
 
-__all__ = ["LAYOUTS", "Layout", "LayoutNeedsProcessor", "SampleReader", "detect_layout"]
+__all__ = ["AUDIO_FRAME_TOLERANCE", "LAYOUTS", "Layout", "LayoutNeedsProcessor", "SampleReader",
+           "VIDEO_FRAME_TOLERANCE", "detect_layout"]
 
 Layout = Literal["auto", "pairs", "conversations", "synthetic"]
 LAYOUTS = ("auto", "pairs", "conversations", "synthetic")
 SUFFIXES = {"image": ("jpg", "jpeg", "png", "webp"), "video": ("mp4", "webm", "mkv", "mov", "avi"),
             "audio": ("wav", "flac", "mp3", "ogg")}
+# How far a decoded item may fall short of the size its header promised and still be padded to it.
+VIDEO_FRAME_TOLERANCE = 0.1
+AUDIO_FRAME_TOLERANCE = 0.02
 _SYNTHETIC_MEMBER = re.compile(r"^(tokens\.npy|video\.npy|mel\.npy|img\d+\.png)$")
 
 
@@ -131,7 +155,7 @@ class SampleReader:
         else:
             raise ValueError(f"sample {key}: no caption (no txt member, no 'caption' in its json; set caption_key)")
         refs = [MediaRef("image", m) for m in images]
-        media = {"image": [self._decode(members[m], "image", key, m) for m in images]}
+        media = {"image": [self._plan(members[m], "image", key, m) for m in images]}
         if self.processor.is_bytes:  # the prefix layout: [BOS] placeholders caption
             return DecodedSample(key, self.processor.encode(caption), media=media)
         rendered = render_caption(caption, self.processor.tokenizer, refs, self._placeholder_ids(refs),
@@ -157,30 +181,75 @@ class SampleReader:
             raise ValueError(f"sample {key}: media members {unreferenced} are not referenced by its dialogue")
         media: dict[str, list[Any]] = {}
         for ref in dialogue.media:
-            media.setdefault(ref.modality, []).append(self._decode(members[ref.source], ref.modality, key, ref.source))
+            media.setdefault(ref.modality, []).append(self._plan(members[ref.source], ref.modality, key, ref.source))
         rendered = render_dialogue(dialogue, self.processor.tokenizer, self._placeholder_ids(dialogue.media),
                                    self._tokens_per_item(dialogue.media, media))
         return self._rendered(key, rendered, media)
 
     # ------------------------------------------------------------------------------------------------ helpers
-    def _decode(self, data: bytes, modality: str, key: str, member: str) -> np.ndarray:
-        """One media member as the model's packing takes it."""
+    def _plan(self, data: bytes, modality: str, key: str, member: str) -> PendingMedia:
+        """One media member with the shape it will decode to, read from its header alone."""
         if modality not in self.spec.modality_names:
             raise ValueError(f"sample {key}: modality {modality!r} ({member}) has no encoder in this model (it "
                              f"encodes {list(self.spec.modality_names)})")
         processor = self.processor
         try:
             if modality == "image":
-                return decode_image(data, processor.image)
-            if modality == "video":
-                return decode_video(data, processor.video, processor.image, self.spec.temporal_patch_size)
-            mel = log_mel(decode_audio(data, processor.audio), processor.audio)
+                shape: tuple[int, ...] = (*self._grid(*image_size(data)), 3)
+            elif modality == "video":
+                frames, fps, height, width = video_info(data)
+                count = len(sample_frame_indices(frames, fps, processor.video, self.spec.temporal_patch_size))
+                shape = (count, *self._grid(height, width), 3)
+            else:
+                samples, rate = audio_duration(data)
+                frames = mel_frames(samples, rate, processor.audio)
+                shape = (frames - frames % self.spec.audio_downsample, processor.audio.n_mels)
         except ValueError as error:
-            raise ValueError(f"sample {key}: {member} cannot be decoded ({error})") from None
-        frames = len(mel) - len(mel) % self.spec.audio_downsample  # the stem downsamples whole groups of frames
-        if frames == 0:
-            raise ValueError(f"sample {key}: {member} is shorter than one audio token ({len(mel)} mel frames)")
-        return mel[:frames]
+            raise ValueError(f"sample {key}: {member} cannot be read ({error})") from None
+        if shape[0] == 0:
+            raise ValueError(f"sample {key}: {member} is shorter than one {modality} token ({shape})")
+        return PendingMedia(data, shape, member)
+
+    def _grid(self, height: int, width: int) -> tuple[int, int]:
+        image = self.processor.image
+        return smart_resize(height, width, factor=image.factor, min_pixels=image.min_pixels,
+                            max_pixels=image.max_pixels)
+
+    def decode(self, sample: DecodedSample) -> DecodedSample:
+        """``sample`` with its pending media decoded and fitted to their planned shapes (see the module's docstring);
+        ``ValueError`` naming the sample and the member where decoding fails or is too far off the plan."""
+        if not any(isinstance(item, PendingMedia) for items in sample.media.values() for item in items):
+            return sample
+        media = {name: [self._decoded(item, name, sample.key) if isinstance(item, PendingMedia) else item
+                        for item in items] for name, items in sample.media.items()}
+        return replace(sample, media=media)
+
+    def _decoded(self, item: PendingMedia, modality: str, key: str) -> np.ndarray:
+        processor = self.processor
+        try:
+            if modality == "image":
+                array = decode_image(item.data, processor.image)
+            elif modality == "video":
+                array = decode_video(item.data, processor.video, processor.image, self.spec.temporal_patch_size)
+            else:
+                array = log_mel(decode_audio(item.data, processor.audio), processor.audio)
+        except ValueError as error:
+            raise ValueError(f"sample {key}: {item.member} cannot be decoded ({error})") from None
+        planned = item.shape
+        if array.shape[1:] != planned[1:] or (modality == "image" and array.shape != planned):
+            raise ValueError(f"sample {key}: {item.member} decodes to shape {list(array.shape)}, its header "
+                             f"promised {list(planned)}")
+        if modality == "image" or len(array) == planned[0]:
+            return array
+        unit = self.spec.temporal_patch_size if modality == "video" else self.spec.audio_downsample
+        tolerance = VIDEO_FRAME_TOLERANCE if modality == "video" else AUDIO_FRAME_TOLERANCE
+        short = planned[0] - len(array)
+        if short > max(unit, math.ceil(tolerance * planned[0])):
+            raise ValueError(f"sample {key}: {item.member} decodes to {len(array)} frames, {short} fewer than the "
+                             f"{planned[0]} its header promised")
+        if short < 0:
+            return array[: planned[0]]
+        return np.concatenate([array, np.repeat(array[-1:], short, axis=0)])
 
     def _placeholder_ids(self, refs: Sequence[MediaRef]) -> dict[str, int]:
         return {m: self.processor.placeholder(m) for m in dict.fromkeys(ref.modality for ref in refs)}

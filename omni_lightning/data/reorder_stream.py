@@ -14,7 +14,8 @@ import logging
 import math
 import pickle
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.digest import plan_digest
 from omni_lightning.balance.reorder import GroupPlan, PipelineOrder, ReorderConfig, plan_in_place, plan_reorder_group
-from omni_lightning.batch import IGNORE_INDEX, PackingSpec
+from omni_lightning.batch import IGNORE_INDEX, PackingSpec, PendingMedia
 from omni_lightning.data.packing import (
     DecodedSample,
     data_counts,
@@ -138,9 +139,13 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
+def _array(item: Any) -> np.ndarray:
+    return np.frombuffer(item.data, dtype=np.uint8) if isinstance(item, PendingMedia) else np.asarray(item)
+
+
 def _arrays(sample: DecodedSample) -> list[np.ndarray]:
     targets = [] if sample.targets is None else [sample.targets]
-    return [sample.tokens, *(np.asarray(item) for items in sample.media.values() for item in items), *targets]
+    return [sample.tokens, *(_array(item) for items in sample.media.values() for item in items), *targets]
 
 
 class _Wire:
@@ -159,7 +164,9 @@ class _Wire:
             layouts.append((array.dtype.str, array.shape, offset))
             offset += _aligned(array.nbytes)
         counts = [(name, len(items)) for name, items in sample.media.items()]
-        self.header = pickle.dumps((sample.key, sample.meta, counts, layouts, sample.media_order,
+        pending = [(item.shape, item.member) if isinstance(item, PendingMedia) else None
+                   for items in sample.media.values() for item in items]
+        self.header = pickle.dumps((sample.key, sample.meta, counts, layouts, pending, sample.media_order,
                                     sample.targets is not None), protocol=pickle.HIGHEST_PROTOCOL)
         self.nbytes = offset + _aligned(len(self.header) + 8)
 
@@ -179,9 +186,12 @@ class _Wire:
         """The sample written at ``data[start : start + nbytes]``; its arrays are views of ``data``."""
         end = start + nbytes
         length = int.from_bytes(data[end - 8 : end], "little")
-        key, meta, counts, layouts, media_order, rendered = pickle.loads(data[end - 8 - length : end - 8])
-        arrays = [np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=start + offset).reshape(shape)
-                  for dtype, shape, offset in layouts]
+        key, meta, counts, layouts, pending, media_order, rendered = pickle.loads(data[end - 8 - length : end - 8])
+        arrays: list[Any] = [np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=start + offset).reshape(
+            shape) for dtype, shape, offset in layouts]
+        for index, promise in enumerate(pending, start=1):  # still encoded: bytes and the shape planned for them
+            if promise is not None:
+                arrays[index] = PendingMedia(arrays[index].tobytes(), *promise)
         media, next_array = {}, 1
         for name, count in counts:
             media[name], next_array = arrays[next_array : next_array + count], next_array + count
@@ -217,8 +227,11 @@ class ReorderedStream:
         settings: ReorderSettings,
         seed: int = 0,
         packing: PackingSpec = DEFAULT_PACKING,
+        decode: Callable[[DecodedSample], DecodedSample] | None = None,
     ) -> None:
         self.loader = loader
+        self.decode = decode
+        self._decoders: ThreadPoolExecutor | None = None
         self.group = group
         self.group_index = group_index
         self.cost_model = cost_model
@@ -275,6 +288,7 @@ class ReorderedStream:
             self.counters["samples_moved"] += plan.samples_moved
             self.counters["bytes_moved"] += plan.bytes_moved
             yielded = 0
+            decoded = self._decode_in_background(everything, plan.micro_batches[rank])
             for step, micro_batches in enumerate(plan.micro_batches[rank]):
                 step_mean = float(plan.step_cost[:, step].mean()) or 1.0
                 encoder, llm = self._module_costs(gathered, [i for ids in micro_batches for i in ids])
@@ -286,10 +300,12 @@ class ReorderedStream:
                     "reorder_seconds": seconds,
                     **{k: float(v) for k, v in self.counters.items()},
                 }
-                packed = [_pack([everything[i] for i in ids], self.packing) for ids in micro_batches]
+                trained = [[s for s in (self._take(decoded, i) for i in ids) if s is not None] for ids in micro_batches]
+                packed = [_pack(samples, self.packing) for samples in trained]
                 # The group's skips count in its first step (they happened while reading it).
                 skipped = self.counters["skipped"] - group_start["counters"]["skipped"] if step == 0 else 0
-                counts = data_counts([everything[i] for ids in micro_batches for i in ids], packed, self.packing,
+                skipped += sum(len(ids) for ids in micro_batches) - sum(len(s) for s in trained)
+                counts = data_counts([s for samples in trained for s in samples], packed, self.packing,
                                      skipped=skipped)
                 # The module divides by the step's loss tokens (all micro-batches, all ranks), not each micro-batch's,
                 # so accumulated gradients equal one pass over the whole step however the samples were split.
@@ -309,6 +325,29 @@ class ReorderedStream:
                         continue
                     yield {**batch, "reorder": stats, "step": step, "data": counts}
             group_number, skip = group_number + 1, 0
+
+    # ------------------------------------------------------------------------------------------------ decoding
+    def _decode_in_background(self, samples: dict[int, DecodedSample], steps: list[list[list[int]]]
+                              ) -> dict[int, Future[DecodedSample] | DecodedSample]:
+        """This rank's samples of the group, decoding in worker threads in the order they train (pixels, frames and
+        waveforms are decoded once, by the rank that trains them, after the plan, while earlier steps train)."""
+        if self.decode is None:
+            return dict(samples)
+        if self._decoders is None:
+            self._decoders = ThreadPoolExecutor(max_workers=2, thread_name_prefix="omni-decode")
+        order = [i for micro_batches in steps for ids in micro_batches for i in ids]
+        return {i: self._decoders.submit(self.decode, samples[i]) for i in order}
+
+    def _take(self, decoded: dict[int, Future[DecodedSample] | DecodedSample], index: int) -> DecodedSample | None:
+        """Sample ``index`` decoded, or ``None`` where its payload did not decode as planned (counted, logged)."""
+        item = decoded[index]
+        if not isinstance(item, Future):
+            return item
+        try:
+            return item.result()
+        except ValueError as error:
+            log.warning("skipping a sample after the plan: %s", error)
+            return None
 
     # ------------------------------------------------------------------------------------------------ steps
     def _fresh_count(self, carried: int) -> int:

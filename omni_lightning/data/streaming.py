@@ -239,6 +239,8 @@ class ShardStream(IterableDataset):
         self._epoch = 0
         self._consumed = 0
 
+    decodes_after_plan = False
+
     def state_dict(self) -> dict[str, int]:
         return {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "epoch": self._epoch, "consumed": self._consumed}
 
@@ -279,6 +281,8 @@ class ShardStream(IterableDataset):
                         try:
                             sample = (self.reader(raw) if self.reader is not None else
                                       decode_sample(raw, patch_size=self.packing.patch_size, tokenizer=self.tokenizer))
+                            if not self.decodes_after_plan and self.reader is not None:
+                                sample = getattr(self.reader, "decode", lambda s: s)(sample)  # a plain stream packs it
                             check_packable(sample, self.packing)
                         except ValueError as error:
                             yield self._bad(url, key, str(error))
@@ -311,7 +315,10 @@ class ShardStream(IterableDataset):
 
 
 class SampleStream(ShardStream):
-    """One decoded sample (or :class:`~omni_lightning.data.streaming.BadSample`) at a time, for balancing."""
+    """One sample (or :class:`~omni_lightning.data.streaming.BadSample`) at a time, for balancing: media the reader
+    left pending are decoded after the plan, by the rank that trains them."""
+
+    decodes_after_plan = True
 
     @override
     def __iter__(self) -> Any:

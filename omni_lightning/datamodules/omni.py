@@ -279,6 +279,7 @@ class OmniDataModule(WebDataModule):
             settings=self.settings,
             seed=self.seed,
             packing=self.packing,
+            decode=self.reader().decode,  # media the reader planned from headers, decoded after the plan
         )
         if self.relay_group is not None:  # encoders on stage 0 only: the other stages take shapes from it
             return ResumableLoader(StageRelay(stream, group=self.relay_group, spec=self.packing))
