@@ -123,9 +123,13 @@ class TokenRoles:
         names = [m for m, _ in self.placeholders]
         if len(set(names)) != len(names):
             raise ValueError(f"modalities {names} have more than one placeholder each")
-        if {self.pad, self.bos, self.eos} & {i for _, i in self.placeholders} or self.pad == self.bos:
-            raise ValueError(f"pad ({self.pad}), bos ({self.bos}), eos ({self.eos}) and the placeholders "
-                             f"{dict(self.placeholders)} must be distinct ids")
+        # pad, bos and eos may coincide (GPT-2-style vocabularies have one <|endoftext|> for all three).
+        if {self.pad, self.bos, self.eos} & {i for _, i in self.placeholders}:
+            raise ValueError(f"pad ({self.pad}), bos ({self.bos}) and eos ({self.eos}) must differ from the "
+                             f"placeholders {dict(self.placeholders)}")
+
+    def has_placeholder(self, modality: str) -> bool:
+        return any(name == modality for name, _ in self.placeholders)
 
     def placeholder(self, modality: str) -> int:
         """The placeholder id of ``modality``."""

@@ -191,8 +191,10 @@ AUDIO = Modality(name="audio", encoder="audio", shape=_audio_shape, item_tokens=
 def packing_spec(*, patch_size: int = 14, vision_merge: int = 4, temporal_patch_size: int = 1,
                  audio_downsample: int = 4, roles: TokenRoles = BYTE_ROLES, extra_modalities: Sequence[Modality] = (),
                  extra_encoders: Sequence[EncoderFormat] = ()) -> PackingSpec:
-    """The packing of images, video and audio (in that order in a sequence), then ``extra_modalities``."""
-    return PackingSpec(modalities=(IMAGE, VIDEO, AUDIO, *extra_modalities),
+    """The packing of images, video and audio (in that order in a sequence), then ``extra_modalities``; a built-in
+    modality the roles have no placeholder for (a tokenizer without audio tokens) is left out."""
+    builtin = tuple(m for m in (IMAGE, VIDEO, AUDIO) if roles.has_placeholder(m.name))
+    return PackingSpec(modalities=(*builtin, *extra_modalities),
                        encoders=(VISION_ENCODER, AUDIO_ENCODER, *extra_encoders), roles=roles, patch_size=patch_size,
                        vision_merge=vision_merge, temporal_patch_size=temporal_patch_size,
                        audio_downsample=audio_downsample)

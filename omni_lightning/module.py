@@ -242,7 +242,11 @@ class OmniModule(LightningModule):
                 self._log_plan("reorder", batch["reorder"], samples)
             if plan := step.encoder_stats:  # this step's encoder plan (group-wide), this rank's bytes
                 self._log_plan("reshard", plan, samples)
-            if hasattr(getattr(self._trainer, "datamodule", None), "data_processor"):  # every rank, or none
+        if self._trainer is not None and hasattr(getattr(self._trainer, "datamodule", None), "data_processor"):
+            trainer = self._trainer
+            # A collective: gated by the step count alone, which every rank shares (Lightning's own rule also
+            # logs when one rank's trainer.should_stop is set, which other ranks may not see yet).
+            if (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % trainer.log_every_n_steps == 0:
                 self._log_data(batch.get("data"))
         return {"loss": result.loss, "global_loss": stats["loss"]}
 

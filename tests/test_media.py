@@ -403,7 +403,6 @@ def test_mp3_round_trip() -> None:
 
 def _bad_audio() -> dict[str, bytes]:
     wav, flac = audio_bytes(noise(8000), 16000), audio_bytes(noise(8000), 16000, "FLAC")
-    mp3 = audio_bytes(noise(16000), 16000, "MP3")
     return {
         "empty": b"",
         "random bytes": random_pixels((400,), 5).tobytes(),

@@ -32,7 +32,7 @@ from PIL import Image
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from omni_lightning import OmniDataModule, OmniModule, ReferenceMLLMConfig
-from omni_lightning.batch import IGNORE_INDEX, PendingMedia
+from omni_lightning.batch import IGNORE_INDEX, PendingMedia, TokenRoles
 from omni_lightning.cli import main, make_shards_main
 from omni_lightning.data.conversations import parse_dialogue
 from omni_lightning.data.jsonl import write_shard
@@ -376,6 +376,23 @@ def test_a_tokenizer_without_named_multimodal_tokens(tmp_path: Path) -> None:
     assert processor.placeholder("image") == tokenizer.convert_tokens_to_ids("<image>")
     with pytest.raises(ValueError, match=r"has no video placeholder token \(looked for <video>\)"):
         processor.placeholder("video")
+    data = OmniDataModule(None, processor=str(tmp_path))  # trains images; a video sample is a named bad sample
+    assert data.packing.modality_names == ("image",)
+    dialogue = {"messages": [{"role": "user", "content": "<video> ?"}, {"role": "assistant", "content": "A."}],
+                "videos": ["0.mp4"]}
+    with pytest.raises(ValueError, match="sample v: .*has no video placeholder token"):
+        data.reader()({"__key__": "v", "json": json.dumps(dialogue).encode(), "0.mp4": b"\x00"})
+
+
+def test_gpt2_style_roles_and_templates_that_refuse_a_dialogue(tmp_path: Path) -> None:
+    """One <|endoftext|> as pad, bos and eos is accepted; a template's raise_exception is a named bad sample."""
+    assert TokenRoles(pad=7, bos=7, eos=7, placeholders=(("image", 9),)).filler == 7
+    strict = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('roles must alternate') }}{% endif %}"
+    save_tokenizer(tmp_path, train_bpe(), strict + chatml(False), named=True)
+    reader = OmniDataModule(None, processor=str(tmp_path)).reader()
+    dialogue = {"messages": [{"role": "assistant", "content": "A."}, {"role": "user", "content": "?"}]}
+    with pytest.raises(ValueError, match="sample r: the chat template refuses it .*roles must alternate"):
+        reader({"__key__": "r", "json": json.dumps(dialogue).encode()})
 
 
 def test_sizes_come_from_headers_and_lying_headers_are_fitted_or_skipped(processor_dir: Path, tmp_path: Path) -> None:

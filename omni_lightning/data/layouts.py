@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
+from jinja2 import TemplateError
 
 from omni_lightning.batch import PackingSpec, PendingMedia
 from omni_lightning.data.conversations import (
@@ -182,13 +183,21 @@ class SampleReader:
         media: dict[str, list[Any]] = {}
         for ref in dialogue.media:
             media.setdefault(ref.modality, []).append(self._plan(members[ref.source], ref.modality, key, ref.source))
-        rendered = render_dialogue(dialogue, self.processor.tokenizer, self._placeholder_ids(dialogue.media),
-                                   self._tokens_per_item(dialogue.media, media))
+        try:
+            rendered = render_dialogue(dialogue, self.processor.tokenizer, self._placeholder_ids(dialogue.media),
+                                       self._tokens_per_item(dialogue.media, media))
+        except TemplateError as error:  # templates refuse dialogues they cannot render (roles must alternate, ...)
+            raise ValueError(f"sample {key}: the chat template refuses it ({error})") from None
         return self._rendered(key, rendered, media)
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _plan(self, data: bytes, modality: str, key: str, member: str) -> PendingMedia:
         """One media member with the shape it will decode to, read from its header alone."""
+        if not self.processor.is_bytes:
+            try:
+                self.processor.placeholder(modality)  # names the tokens looked for where the tokenizer has none
+            except ValueError as error:
+                raise ValueError(f"sample {key}: {member}: {error}") from None
         if modality not in self.spec.modality_names:
             raise ValueError(f"sample {key}: modality {modality!r} ({member}) has no encoder in this model (it "
                              f"encodes {list(self.spec.modality_names)})")

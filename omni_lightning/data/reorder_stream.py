@@ -258,6 +258,9 @@ class ReorderedStream:
         self.counters.update(state["counters"])
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self._decoders is not None:  # a re-iteration abandons the group being decoded
+            self._decoders.shutdown(wait=True, cancel_futures=True)
+            self._decoders = None
         # Start where the current group began (a fresh start, a resume, or a re-iteration all land there).
         self.loader.load_state_dict(self._state["loader"])
         records = iter(self.loader)

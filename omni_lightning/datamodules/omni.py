@@ -163,6 +163,7 @@ class OmniDataModule(WebDataModule):
         self.pipeline_order = pipeline_order
         self.on_bad_sample = on_bad_sample
         self.cost_model = cost_model
+        self._prices_from_model = cost_model is None
         self.tokenizer = tokenizer
         self.reorder_group: dist.ProcessGroup | None = None
         self.reorder_group_index = 0
@@ -271,6 +272,11 @@ class OmniDataModule(WebDataModule):
         loader = StatefulDataLoader(self.train_samples(), batch_size=None, num_workers=self.num_workers,
                                     collate_fn=_unbatched)
         assert self.cost_model is not None, "setup() has not run"
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        priced = getattr(module, "cost_model", None)
+        if self._prices_from_model and self.data_processor is not None and callable(priced):
+            # The model took its vocabulary from this processor after setup: its LM head is priced as resolved.
+            self.cost_model = priced()
         stream = ReorderedStream(
             loader,
             group=self.reorder_group,

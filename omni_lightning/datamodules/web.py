@@ -12,6 +12,7 @@ from lightning.pytorch import LightningDataModule
 from torchdata.stateful_dataloader import StatefulDataLoader
 from typing_extensions import override
 
+from omni_lightning.batch import PackingSpec
 from omni_lightning.data.layouts import Layout, SampleReader
 from omni_lightning.data.media import ImagePolicy
 from omni_lightning.data.processor import DataProcessor, byte_processor, load_processor
@@ -81,9 +82,9 @@ class WebDataModule(LightningDataModule):
         self.synthetic = synthetic
         self.val_shards = val_shards
         self.val_batches = val_batches
-        roles = self.data_processor.roles if self.data_processor is not None else None
-        self.packing = packing_spec(patch_size=patch_size, vision_merge=vision_merge, audio_downsample=audio_downsample,
-                                    **({"roles": roles} if roles is not None else {}))
+        self.packing = packing_spec(patch_size=patch_size, vision_merge=vision_merge, audio_downsample=audio_downsample)
+        if self.data_processor is not None:
+            self.packing = self._with_processor(self.packing)
         self.layout, self.caption_key = layout, caption_key
         SampleReader(byte_processor(), self.packing, layout)  # checks the layout's name now
         self.dp_rank, self.dp_size = 0, 1
@@ -166,9 +167,17 @@ class WebDataModule(LightningDataModule):
                 raise ValueError(f"the model's token roles {model.roles} differ from those of the processor at "
                                  f"{self.data_processor.source} ({self.packing.roles}): train the model with the "
                                  "tokenizer it was built for")
-            image = self.data_processor.image
-            model = replace(model, roles=self.packing.roles, pixel_mean=image.mean, pixel_std=image.std)
+            model = self._with_processor(model)
         self.packing = model
+
+    def _with_processor(self, spec: PackingSpec) -> PackingSpec:
+        """``spec`` with the processor's token roles (modalities it has no placeholder for left out) and pixel
+        normalisation."""
+        processor = self.data_processor
+        assert processor is not None
+        image = processor.image
+        modalities = tuple(m for m in spec.modalities if processor.roles.has_placeholder(m.name))
+        return replace(spec, roles=processor.roles, modalities=modalities, pixel_mean=image.mean, pixel_std=image.std)
 
     def stream(self, shards: str | list[str], *, dp_rank: int | None = None, dp_size: int | None = None,
                num_workers: int | None = None, max_batches: int | None = None) -> ShardStream:
