@@ -34,6 +34,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from omni_lightning import OmniDataModule, OmniModule, ReferenceMLLMConfig
 from omni_lightning.batch import IGNORE_INDEX, PendingMedia, TokenRoles
 from omni_lightning.cli import main, make_shards_main
+from omni_lightning.data.conversation_shards import conversations_to_shards
 from omni_lightning.data.conversations import parse_dialogue
 from omni_lightning.data.jsonl import write_shard
 from omni_lightning.data.layouts import LayoutNeedsProcessor, detect_layout
@@ -443,3 +444,17 @@ def test_each_trained_sample_is_decoded_once_after_the_plan(processor_dir: Path,
     trained = [key for batch in batches for key in batch["keys"]]
     assert sorted(key for key, _ in calls) == sorted(trained) and len(set(trained)) == len(trained) == 8
     assert all(name.startswith("omni-decode") for _, name in calls)
+
+
+@pytest.mark.parametrize(("records", "problem"), [
+    ([{"id": "a", "messages": [{"role": "user", "content": "<image>?"}, {"role": "assistant", "content": "A."}],
+       "images": ["gone.jpg"]}], r"dialogues.json\[0\]: image 'gone.jpg' is not a file"),
+    ([{"id": "a.b", "messages": [{"role": "user", "content": "?"}, {"role": "assistant", "content": "A."}]}],
+     r"dialogues.json\[0\]: id 'a.b' is repeated or not made of letters"),
+    (["not a dialogue"], r"dialogues.json\[0\]: "),
+])
+def test_a_bad_conversation_stops_the_conversion_naming_it(tmp_path: Path, records: list[Any], problem: str) -> None:
+    (tmp_path / "dialogues.json").write_text(json.dumps(records))
+    with pytest.raises(ValueError, match=problem):
+        conversations_to_shards(tmp_path / "dialogues.json", tmp_path / "out")
+    assert not list((tmp_path / "out").glob("*.tar"))

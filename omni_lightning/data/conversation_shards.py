@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_lightning.data.conversations import MODALITIES, parse_dialogue
-from omni_lightning.data.jsonl import write_shard
+from omni_lightning.data.jsonl import write_shards
 
 __all__ = ["conversations_to_shards"]
 
@@ -72,6 +72,25 @@ def _rewritten_message(message: Any, members: dict[str, str]) -> Any:
     return {**message, "content": parts}
 
 
+def _sample(record: Any, key: str, root: Path, seen: set[str]) -> dict[str, Any]:
+    """One dialogue as a webdataset sample: its media files as members, its record with their suffixes."""
+    dialogue = parse_dialogue(record)
+    if key in seen or not _KEY.match(key):
+        raise ValueError(f"id {key!r} is repeated or not made of letters, digits, - and _")
+    seen.add(key)
+    members: dict[str, str] = {}
+    sample: dict[str, Any] = {"__key__": key}
+    for ref in dialogue.media:
+        if ref.source not in members:
+            file = root / ref.source
+            if not file.is_file():
+                raise ValueError(f"{ref.modality} {ref.source!r} is not a file under {root}")
+            members[ref.source] = f"{len(members)}{file.suffix.lower()}"
+            sample[members[ref.source]] = file.read_bytes()
+    sample["json"] = json.dumps(_rewritten(record, members), ensure_ascii=False).encode("utf-8")
+    return sample
+
+
 def conversations_to_shards(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
                             media_root: str | os.PathLike[str] | None = None, samples_per_shard: int = 64,
                             prefix: str = "train") -> list[str]:
@@ -84,39 +103,17 @@ def conversations_to_shards(source: str | os.PathLike[str], out_dir: str | os.Pa
     root = Path(media_root) if media_root is not None else source.parent
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths: list[str] = []
-    pending: list[dict[str, Any]] = []
     seen: set[str] = set()
 
-    def flush() -> None:
-        paths.append(str(out / f"{prefix}-{len(paths):06d}.tar"))
-        write_shard(Path(paths[-1]), pending)
-        pending.clear()
+    def samples() -> Iterator[dict[str, Any]]:
+        for index, (where, record) in enumerate(_records(source)):
+            try:
+                yield _sample(record, str(record.get("id", f"{index:08d}")) if isinstance(record, dict) else "",
+                              root, seen)
+            except ValueError as error:
+                raise ValueError(f"{where}: {error}") from None
 
-    for index, (where, record) in enumerate(_records(source)):
-        try:
-            dialogue = parse_dialogue(record)
-            key = str(record.get("id", f"{index:08d}"))
-            if key in seen or not _KEY.match(key):
-                raise ValueError(f"id {key!r} is repeated or not made of letters, digits, - and _")
-            seen.add(key)
-            members: dict[str, str] = {}
-            sample: dict[str, Any] = {"__key__": key}
-            for ref in dialogue.media:
-                if ref.source not in members:
-                    file = root / ref.source
-                    if not file.is_file():
-                        raise ValueError(f"{ref.modality} {ref.source!r} is not a file under {root}")
-                    members[ref.source] = f"{len(members)}{file.suffix.lower()}"
-                    sample[members[ref.source]] = file.read_bytes()
-            sample["json"] = json.dumps(_rewritten(record, members), ensure_ascii=False).encode("utf-8")
-        except ValueError as error:
-            raise ValueError(f"{where}: {error}") from None
-        pending.append(sample)
-        if len(pending) == samples_per_shard:
-            flush()
-    if pending:
-        flush()
+    paths = write_shards(samples(), out, prefix=prefix, samples_per_shard=samples_per_shard)
     if not paths:
         raise ValueError(f"{source}: no conversations")
     return paths

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from omni_lightning.balance.workload import SampleMeta
 from omni_lightning.data.streaming import ByteTokenizer, Tokenizer
 from omni_lightning.data.synthetic import npy_bytes, png_bytes
 
-__all__ = ["jsonl_to_shards", "write_shard"]
+__all__ = ["jsonl_to_shards", "write_shard", "write_shards"]
 
 _MERGE = (("audio", 4), ("image", 4), ("video", 4))
 # webdataset splits a member name at its first dot, and keys become file names inside the tar.
@@ -95,6 +95,27 @@ def write_shard(path: Path, samples: list[dict[str, Any]]) -> None:
         raise
 
 
+def write_shards(samples: Iterable[dict[str, Any]], out_dir: Path, *, prefix: str, samples_per_shard: int
+                 ) -> list[str]:
+    """Write ``samples`` as ``out_dir/{prefix}-{i:06d}.tar`` shards of ``samples_per_shard`` each (the last may
+    hold fewer), each through :func:`write_shard`; returns their paths."""
+    paths: list[str] = []
+    pending: list[dict[str, Any]] = []
+
+    def flush() -> None:
+        paths.append(str(out_dir / f"{prefix}-{len(paths):06d}.tar"))
+        write_shard(Path(paths[-1]), pending)
+        pending.clear()
+
+    for sample in samples:  # one shard's samples in memory at a time
+        pending.append(sample)
+        if len(pending) == samples_per_shard:
+            flush()
+    if pending:
+        flush()
+    return paths
+
+
 def jsonl_to_shards(
     manifest: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -117,29 +138,22 @@ def jsonl_to_shards(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = tokenizer or ByteTokenizer()
-    paths: list[str] = []
-    pending: list[dict[str, Any]] = []
     seen: set[str] = set()
 
-    def flush() -> None:
-        paths.append(str(out / f"{prefix}-{len(paths):06d}.tar"))
-        write_shard(Path(paths[-1]), pending)
-        pending.clear()
+    def samples() -> Iterator[dict[str, Any]]:
+        for number, record in _records(manifest):
+            key = str(record.get("id", f"line{number:06d}"))
+            if key in seen or not _KEY.match(key):
+                raise ValueError(f"{manifest}:{number}: id {key!r} is repeated or not made of letters, digits, - "
+                                 "and _")
+            seen.add(key)
+            try:
+                yield _sample(record, key, base, patch_size=patch_size, max_side=max_side, n_mels=n_mels,
+                              tokenizer=tokenizer)
+            except (OSError, ValueError) as error:
+                raise ValueError(f"{manifest}:{number} (id {key}): {error}") from None
 
-    for number, record in _records(manifest):
-        key = str(record.get("id", f"line{number:06d}"))
-        if key in seen or not _KEY.match(key):
-            raise ValueError(f"{manifest}:{number}: id {key!r} is repeated or not made of letters, digits, - and _")
-        seen.add(key)
-        try:
-            pending.append(_sample(record, key, base, patch_size=patch_size, max_side=max_side, n_mels=n_mels,
-                                   tokenizer=tokenizer))
-        except (OSError, ValueError) as error:
-            raise ValueError(f"{manifest}:{number} (id {key}): {error}") from None
-        if len(pending) == samples_per_shard:
-            flush()
-    if pending:
-        flush()
+    paths = write_shards(samples(), out, prefix=prefix, samples_per_shard=samples_per_shard)
     if not paths:
         raise ValueError(f"{manifest}: no samples")
     return paths
