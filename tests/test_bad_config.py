@@ -186,6 +186,8 @@ CASES: dict[str, Case] = {
                                       r"processor='no/such/processor' is not a directory"),
     "size-contradicts-processor": Case(_with_processor(patch_size=16),
                                        r"patch_size=16 but the processor at .* has patch_size=14: leave patch_size"),
+    "audio-rate-not-a-divisor": Case(lambda s: OmniDataModule(s, audio_frames_per_second=7),
+                                     r"audio_frames_per_second=7 must divide the audio sampling rate 16000"),
     "layout-unknown": Case(lambda s: OmniDataModule(s, layout="tfrecord"), r"layout='tfrecord' must be one of"),
     "reorder-unknown": Case(lambda s: OmniDataModule(s, reorder="sorted"),
                             r"reorder='sorted' must be 'grouped' or 'none'"),

@@ -10,6 +10,7 @@ and a resume is exact on these layouts.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import subprocess
@@ -31,13 +32,14 @@ from lightning_runs import LEARNING_RATE, assert_resumes_under, fit
 from PIL import Image
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from omni_lightning import OmniDataModule, OmniModule, ReferenceMLLMConfig
+from omni_lightning import OmniDataModule, OmniModule, ReferenceMLLMConfig, WebDataModule
 from omni_lightning.batch import IGNORE_INDEX, PendingMedia, TokenRoles
 from omni_lightning.cli import main, make_shards_main
 from omni_lightning.data.conversation_shards import conversations_to_shards
 from omni_lightning.data.conversations import parse_dialogue
 from omni_lightning.data.jsonl import write_shard
 from omni_lightning.data.layouts import LayoutNeedsProcessor, detect_layout
+from omni_lightning.data.media import VideoPolicy
 from omni_lightning.data.packing import pack_samples
 from omni_lightning.data.processor import load_processor
 from omni_lightning.data.reorder_stream import ReorderedStream, ReorderSettings
@@ -132,6 +134,44 @@ def test_processor_gives_roles_vocabulary_and_media_policy(processor_dir: Path, 
         OmniDataModule(pair_shards, processor=str(processor_dir), patch_size=16)
     with pytest.raises(ValueError, match="is not a directory"):
         OmniDataModule(pair_shards, processor=str(processor_dir / "missing"))
+
+
+def test_audio_and_video_sampling_come_from_the_processor(tmp_path: Path, pair_shards: str) -> None:
+    from transformers import WhisperFeatureExtractor
+
+    save_tokenizer(tmp_path, train_bpe(), chatml(True), named=True)
+    WhisperFeatureExtractor(feature_size=80, hop_length=320).save_pretrained(tmp_path)  # 50 mel frames a second
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({"fps": 1.0, "max_frames": 8,
+                                                                         "min_frames": 2}))
+    data = OmniDataModule(pair_shards, processor=str(tmp_path))
+    assert data.audio_policy.hop_length == data.reader().processor.audio.hop_length == 320
+    assert data.video_policy == data.reader().processor.video == VideoPolicy(fps=1.0, max_frames=8, min_frames=2)
+    chosen = OmniDataModule(pair_shards, processor=str(tmp_path), audio_frames_per_second=50, video_fps=4.0,
+                            video_max_frames=16)
+    assert chosen.video_policy == VideoPolicy(fps=4.0, max_frames=16, min_frames=2)
+    with pytest.raises(ValueError, match=r"audio_frames_per_second=100 but the processor at .* has "
+                                         r"audio_frames_per_second=50"):
+        OmniDataModule(pair_shards, processor=str(tmp_path), audio_frames_per_second=100)
+    assert OmniDataModule(pair_shards, audio_frames_per_second=50).audio_policy.hop_length == 320  # bytes
+    assert OmniDataModule(pair_shards).audio_policy.hop_length == 160
+    with pytest.raises(ValueError, match="audio_frames_per_second=7 must divide the audio sampling rate 16000"):
+        OmniDataModule(pair_shards, audio_frames_per_second=7)
+
+
+def test_the_plain_stream_counts_what_went_in_and_what_it_skipped(tmp_path: Path, processor_dir: Path) -> None:
+    samples = [{"__key__": "broken", "jpg": _image(40, 40, 0)[:60], "txt": b"A cat."}]
+    samples += [{"__key__": f"good{i}", "jpg": _image(40, 40 + 8 * i, i), "txt": CAPTIONS[i].encode()}
+                for i in range(4)]
+    write_shard(tmp_path / "plain-000000.tar", samples)
+    data = WebDataModule(str(tmp_path / "plain-000000.tar"), batch_size=2, processor=str(processor_dir))
+    first, second = itertools.islice(iter(data.stream(data.shards)), 2)
+    assert (first["data"]["skipped"], first["data"]["samples"], first["data"]["images"]) == (1, 2, 2)
+    assert first["data"]["loss_tokens"] == int((first["labels"] != IGNORE_INDEX).sum()) > 0
+    assert (second["data"]["skipped"], second["data"]["samples"]) == (0, 2)
+    with pytest.raises(ValueError, match="shard .*plain-000000.tar, sample broken"):
+        strict = WebDataModule(str(tmp_path / "plain-000000.tar"), batch_size=2, processor=str(processor_dir),
+                               on_bad_sample="error")
+        next(iter(strict.stream(strict.shards)))
 
 
 def test_layouts_are_decided_per_sample(pair_shards: str, conversation_shards: str) -> None:

@@ -3,6 +3,7 @@ buffer outgrows a group), one payload exchange per group, none when nothing move
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from distributed import run_distributed
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from omni_lightning.data.layouts import LayoutNeedsProcessor
 from omni_lightning.data.packing import DecodedSample
 from omni_lightning.data.reorder_stream import ReorderedStream, ReorderSettings, _Wire
 from omni_lightning.data.shards import existing_shards
@@ -125,3 +127,42 @@ def _world_collectives(rank: int, world_size: int, shards: str) -> None:
 @pytest.mark.distributed
 def test_one_payload_exchange_per_group_and_none_when_nothing_moves(tiny_shards: str) -> None:
     run_distributed(_world_collectives, 3, tiny_shards)
+
+
+class _FailingLoader:
+    """Yields this rank's samples; on ``failing_rank`` the second read raises, as a setting the data contradicts."""
+
+    def __init__(self, rank: int, failing_rank: int) -> None:
+        self.rank, self.failing_rank = rank, failing_rank
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def __iter__(self) -> Any:
+        text = DecodedSample("text", np.arange(5, 20, dtype=np.int64))
+        yield text
+        if self.rank == self.failing_rank:
+            raise LayoutNeedsProcessor("sample chat7 of shard s.tar is a dialogue: pass OmniDataModule(processor=PATH)")
+        while True:
+            yield text
+
+
+def _world_failure(rank: int, world_size: int) -> None:
+    stream = ReorderedStream(_FailingLoader(rank, failing_rank=1), group=dist.group.WORLD, group_index=3,
+                             cost_model=COST, settings=ReorderSettings(samples_per_step=2, group_steps=2))
+    started = time.monotonic()
+    expected = LayoutNeedsProcessor if rank == 1 else RuntimeError
+    with pytest.raises(expected, match=r"chat7 of shard s\.tar .*processor=PATH") as raised:
+        next(iter(stream))
+    assert time.monotonic() - started < 10, "the other members stop at once, not at the process-group timeout"
+    if rank != 1:
+        assert "rank 1 of the reorder group: LayoutNeedsProcessor" in str(raised.value)
+    dist.barrier()  # every member left the failed collective and the group still works
+
+
+@pytest.mark.distributed
+def test_a_rank_that_fails_reading_stops_its_whole_reorder_group() -> None:
+    run_distributed(_world_failure, 2)

@@ -8,6 +8,7 @@ are then read from the directory one by one.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,8 +127,19 @@ def load_processor(path: str | Path) -> DataProcessor:
     if feature_extractor is not None and hasattr(feature_extractor, "hop_length"):
         audio = AudioPolicy.from_feature_extractor(feature_extractor)
         explicit.append(("audio_frames_per_second", audio.sampling_rate // audio.hop_length))
-    return DataProcessor(path, roles, len(tokenizer), tokenizer, image, audio, VideoPolicy(), tuple(missing),
-                         tuple(explicit))
+    return DataProcessor(path, roles, len(tokenizer), tokenizer, image, audio, _video_policy(Path(path)),
+                         tuple(missing), tuple(explicit))
+
+
+def _video_policy(path: Path) -> VideoPolicy:
+    """The sampling of the directory's video processor, read from its JSON: the processor itself needs
+    ``torchvision``, which a CPU install may not load."""
+    config = path / "video_preprocessor_config.json"
+    if not config.exists():
+        return VideoPolicy()
+    values = json.loads(config.read_text())
+    return VideoPolicy(**{k: type(getattr(VideoPolicy, k))(values[k]) for k in ("fps", "max_frames", "min_frames")
+                          if values.get(k) is not None})
 
 
 def _try(load: Any, path: str, what: str) -> Any:

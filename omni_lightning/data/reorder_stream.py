@@ -273,11 +273,15 @@ class ReorderedStream:
             }
             started = time.perf_counter()
             samples = [pickle.loads(b) for b in carry]
-            samples += [self._admit(next(records)) for _ in range(self._fresh_count(len(carry)))]
+            failure = None
+            try:
+                samples += [self._admit(next(records)) for _ in range(self._fresh_count(len(carry)))]
+            except Exception as error:  # a setting the data contradicts: every member of the group must stop
+                failure, samples = error, []
             # Only a group of ranks that plans moves can send a payload; others skip serialising.
             moves = self.group is not None and self.settings.reorder
             wires = [_Wire(s) if moves and s is not None else None for s in samples]
-            gathered = self._all_gather(self._rows(samples, wires))
+            gathered = self._all_gather(self._rows(samples, wires), failure)
             plan = self._plan(gathered, group_number)
             check_plans_agree("loader's reordering plan", _assignment_digest(plan), self.group,
                               device=torch.device("cpu"))  # a gloo group: the loader exchanges host tensors
@@ -388,9 +392,15 @@ class ReorderedStream:
             table[row, self._wire] = 0 if wire is None else wire.nbytes
         return table
 
-    def _all_gather(self, rows: np.ndarray) -> np.ndarray:
-        """Every member's rows, rank-major. Only integers travel: a few dozen bytes per sample."""
+    def _all_gather(self, rows: np.ndarray, failure: BaseException | None = None) -> np.ndarray:
+        """Every member's rows, rank-major. Only integers travel: a few dozen bytes per sample.
+
+        A member whose reading failed says so in the same collective, so the others stop with it, quoting its
+        error, instead of waiting for it in the next one until the process group times out.
+        """
         if self.group is None:
+            if failure is not None:
+                raise failure
             return rows
         size, columns = dist.get_world_size(self.group), rows.shape[1]
         # A buffer holds a group's worth of samples, more only when more were carried in. So one collective of that
@@ -399,10 +409,13 @@ class ReorderedStream:
         block = self.settings.samples_per_step * self.settings.group_steps
         first = torch.zeros(block + 1, columns, dtype=torch.int64)
         first[0, 0] = rows.shape[0]
+        first[0, 1] = failure is not None
         first[1 : 1 + min(rows.shape[0], block)] = torch.from_numpy(rows[:block])
         out = torch.empty(size * (block + 1), columns, dtype=torch.int64)
         all_gather_single(out, first, group=self.group)
         heads = out.view(size, block + 1, columns).numpy()
+        if heads[:, 0, 1].any():
+            self._fail_together(failure)
         lengths = heads[:, 0, 0].tolist()
         parts = [heads[r, 1 : 1 + min(n, block)] for r, n in enumerate(lengths)]
         longest = max(lengths)
@@ -415,6 +428,18 @@ class ReorderedStream:
             tail = tails.view(size, longest - block, columns).numpy()
             parts = [np.concatenate([parts[r], tail[r, : max(n - block, 0)]]) for r, n in enumerate(lengths)]
         return np.concatenate(parts)
+
+    def _fail_together(self, failure: BaseException | None) -> None:
+        """Raise on every member once one failed to read: the failed ones their own error, the others one naming
+        each failed member of the group and its error (gathered as text, which every member then holds)."""
+        messages: list[str | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(messages, None if failure is None else f"{type(failure).__name__}: {failure}",
+                               group=self.group)
+        if failure is not None:
+            raise failure
+        failed = "; ".join(f"rank {r} of the reorder group: {m}" for r, m in enumerate(messages) if m is not None)
+        raise RuntimeError(f"reorder group {self.group_index} stops: another member failed reading its samples "
+                           f"({failed})")
 
     def _plan(self, gathered: np.ndarray, group_number: int) -> GroupPlan:
         valid = np.flatnonzero(gathered[:, 0])

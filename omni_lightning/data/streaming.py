@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from typing_extensions import override
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from omni_lightning.batch import BYTE_ROLES, PackingSpec
-from omni_lightning.data.packing import DecodedSample, check_packable, pack_samples
+from omni_lightning.data.packing import DecodedSample, check_packable, data_counts, pack_samples
 from omni_lightning.modalities import DEFAULT_PACKING
 
 __all__ = [
@@ -35,6 +36,8 @@ __all__ = [
     "decode_sample",
     "open_shard",
 ]
+
+log = logging.getLogger(__name__)
 
 
 def assign_shards(shards: list[str], *, dp_rank: int, dp_size: int, num_workers: int = 1) -> list[list[str]]:
@@ -307,10 +310,19 @@ class ShardStream(IterableDataset):
             # A bounded pass (validation) starts over each time and yields the same count on every rank.
             self._epoch, self._consumed = 0, 0
         info = get_worker_info()
-        samples = (s for s in self.iter_samples(info.id if info is not None else 0) if isinstance(s, DecodedSample))
+        records = self.iter_samples(info.id if info is not None else 0)
         produced = 0
         while self.max_batches is None or produced < self.max_batches:
-            yield pack_samples([next(samples) for _ in range(self.batch_size)], self.packing)
+            samples, skipped = [], 0
+            while len(samples) < self.batch_size:
+                record = next(records)
+                if isinstance(record, BadSample):  # counted in this batch's data/skipped
+                    log.warning("skipping sample %s of shard %s: %s", record.key, record.shard, record.reason)
+                    skipped += 1
+                else:
+                    samples.append(record)
+            batch = pack_samples(samples, self.packing)
+            yield {**batch, "data": data_counts(samples, [batch], self.packing, skipped=skipped)}
             produced += 1
 
 

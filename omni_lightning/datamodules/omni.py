@@ -99,6 +99,8 @@ class OmniDataModule(WebDataModule):
         layout: ``"auto"`` (per sample), ``"pairs"``, ``"conversations"`` or ``"synthetic"``
             (:mod:`omni_lightning.data.layouts`).
         caption_key: the json key of an image-text pair's caption.
+        audio_frames_per_second, video_fps, video_max_frames: how audio and video files are featurised and
+            sampled (see :class:`~omni_lightning.datamodules.WebDataModule`).
         workload_balance: deprecated name of ``reorder`` (warns once).
         balance_group_size: deprecated name of ``reorder_group_size`` (warns once); a value other than its default
             (8) is the one used.
@@ -131,6 +133,9 @@ class OmniDataModule(WebDataModule):
         processor: str | None = None,
         layout: Layout = "auto",
         caption_key: str | None = None,
+        audio_frames_per_second: int | None = None,
+        video_fps: float | None = None,
+        video_max_frames: int | None = None,
         workload_balance: Literal["grouped", "none"] | None = None,
         balance_group_size: int | None = _DEFAULT_GROUP,
     ) -> None:
@@ -138,14 +143,14 @@ class OmniDataModule(WebDataModule):
             shards, batch_size=samples_per_step, num_workers=num_workers, seed=seed, synthetic=synthetic,
             val_shards=val_shards, val_batches=val_batches, patch_size=patch_size, vision_merge=vision_merge,
             audio_downsample=audio_downsample, processor=processor, layout=layout, caption_key=caption_key,
+            audio_frames_per_second=audio_frames_per_second, video_fps=video_fps, video_max_frames=video_max_frames,
+            on_bad_sample=on_bad_sample,
         )
         reorder = _renamed("workload_balance", workload_balance, None, "reorder", reorder, "grouped")
         reorder_group_size = _renamed("balance_group_size", balance_group_size, _DEFAULT_GROUP, "reorder_group_size",
                                       reorder_group_size, _DEFAULT_GROUP)
         if reorder not in ("grouped", "none"):
             raise ValueError(f"reorder={reorder!r} must be 'grouped' or 'none'")
-        if on_bad_sample not in ("skip", "error"):
-            raise ValueError(f"on_bad_sample={on_bad_sample!r} must be 'skip' or 'error'")
         if pipeline_order not in PIPELINE_ORDERS:
             raise ValueError(f"pipeline_order={pipeline_order!r} must be one of {PIPELINE_ORDERS}")
         if reorder_group_size is not None and reorder_group_size < 1:
@@ -161,7 +166,6 @@ class OmniDataModule(WebDataModule):
         )
         self.reorder_group_size = reorder_group_size
         self.pipeline_order = pipeline_order
-        self.on_bad_sample = on_bad_sample
         self.cost_model = cost_model
         self._prices_from_model = cost_model is None
         self.tokenizer = tokenizer

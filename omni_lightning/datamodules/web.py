@@ -6,7 +6,7 @@ import logging
 import math
 import os
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 from lightning.pytorch import LightningDataModule
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from omni_lightning.batch import PackingSpec
 from omni_lightning.data.layouts import Layout, SampleReader
-from omni_lightning.data.media import ImagePolicy
+from omni_lightning.data.media import AudioPolicy, ImagePolicy, VideoPolicy
 from omni_lightning.data.processor import DataProcessor, byte_processor, load_processor
 from omni_lightning.data.resumable import ResumableLoader
 from omni_lightning.data.shards import SyntheticShards, existing_shards, expand_shards, synthetic_target
@@ -27,6 +27,8 @@ from omni_lightning.parallel.layout import OmniLayout
 __all__ = ["WebDataModule"]
 
 log = logging.getLogger(__name__)
+
+_DEFAULT_AUDIO_FPS = 100  # Whisper's: 16 kHz over a 160-sample hop
 
 
 class WebDataModule(LightningDataModule):
@@ -50,6 +52,12 @@ class WebDataModule(LightningDataModule):
             ``KEY.txt`` / ``KEY.json``), ``"conversations"`` (a dialogue in ``KEY.json`` naming its media members),
             ``"synthetic"`` (this project's own shards). See :mod:`omni_lightning.data.layouts`.
         caption_key: the json key holding an image-text pair's caption (else ``txt``, else ``caption``).
+        audio_frames_per_second: mel frames per second of decoded audio files (the feature extractor's sampling
+            rate over its hop length; 100 without a processor); a value that contradicts the processor is an error.
+        video_fps, video_max_frames: how video files are sampled: frames per second and the most frames per
+            video (the processor's ``video_preprocessor_config.json`` where it has one, else 2 and 32).
+        on_bad_sample: ``"skip"`` counts and logs a sample that cannot be used (``data/skipped``) and goes on,
+            ``"error"`` stops at it, naming shard and sample.
 
     The data-parallel rank and size come from ``trainer.strategy.distributed_sampler_kwargs``, so TP/CP/PP peers
     of OmniStrategy read the same samples and any other strategy works too.
@@ -71,10 +79,22 @@ class WebDataModule(LightningDataModule):
         processor: str | None = None,
         layout: Layout = "auto",
         caption_key: str | None = None,
+        audio_frames_per_second: int | None = None,
+        video_fps: float | None = None,
+        video_max_frames: int | None = None,
+        on_bad_sample: Literal["skip", "error"] = "skip",
     ) -> None:
         super().__init__()
+        if on_bad_sample not in ("skip", "error"):
+            raise ValueError(f"on_bad_sample={on_bad_sample!r} must be 'skip' or 'error'")
+        self.on_bad_sample = on_bad_sample
         self.data_processor: DataProcessor | None = load_processor(processor) if processor is not None else None
-        patch_size, vision_merge = self._processor_sizes(patch_size=patch_size, vision_merge=vision_merge)
+        patch_size, vision_merge, frames_per_second = self._processor_sizes(
+            patch_size=patch_size, vision_merge=vision_merge, audio_frames_per_second=audio_frames_per_second)
+        self.audio_policy = self._audio_policy(frames_per_second)
+        base_video = self.data_processor.video if self.data_processor is not None else VideoPolicy()
+        chosen = {"fps": video_fps, "max_frames": video_max_frames}
+        self.video_policy = replace(base_video, **{k: v for k, v in chosen.items() if v is not None})
         self.shards = shards
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -91,23 +111,30 @@ class WebDataModule(LightningDataModule):
         # OmniStrategy hands its layout over before setup: the ranks, the pipeline, the model's packing and costs.
         self.omni_layout: OmniLayout | None = None
 
-    def _processor_sizes(self, **given: int | None) -> tuple[int, int]:
-        """``patch_size`` and ``vision_merge``: as given, else the processor's, else 14 and 4; a given value that
-        contradicts the processor is an error naming both."""
-        defaults = {"patch_size": 14, "vision_merge": 4}
+    def _processor_sizes(self, **given: int | None) -> tuple[int, ...]:
+        """``patch_size``, ``vision_merge`` and ``audio_frames_per_second``: as given, else the processor's, else 14,
+        4 and 100; a given value that contradicts the processor is an error naming both."""
+        defaults = {"patch_size": 14, "vision_merge": 4, "audio_frames_per_second": _DEFAULT_AUDIO_FPS}
         fixed = dict(self.data_processor.explicit) if self.data_processor is not None else {}
         for name, value in given.items():
             if value is not None and name in fixed and value != fixed[name]:
                 raise ValueError(f"{name}={value} but the processor at {self.data_processor.source} has "
                                  f"{name}={fixed[name]}: leave {name} unset (it defaults to the processor's)")
-        resolved = {name: value if value is not None else fixed.get(name, defaults[name])
-                    for name, value in given.items()}
-        return resolved["patch_size"], resolved["vision_merge"]
+        return tuple(value if value is not None else fixed.get(name, defaults[name]) for name, value in given.items())
+
+    def _audio_policy(self, frames_per_second: int) -> AudioPolicy:
+        """The processor's audio policy (Whisper's without one) at ``frames_per_second`` mel frames a second."""
+        policy = self.data_processor.audio if self.data_processor is not None else AudioPolicy()
+        if frames_per_second < 1 or policy.sampling_rate % frames_per_second:
+            raise ValueError(f"audio_frames_per_second={frames_per_second} must divide the audio sampling rate "
+                             f"{policy.sampling_rate} (the mel hop is a whole number of samples)")
+        return replace(policy, hop_length=policy.sampling_rate // frames_per_second)
 
     def reader(self) -> SampleReader:
         """Turns this data module's raw samples into decoded ones by their layout, for the model's packing."""
         processor = self.data_processor or byte_processor(
             ImagePolicy(patch_size=self.packing.patch_size, merge=math.isqrt(self.packing.vision_merge)))
+        processor = replace(processor, audio=self.audio_policy, video=self.video_policy)
         return SampleReader(processor, self.packing, self.layout, self.caption_key,
                             legacy_tokenizer=getattr(self, "tokenizer", None))
 
@@ -192,6 +219,7 @@ class WebDataModule(LightningDataModule):
             packing=self.packing,
             max_batches=max_batches,
             reader=self.reader(),
+            on_bad_sample=self.on_bad_sample,
         )
 
     @override
