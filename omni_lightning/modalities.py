@@ -1,7 +1,8 @@
 """The built-in modalities: images and video through the vision encoder, audio through the audio encoder.
 
 An image is an ``[H, W, 3]`` uint8 array cut into ``patch_size`` pixel patches, the four patches of each 2x2 merge
-window adjacent (so the encoder merges them with a reshape). A video is ``[F, H, W, 3]``: every ``temporal_patch_size``
+window adjacent (so the encoder merges them with a reshape); an image tiled at any resolution is ``[tiles, H, W, 3]``,
+each tile an encoder item. A video is ``[F, H, W, 3]``: every ``temporal_patch_size``
 consecutive frames form one temporal patch (the last frame repeats to fill the last one), each temporal slice one
 attention item, so with a temporal patch of 1 every frame is encoded as an image is; an image then fills a temporal
 patch with copies of itself, as Qwen2-VL does. A clip is a log-mel spectrogram ``[frames, n_mels]`` whose frames are
@@ -128,13 +129,19 @@ def _decoded(item: Any) -> np.ndarray:
 
 def _image_shape(image: Any, spec: PackingSpec) -> MediaShape:
     shape = media_shape(image)
+    if len(shape) == 4 and shape[3] == _CHANNELS and shape[0] >= 1:  # tiles of one image (any-resolution)
+        return (shape[0], *_grid(shape[1], shape[2], spec, "an image tile"))
     if len(shape) != 3 or shape[2] != _CHANNELS:
-        raise ValueError(f"an image must be [height, width, 3], got shape {list(shape)}")
+        raise ValueError(f"an image must be [height, width, 3] (or [tiles >= 1, height, width, 3]), got shape "
+                         f"{list(shape)}")
     return _grid(shape[0], shape[1], spec, "an image")
 
 
 def _image_inputs(image: Any, spec: PackingSpec) -> tuple[np.ndarray, ...]:
     image = _decoded(image)
+    if image.ndim == 4:  # each tile is an encoder item of its own, as the model encodes it
+        pieces = [_image_inputs(tile, spec) for tile in image]
+        return tuple(np.concatenate(parts) for parts in zip(*pieces, strict=True))
     frames = np.broadcast_to(image, (spec.temporal_patch_size, *image.shape))
     return patchify(frames, spec)
 
@@ -167,7 +174,7 @@ def _audio_shape(mel: Any, spec: PackingSpec) -> MediaShape:
 
 
 def _image_items(shape: MediaShape, spec: PackingSpec) -> list[int]:
-    return [shape[0] * shape[1]]
+    return [shape[0] * shape[1]] if len(shape) == 2 else [shape[1] * shape[2]] * shape[0]
 
 
 def _video_items(shape: MediaShape, spec: PackingSpec) -> list[int]:

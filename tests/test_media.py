@@ -31,8 +31,10 @@ from omni_lightning.data.media import (
     ImagePolicy,
     VideoPolicy,
     audio_duration,
+    best_canvas,
     decode_audio,
     decode_image,
+    decode_tiles,
     decode_video,
     grid_thw,
     image_size,
@@ -42,6 +44,7 @@ from omni_lightning.data.media import (
     patchify,
     sample_frame_indices,
     smart_resize,
+    tile_count,
     video_info,
 )
 
@@ -166,6 +169,52 @@ def test_pixel_values_equal_hf_qwen2_vl(case: str) -> None:
     np.testing.assert_array_equal(rows, expected["pixel_values"])
     thw = grid_thw(1, *pixels.shape[:2], policy.patch_size, processor.temporal_patch_size)
     np.testing.assert_array_equal([thw], expected["image_grid_thw"])
+
+
+def _llava_onevision(tile: int, pinpoints: list[list[int]]) -> object:
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
+
+    return LlavaOnevisionImageProcessorPil(size={"height": tile, "width": tile}, image_grid_pinpoints=pinpoints)
+
+
+# Small tiles and a few canvases: wide, tall and square images each pick another one.
+_PINPOINTS = [[56, 56], [56, 112], [112, 56], [112, 112], [56, 168], [168, 56]]
+
+
+@FAST
+@given(height=st.integers(1, 260), width=st.integers(1, 260), seed=st.integers(0, 3),
+       fmt=st.sampled_from(["PNG", "JPEG"]), with_alpha=st.booleans())
+def test_any_resolution_tiles_equal_hf_llava_onevision(height: int, width: int, seed: int, fmt: str,
+                                                      with_alpha: bool) -> None:
+    """Exact equality with LLaVA-OneVision's PIL image processor: alone in a sample (the whole image, then its
+    canvas in tiles) and beside other images (padded square with the mean colour, one tile); the header alone
+    predicts the tile count."""
+    from transformers.image_processing_utils import select_best_resolution
+
+    processor = _llava_onevision(56, _PINPOINTS)
+    policy = ImagePolicy.from_image_processor(processor)
+    channels = 4 if with_alpha and fmt == "PNG" else 3
+    data = encode(random_pixels((height, width, channels), seed), fmt)
+    image = Image.open(io.BytesIO(data))
+    assert best_canvas(height, width, policy.pinpoints) == select_best_resolution((height, width), _PINPOINTS)
+    for alone, images in ((True, [image]), (False, [[image, image]])):
+        expected = processor(images=images, return_tensors="np")["pixel_values"][0]
+        tiles = decode_tiles(data, policy, alone=alone)
+        assert tiles.dtype == np.uint8 and len(tiles) == tile_count(*image_size(data), policy, alone=alone)
+        np.testing.assert_array_equal(normalize(tiles, policy).transpose(0, 3, 1, 2), expected[: len(tiles)])
+
+
+def test_any_resolution_policy_needs_square_tiles_on_its_canvases() -> None:
+    policy = ImagePolicy.from_image_processor(_llava_onevision(384, [[384, 768], [768, 768]]))
+    assert (policy.tile, policy.pinpoints, policy.tile_crop) == (384, ((384, 768), (768, 768)), 364)
+    assert policy.frame_size(1080, 1920) == (384, 384)
+    with pytest.raises(ValueError, match="whole multiples of the tile side 384"):
+        ImagePolicy(tile=384, pinpoints=((384, 700),))
+    with pytest.raises(ValueError, match="needs a square tile size"):
+        ImagePolicy.from_image_processor(SimpleNamespace(size={"height": 384, "width": 336},
+                                                         image_grid_pinpoints=[[384, 336]]))
 
 
 @FAST

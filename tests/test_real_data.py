@@ -158,6 +158,34 @@ def test_audio_and_video_sampling_come_from_the_processor(tmp_path: Path, pair_s
         OmniDataModule(pair_shards, audio_frames_per_second=7)
 
 
+def test_any_resolution_tiles_from_a_llava_onevision_processor(tmp_path: Path, pair_shards: str,
+                                                               conversation_shards: str) -> None:
+    """Each tile is an encoder item with its own placeholders: a lone image gets its whole view and its canvas'
+    tiles, each image of a two-image dialogue one padded square tile."""
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
+
+    save_tokenizer(tmp_path, train_bpe(), chatml(True), named=True)
+    LlavaOnevisionImageProcessorPil(size={"height": 70, "width": 70}, image_grid_pinpoints=[
+        [70, 70], [70, 140], [140, 70], [140, 140]]).save_pretrained(tmp_path)
+    data = OmniDataModule(pair_shards, processor=str(tmp_path))
+    reader, spec = data.reader(), data.packing
+    assert reader.processor.image.tile == 70 and reader.processor.image.tile_crop == 56  # whole 28-pixel groups
+    placeholder = spec.roles.placeholder("image")
+    image_counts = []
+    for raw in _raw_samples(pair_shards)[:4] + _raw_samples(conversation_shards)[:3]:
+        sample = reader(raw)
+        planned = [item.shape for item in sample.media["image"]]
+        image_counts.append(len(planned))
+        assert all(shape[0] == 1 for shape in planned) if len(planned) > 1 else planned[0][0] > 1
+        batch = pack_samples([reader.decode(sample)], spec)
+        tiles = sum(shape[0] for shape in planned)
+        assert batch["vision_grids"].tolist() == [[4, 4]] * tiles
+        assert int((batch["input_ids"] == placeholder).sum()) == tiles * 4  # 4x4 patches merged 2x2
+    assert 1 in image_counts and 2 in image_counts
+
+
 def test_the_plain_stream_counts_what_went_in_and_what_it_skipped(tmp_path: Path, processor_dir: Path) -> None:
     samples = [{"__key__": "broken", "jpg": _image(40, 40, 0)[:60], "txt": b"A cat."}]
     samples += [{"__key__": f"good{i}", "jpg": _image(40, 40 + 8 * i, i), "txt": CAPTIONS[i].encode()}

@@ -44,12 +44,13 @@ from omni_lightning.data.media import (
     audio_duration,
     decode_audio,
     decode_image,
+    decode_tiles,
     decode_video,
     image_size,
     log_mel,
     mel_frames,
     sample_frame_indices,
-    smart_resize,
+    tile_count,
     video_info,
 )
 from omni_lightning.data.packing import DecodedSample
@@ -156,7 +157,7 @@ class SampleReader:
         else:
             raise ValueError(f"sample {key}: no caption (no txt member, no 'caption' in its json; set caption_key)")
         refs = [MediaRef("image", m) for m in images]
-        media = {"image": [self._plan(members[m], "image", key, m) for m in images]}
+        media = {"image": [self._plan(members[m], "image", key, m, alone=len(images) == 1) for m in images]}
         if self.processor.is_bytes:  # the prefix layout: [BOS] placeholders caption
             return DecodedSample(key, self.processor.encode(caption), media=media)
         rendered = render_caption(caption, self.processor.tokenizer, refs, self._placeholder_ids(refs),
@@ -181,8 +182,10 @@ class SampleReader:
         if unreferenced := sorted(m for m in members if _modality_of(m) and m not in referenced):
             raise ValueError(f"sample {key}: media members {unreferenced} are not referenced by its dialogue")
         media: dict[str, list[Any]] = {}
+        alone = sum(ref.modality == "image" for ref in dialogue.media) == 1
         for ref in dialogue.media:
-            media.setdefault(ref.modality, []).append(self._plan(members[ref.source], ref.modality, key, ref.source))
+            media.setdefault(ref.modality, []).append(self._plan(members[ref.source], ref.modality, key, ref.source,
+                                                                 alone=alone))
         try:
             rendered = render_dialogue(dialogue, self.processor.tokenizer, self._placeholder_ids(dialogue.media),
                                        self._tokens_per_item(dialogue.media, media))
@@ -191,8 +194,9 @@ class SampleReader:
         return self._rendered(key, rendered, media)
 
     # ------------------------------------------------------------------------------------------------ helpers
-    def _plan(self, data: bytes, modality: str, key: str, member: str) -> PendingMedia:
-        """One media member with the shape it will decode to, read from its header alone."""
+    def _plan(self, data: bytes, modality: str, key: str, member: str, *, alone: bool = True) -> PendingMedia:
+        """One media member with the shape it will decode to, read from its header alone (``alone``: the only
+        image of its sample, which any-resolution tiling cuts into tiles)."""
         if not self.processor.is_bytes:
             try:
                 self.processor.placeholder(modality)  # names the tokens looked for where the tokenizer has none
@@ -203,8 +207,11 @@ class SampleReader:
                              f"encodes {list(self.spec.modality_names)})")
         processor = self.processor
         try:
-            if modality == "image":
-                shape: tuple[int, ...] = (*self._grid(*image_size(data)), 3)
+            if modality == "image" and processor.image.tiled:
+                crop = processor.image.tile_crop
+                shape: tuple[int, ...] = (tile_count(*image_size(data), processor.image, alone=alone), crop, crop, 3)
+            elif modality == "image":
+                shape = (*self._grid(*image_size(data)), 3)
             elif modality == "video":
                 frames, fps, height, width = video_info(data)
                 count = len(sample_frame_indices(frames, fps, processor.video, self.spec.temporal_patch_size))
@@ -221,8 +228,9 @@ class SampleReader:
 
     def _grid(self, height: int, width: int) -> tuple[int, int]:
         image = self.processor.image
-        return smart_resize(height, width, factor=image.factor, min_pixels=image.min_pixels,
-                            max_pixels=image.max_pixels)
+        if image.tiled:  # video frames: one tile's crop
+            return image.tile_crop, image.tile_crop
+        return image.frame_size(height, width)
 
     def decode(self, sample: DecodedSample) -> DecodedSample:
         """``sample`` with its pending media decoded and fitted to their planned shapes (see the module's docstring);
@@ -236,7 +244,10 @@ class SampleReader:
     def _decoded(self, item: PendingMedia, modality: str, key: str) -> np.ndarray:
         processor = self.processor
         try:
-            if modality == "image":
+            if modality == "image" and processor.image.tiled:
+                crop = processor.image.tile_crop
+                array = decode_tiles(item.data, processor.image, alone=item.shape[0] > 1)[:, :crop, :crop]
+            elif modality == "image":
                 array = decode_image(item.data, processor.image)
             elif modality == "video":
                 array = decode_video(item.data, processor.video, processor.image, self.spec.temporal_patch_size)

@@ -4,7 +4,9 @@ The balancing planner needs every sample's size before any pixel or sample is de
 header reader (:func:`image_size`, :func:`audio_duration`, :func:`video_info`) whose answer the decoder then honours:
 
 * images: ``smart_resize(*image_size(b), ...)`` is the grid :func:`decode_image` returns; :func:`normalize` and
-  :func:`patchify` then give exactly the ``pixel_values`` rows of transformers' Qwen2-VL image processor;
+  :func:`patchify` then give exactly the ``pixel_values`` rows of transformers' Qwen2-VL image processor. Under
+  LLaVA-OneVision's any-resolution tiling (a policy with a ``tile``), :func:`tile_count` of the header size is the
+  number of tiles :func:`decode_tiles` returns, which :func:`normalize` turns into that processor's ``pixel_values``;
 * audio: :func:`mel_frames` of :func:`audio_duration` is the row count of ``log_mel(decode_audio(b))``, Whisper's
   log-mel features cut to the clip's real length;
 * video: :func:`sample_frame_indices` of :func:`video_info` says which frames :func:`decode_video` returns, all on
@@ -21,7 +23,7 @@ import contextlib
 import functools
 import io
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,10 +67,19 @@ class ImagePolicy:
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     rescale: float = 1 / 255
     resample: int = 3  # PIL.Image.BICUBIC
+    # LLaVA-OneVision's any-resolution tiling: tile side in pixels and the (height, width) canvases an image may get.
+    tile: int | None = None
+    pinpoints: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.patch_size < 1 or self.merge < 1:
             raise ValueError(f"patch_size and merge must be >= 1, got {self.patch_size} and {self.merge}")
+        if self.tile is not None:
+            if self.tile < self.factor:
+                raise ValueError(f"tile={self.tile} is smaller than one {self.factor}-pixel merge group")
+            if not self.pinpoints or any(h < 1 or w < 1 or h % self.tile or w % self.tile for h, w in self.pinpoints):
+                raise ValueError(f"image_grid_pinpoints {list(self.pinpoints)} must be whole multiples of the tile "
+                                 f"side {self.tile}")
         if not 0 < self.min_pixels <= self.max_pixels:
             raise ValueError(f"need 0 < min_pixels <= max_pixels, got {self.min_pixels} and {self.max_pixels}")
         if len(self.mean) != 3 or len(self.std) != 3:
@@ -78,6 +89,24 @@ class ImagePolicy:
     def factor(self) -> int:
         """Side lengths are multiples of this: one merged token covers ``factor x factor`` pixels."""
         return self.patch_size * self.merge
+
+    @property
+    def tiled(self) -> bool:
+        return self.tile is not None
+
+    @property
+    def tile_crop(self) -> int:
+        """The side of a tile the encoder sees: whole merge groups, as a patch convolution without padding drops
+        the rest (SigLIP's 14-pixel patches see 378 of a 384-pixel tile)."""
+        assert self.tile is not None
+        return self.tile - self.tile % self.factor
+
+    def frame_size(self, height: int, width: int) -> tuple[int, int]:
+        """The size a video frame (or an untiled image) of ``height x width`` is resized to."""
+        if self.tile is not None:
+            return self.tile, self.tile
+        return smart_resize(height, width, factor=self.factor, min_pixels=self.min_pixels,
+                            max_pixels=self.max_pixels)
 
     @classmethod
     def from_image_processor(cls, processor: Any) -> ImagePolicy:
@@ -108,6 +137,12 @@ class ImagePolicy:
             kwargs["rescale"] = float(value)
         if (value := getattr(ip, "resample", None)) is not None:
             kwargs["resample"] = _pil_filter(value)
+        if pinpoints := getattr(ip, "image_grid_pinpoints", None):
+            height, width = _size_get(size, "height"), _size_get(size, "width")
+            if height is None or height != width:
+                raise ValueError(f"any-resolution tiling needs a square tile size, the image processor has {size}")
+            kwargs["tile"] = int(height)
+            kwargs["pinpoints"] = tuple((int(h), int(w)) for h, w in pinpoints)
         return cls(**kwargs)
 
 
@@ -169,6 +204,74 @@ def smart_resize(height: int, width: int, *, factor: int, min_pixels: int, max_p
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+def best_canvas(height: int, width: int, pinpoints: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """The any-resolution canvas ``(height, width)`` for an image: the pinpoint keeping the most of its pixels once
+    fitted inside, then the one wasting least (transformers' ``select_best_resolution``, same arithmetic)."""
+    best, most_kept, least_wasted = pinpoints[0], 0, math.inf
+    for canvas_h, canvas_w in pinpoints:
+        scale = min(canvas_w / width, canvas_h / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        wasted = canvas_w * canvas_h - kept
+        if kept > most_kept or (kept == most_kept and wasted < least_wasted):
+            best, most_kept, least_wasted = (canvas_h, canvas_w), kept, wasted
+    return best
+
+
+def fit_inside(height: int, width: int, canvas: tuple[int, int]) -> tuple[int, int]:
+    """The size of the image scaled to fit ``canvas`` with its aspect kept (transformers' ``get_patch_output_size``)."""
+    canvas_h, canvas_w = canvas
+    scale_w, scale_h = canvas_w / width, canvas_h / height
+    if scale_w < scale_h:
+        return min(math.ceil(height * scale_w), canvas_h), canvas_w
+    return canvas_h, min(math.ceil(width * scale_h), canvas_w)
+
+
+def tile_count(height: int, width: int, policy: ImagePolicy, *, alone: bool) -> int:
+    """Tiles of an image under any-resolution tiling: the whole image at tile size, then its canvas cut into tiles;
+    one tile (the image padded square) where it shares its sample with other images, as LLaVA-OneVision does."""
+    assert policy.tile is not None
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image sides must be positive, got {height}x{width}")
+    if not alone:
+        return 1
+    canvas_h, canvas_w = best_canvas(height, width, policy.pinpoints)
+    return 1 + (canvas_h // policy.tile) * (canvas_w // policy.tile)
+
+
+def decode_tiles(data: bytes, policy: ImagePolicy, *, alone: bool) -> np.ndarray:
+    """Image bytes -> uint8 tiles ``[n, tile, tile, 3]`` of LLaVA-OneVision's image processor before rescaling.
+
+    Alone in its sample: the image resized to one tile, then the image fitted into its :func:`best_canvas`
+    (Pillow, ``policy.resample``), centred on black and cut into tiles row by row. Sharing its sample: padded
+    square with the mean colour, then resized to one tile. Bad data is ``ValueError``, as :func:`decode_image`.
+    """
+    assert policy.tile is not None
+    tile = policy.tile
+    with _open_image(data) as image:
+        try:
+            image.load()
+            rgb = _to_rgb(image)
+        except Exception as e:  # truncated streams surface here, as OSError, SyntaxError, zlib errors...
+            raise ValueError(f"image cannot be decoded: {type(e).__name__}: {e}") from e
+    if not alone:
+        pixels = np.array(rgb, dtype=np.uint8)
+        height, width = pixels.shape[:2]
+        side = max(height, width)
+        square = np.empty((side, side, 3), dtype=np.uint8)
+        square[:] = [int(m * 255) for m in policy.mean]
+        top, left = (side - height) // 2 if height < side else 0, (side - width) // 2 if width < side else 0
+        square[top : top + height, left : left + width] = pixels
+        return np.array(Image.fromarray(square).resize((tile, tile), resample=policy.resample))[None]
+    canvas_h, canvas_w = best_canvas(rgb.height, rgb.width, policy.pinpoints)
+    fit_h, fit_w = fit_inside(rgb.height, rgb.width, (canvas_h, canvas_w))
+    fitted = np.array(rgb.resize((fit_w, fit_h), resample=policy.resample), dtype=np.uint8)
+    top, left = divmod(canvas_h - fit_h, 2), divmod(canvas_w - fit_w, 2)
+    canvas = np.pad(fitted, ((top[0], top[0] + top[1]), (left[0], left[0] + left[1]), (0, 0)))
+    tiles = [canvas[y : y + tile, x : x + tile] for y in range(0, canvas_h, tile) for x in range(0, canvas_w, tile)]
+    whole = np.array(rgb.resize((tile, tile), resample=policy.resample), dtype=np.uint8)
+    return np.stack([whole, *tiles])
 
 
 def _open_image(data: bytes) -> Image.Image:
@@ -610,8 +713,7 @@ def decode_video(data: bytes, policy: VideoPolicy, image: ImagePolicy, temporal_
     with container:
         total, fps, height, width = _stream_info(container, stream)
         indices = sample_frame_indices(total, fps, policy, temporal_patch_size)
-        grid_h, grid_w = smart_resize(height, width, factor=image.factor, min_pixels=image.min_pixels,
-                                      max_pixels=image.max_pixels)
+        grid_h, grid_w = image.frame_size(height, width)
         repeats = np.bincount(indices)
         out: list[np.ndarray] = []
         with contextlib.closing(_decoded_frames(container, stream)) as frames:
@@ -627,4 +729,5 @@ def decode_video(data: bytes, policy: VideoPolicy, image: ImagePolicy, temporal_
                     raise ValueError(f"video cannot be decoded: {type(e).__name__}: {e}") from e
     if not out:
         raise ValueError("video cannot be decoded: no frame decoded")
-    return np.stack(out)
+    frames = np.stack(out)
+    return np.ascontiguousarray(frames[:, : image.tile_crop, : image.tile_crop]) if image.tiled else frames

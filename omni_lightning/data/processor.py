@@ -120,7 +120,10 @@ def load_processor(path: str | Path) -> DataProcessor:
                        placeholders=tuple(placeholders))
     explicit: list[tuple[str, int]] = []
     image = ImagePolicy()
-    if image_processor is not None and hasattr(image_processor, "patch_size"):
+    if image_processor is not None and getattr(image_processor, "image_grid_pinpoints", None):
+        # Any-resolution tiling (LLaVA-OneVision): the patch size is the vision tower's, not the processor's.
+        image = ImagePolicy.from_image_processor(image_processor)
+    elif image_processor is not None and hasattr(image_processor, "patch_size"):
         image = ImagePolicy.from_image_processor(image_processor)
         explicit += [("patch_size", image.patch_size), ("vision_merge", image.merge * image.merge)]
     audio = AudioPolicy()

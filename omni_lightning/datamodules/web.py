@@ -134,7 +134,10 @@ class WebDataModule(LightningDataModule):
         """Turns this data module's raw samples into decoded ones by their layout, for the model's packing."""
         processor = self.data_processor or byte_processor(
             ImagePolicy(patch_size=self.packing.patch_size, merge=math.isqrt(self.packing.vision_merge)))
-        processor = replace(processor, audio=self.audio_policy, video=self.video_policy)
+        image = processor.image
+        if image.tiled:  # tiles are cut into the model's patches and merge groups
+            image = replace(image, patch_size=self.packing.patch_size, merge=math.isqrt(self.packing.vision_merge))
+        processor = replace(processor, image=image, audio=self.audio_policy, video=self.video_policy)
         return SampleReader(processor, self.packing, self.layout, self.caption_key,
                             legacy_tokenizer=getattr(self, "tokenizer", None))
 
