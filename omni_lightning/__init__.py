@@ -9,6 +9,7 @@ from omni_lightning.datamodules import OmniDataModule, SyntheticShards, WebDataM
 from omni_lightning.models import ReferenceMLLM, ReferenceMLLMConfig
 from omni_lightning.module import OmniModule
 from omni_lightning.parallel import OmniMeshes, ParallelDims, build_meshes
+from omni_lightning.runtime.optim import WarmupCosineLR
 from omni_lightning.strategies import OmniStrategy
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "ReferenceMLLM",
     "ReferenceMLLMConfig",
     "SyntheticShards",
+    "WarmupCosineLR",
     "WebDataModule",
     "build_meshes",
 ]

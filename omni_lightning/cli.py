@@ -12,7 +12,9 @@ from typing import Any
 import docstring_parser
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, LRSchedulerTypeTuple
+from torch.optim import Optimizer
+from typing_extensions import override
 
 import omni_lightning  # noqa: F401  (registers strategy="omni")
 from omni_lightning.data.conversation_shards import conversations_to_shards
@@ -74,6 +76,13 @@ class OmniCLI(LightningCLI):
                            **{sub: {**help_kwargs, **parser_kwargs.get(sub, {})} for sub in _SUBCOMMANDS}},
             **kwargs,
         )
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # LightningCLI's own --optimizer builds from the module's parameters and patches configure_optimizers; the
+        # module builds its parameter groups itself (frozen parts out, no decay for norms), so both go to it.
+        parser.add_optimizer_args((Optimizer,), link_to="model.optimizer")
+        parser.add_lr_scheduler_args(LRSchedulerTypeTuple, link_to="model.lr_scheduler")
 
 
 def make_shards_main(argv: list[str]) -> None:

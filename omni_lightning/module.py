@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from typing_extensions import override
 
@@ -22,10 +24,19 @@ from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.monitor import loggers_write_this_step
 from omni_lightning.parallel.layout import OmniLayout, OmniMeshes
+from omni_lightning.runtime.optim import (
+    apply_lr_multipliers,
+    check_parts,
+    freeze_parts,
+    model_parts,
+    parameter_groups,
+)
 from omni_lightning.runtime.pipeline import PipelineRunner
 from omni_lightning.runtime.step import PipelineStep, PlainStep, PoolLLMStep, Step, StepOptions, build_step
 
 __all__ = ["OmniModule", "initial_state_dict"]
+
+_DEFAULT_LEARNING_RATE = 1e-3
 
 
 def initial_state_dict(
@@ -49,7 +60,18 @@ class OmniModule(LightningModule):
         model: configuration of the reference MLLM (``ReferenceMLLMConfig.tiny()`` when omitted), or a built
             :class:`ReferenceMLLM`, whose rank-0 weights every rank starts from: e.g. with Hugging Face encoders or
             decoder in place of ``vision``/``audio``/``llm`` through :mod:`omni_lightning.models.adapters`.
-        learning_rate, weight_decay, betas, warmup_steps: AdamW with linear warm-up.
+        learning_rate, weight_decay, betas, warmup_steps: AdamW (learning rate 1e-3 by default) with linear warm-up,
+            used when no ``optimizer`` / ``lr_scheduler`` is given. Where both are, the callable wins: its own
+            learning rate and weight decay, its schedule (a warning names what is ignored).
+        optimizer: builds the optimizer from parameter groups (``--optimizer`` on the command line, e.g.
+            ``torch.optim.SGD``); the groups hold the trainable parameters only, with weight decay off for norms,
+            biases and embeddings.
+        lr_scheduler: builds the schedule from the optimizer (``--lr_scheduler``, e.g.
+            :class:`~omni_lightning.WarmupCosineLR`); it steps once per optimizer step.
+        freeze: parts left as they are: any of ``"vision"``, ``"audio"``, ``"projector"`` (every encoder's
+            projector), ``"llm"`` and extra encoders by name. Frozen parameters get no gradient, no optimizer state
+            and no gradient reduction.
+        lr_multipliers: per-part factors on the learning rate, e.g. ``{"vision": 0.1}``.
         init_checkpoint: a seed checkpoint (a full ``state_dict`` saved with ``torch.save``) to start from;
             otherwise weights come from ``init_seed``. Either way every rank and every layout starts identically.
         init_seed: seed of the initial weights when no seed checkpoint is given.
@@ -76,10 +98,14 @@ class OmniModule(LightningModule):
         self,
         model: ReferenceMLLMConfig | ReferenceMLLM | None = None,
         *,
-        learning_rate: float = 1e-3,
+        learning_rate: float | None = None,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 0,
+        optimizer: OptimizerCallable | None = None,
+        lr_scheduler: LRSchedulerCallable | None = None,
+        freeze: Sequence[str] = (),
+        lr_multipliers: dict[str, float] | None = None,
         init_checkpoint: str | None = None,
         init_seed: int = 0,
         param_dtype: str | None = None,
@@ -89,7 +115,10 @@ class OmniModule(LightningModule):
     ) -> None:
         super().__init__()
         built = model if isinstance(model, ReferenceMLLM) else None
-        self.save_hyperparameters(ignore=["model"] if built is not None else None)
+        # The callables are code, not settings: the CLI's config records them; a checkpoint cannot rebuild them.
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", *(["model"] if built is not None else [])])
+        self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
+        self.freeze, self.lr_multipliers = tuple(freeze), dict(lr_multipliers or {})
         self.config = built.config if built is not None else model or ReferenceMLLMConfig.tiny()
         # Held in a tuple so the module is not registered (and saved) twice before configure_model adopts it.
         self._built_model: tuple[ReferenceMLLM, ...] = (built,) if built is not None else ()
@@ -187,6 +216,10 @@ class OmniModule(LightningModule):
             state = initial_state_dict(
                 self.config, init_checkpoint=self.hparams.init_checkpoint, seed=self.hparams.init_seed
             )
+        # Checked on the whole model, before a pipeline stage keeps its part of it.
+        check_parts(self.lr_multipliers, model_parts(model, model.encoder_names), "lr_multipliers")
+        if self.freeze:  # before parallelising: frozen parameters are sharded, never reduced
+            freeze_parts(model, self.freeze, model.encoder_names)
         device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
         self._cost_model = model.cost_model()  # before this rank's step prunes the model to its part
         self.step = build_step(model, layout, device=device, options=self._options)
@@ -296,16 +329,29 @@ class OmniModule(LightningModule):
     @override
     def configure_optimizers(self) -> Any:
         assert self.model is not None, "configure_model() has not run"
-        optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=self.hparams.learning_rate,
-            betas=tuple(self.hparams.betas),
-            weight_decay=self.hparams.weight_decay,
-        )
-        warmup = self.hparams.warmup_steps
-        if warmup <= 0:
+        hparams = self.hparams
+        given = self.optimizer_factory is not None
+        if given and (hparams.learning_rate is not None or hparams.weight_decay):
+            rank_zero_warn(f"OmniModule got an optimizer and learning_rate={hparams.learning_rate}, weight_decay="
+                           f"{hparams.weight_decay}: the optimizer's own learning rate and weight decay are used")
+        groups = parameter_groups(self.model, self.model.encoder_names, weight_decay=None if given else
+                                  hparams.weight_decay, lr_multipliers=self.lr_multipliers)
+        if given:
+            optimizer = self.optimizer_factory(groups)
+        else:
+            lr = _DEFAULT_LEARNING_RATE if hparams.learning_rate is None else hparams.learning_rate
+            optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(hparams.betas))
+        apply_lr_multipliers(optimizer)
+        warmup = hparams.warmup_steps
+        if self.scheduler_factory is not None:
+            if warmup > 0:
+                rank_zero_warn(f"OmniModule got an lr_scheduler and warmup_steps={warmup}: the scheduler is used, "
+                               "warmup_steps is ignored")
+            schedule = self.scheduler_factory(optimizer)
+        elif warmup > 0:
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        else:
             return optimizer
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     @override

@@ -464,6 +464,8 @@ class JointEncoders:
                     work.wait()
             if out is None:
                 continue
+            if not out.requires_grad:  # a frozen encoder: its outputs end the backward
+                continue
             if dummy:
                 outputs.append(out.sum() * 0.0)
                 grads.append(torch.ones((), device=out.device))
@@ -480,6 +482,8 @@ class JointEncoders:
         of every micro-batch)."""
         for encoder in self.model.encoders.values():
             for param in encoder.parameters():
+                if not param.requires_grad:  # frozen: nothing to reduce
+                    continue
                 if param.grad is None:  # no share of this encoder's work here this step; the others had some
                     param.grad = torch.zeros_like(param)
                 local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad

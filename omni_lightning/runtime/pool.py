@@ -313,7 +313,11 @@ class EncoderPoolWorker:
                 pieces.append(piece)
             grads.append(torch.cat(pieces).to(out.dtype))
         # Outputs of no item still carry their dummy encoder pass: an empty gradient keeps the FSDP hooks in line.
-        torch.autograd.backward(outputs, grads)
+        # A frozen encoder's outputs need no backward (its gradients were received all the same: the exchange is
+        # the same on every rank whatever is frozen).
+        trained = [(out, grad) for out, grad in zip(outputs, grads, strict=True) if out.requires_grad]
+        if trained:
+            torch.autograd.backward(*zip(*trained, strict=True))
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
