@@ -88,17 +88,17 @@ def test_forced_flash_attention_names_what_it_lacks() -> None:
 def _fake_varlen_attn(newer: bool) -> Callable[..., torch.Tensor]:
     """A CPU stand-in for ``torch.nn.attention.varlen.varlen_attn`` with its documented semantics, in the signature
     of torch >= 2.11 (``window_size``, ``enable_gqa``) or of 2.10 (``is_causal``, every query head's keys)."""
-    def attend(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, gqa):
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, gqa, scale=None):
         assert torch.equal(cu_q, cu_k) and max_q == max_k == int(cu_q.diff().max())
         assert gqa or k.shape[1] == q.shape[1], "this kernel wants every query head's keys"
-        return varlen_attention(q, k, v, cu_q, causal=causal, backend="sdpa")
+        return varlen_attention(q, k, v, cu_q, causal=causal, backend="sdpa", scale=scale)
 
     if newer:
         def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                         window_size=(-1, -1), enable_gqa=False):
             assert window_size in ((-1, -1), (-1, 0))
             return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=window_size == (-1, 0),
-                          gqa=enable_gqa)
+                          gqa=enable_gqa, scale=scale)
     else:
         def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
             return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=is_causal, gqa=False)
@@ -121,6 +121,9 @@ def test_torch_varlen_is_called_with_its_own_causal_and_gqa_arguments(newer: boo
     for causal in (True, False):
         torch.testing.assert_close(call(q, k, v, cu, 11, causal),
                                    varlen_attention(q, k, v, cu, causal=causal, backend="sdpa"))
+        # A scale other than head_dim ** -0.5 (Whisper pre-scales its queries and asks for 1.0).
+        torch.testing.assert_close(call(q, k, v, cu, 11, causal, 1.0),
+                                   varlen_attention(q, k, v, cu, causal=causal, backend="sdpa", scale=1.0))
 
 
 def test_bf16_attention_on_cpu_runs_sdpa_and_matches_fp32() -> None:

@@ -51,10 +51,14 @@ def _load_torch_varlen() -> Callable[..., torch.Tensor] | None:
     gqa = "enable_gqa" in parameters
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_seqlen: int,
-             causal: bool) -> torch.Tensor:
+             causal: bool, scale: float | None = None) -> torch.Tensor:
         if not gqa and k.shape[1] != q.shape[1]:  # older kernels want every query head's keys
             k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
         kwargs: dict[str, Any] = {"enable_gqa": True} if gqa and k.shape[1] != q.shape[1] else {}
+        if scale is not None and "scale" in parameters:
+            kwargs["scale"] = scale
+        elif scale is not None:  # a kernel without the argument: fold the scale into the queries
+            q = q * (scale * q.shape[-1] ** 0.5)
         if "window_size" in parameters:  # torch > 2.10
             kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
         else:
@@ -107,6 +111,7 @@ def varlen_attention(
     causal: bool,
     max_seqlen: int | None = None,
     backend: AttentionBackend = "auto",
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Attention over packed items.
 
@@ -118,6 +123,7 @@ def varlen_attention(
         max_seqlen: longest item (flash-attn needs it; computed when omitted).
         backend: ``"flash"`` insists on flash-attn, ``"sdpa"`` on the per-item SDPA path, ``"auto"`` picks by dtype
             and device (:func:`select_attention_kernel`).
+        scale: the softmax scale (``None``: ``head_dim ** -0.5``).
 
     Returns:
         ``[total, n_heads, head_dim]``.
@@ -137,22 +143,25 @@ def varlen_attention(
         if kernel == "flash_attn":
             from flash_attn import flash_attn_varlen_func
 
-            return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=causal)
+            return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=causal, softmax_scale=scale)
         assert _TORCH_VARLEN is not None
-        return _TORCH_VARLEN(q, k, v, cu, max_seqlen, causal)
+        return _TORCH_VARLEN(q, k, v, cu, max_seqlen, causal, scale)
     # Item by item: the work is sum(len_i ** 2), as with flash-attn, where a block-diagonal mask over the packed
     # sequence would cost (sum len_i) ** 2 and make the cost model's per-item attention term wrong.
     bounds = cu_seqlens.tolist()
     if bounds[-1] != total:
         raise ValueError(f"cu_seqlens covers {bounds[-1]} tokens but the packed tensor has {total}")
+    # [1, heads, len, dim]: with a batch dimension SDPA can take its fused (flash) kernels, which keep no attention
+    # matrix for the backward; 3-D inputs fall back to the math kernel, which keeps one per item and head.
     outputs = [
         F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1),
-            k[start:end].transpose(0, 1),
-            v[start:end].transpose(0, 1),
+            q[start:end].transpose(0, 1)[None],
+            k[start:end].transpose(0, 1)[None],
+            v[start:end].transpose(0, 1)[None],
             is_causal=causal,
             enable_gqa=n_heads != k.shape[1],
-        ).transpose(0, 1)
+            scale=scale,
+        )[0].transpose(0, 1)
         for start, end in zip(bounds[:-1], bounds[1:], strict=True)
         if end > start
     ]

@@ -22,7 +22,6 @@ and enc_sp > 1 need the reference modules and are refused with a ``ValueError``)
 
 from typing import Any
 
-from omni_lightning.models.adapters.masks import packed_attention_mask
 from omni_lightning.models.adapters.protocol import EncoderAdapter, LLMAdapter
 
 __all__ = [
@@ -31,7 +30,6 @@ __all__ = [
     "LLMAdapter",
     "SiglipVisionAdapter",
     "WhisperEncoderAdapter",
-    "packed_attention_mask",
 ]
 
 

@@ -12,7 +12,7 @@ from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 from omni_lightning.balance.cost import ModuleCost
 from omni_lightning.balance.reshard import SplitChunk
-from omni_lightning.models.adapters.masks import packed_attention_mask
+from omni_lightning.models.adapters.hf_attention import PackedItems, use_packed_attention
 from omni_lightning.models.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair_flops, matmul_flops
 from omni_lightning.models.layers import GeluMLP
 from omni_lightning.parallel.attention import cu_seqlens_from_lengths
@@ -31,7 +31,7 @@ class WhisperEncoderAdapter(nn.Module):
     2-frame average pooling and a projector to the LLM width: one embedding per 4 mel frames.
 
     Whisper pads every clip to 30 s and attends over the padding. Here each clip attends only to its own frames
-    (block-diagonal mask), so clips of any length up to ``2 * max_source_positions`` frames cost what they
+    (packed attention, no dense mask), so clips of any length up to ``2 * max_source_positions`` frames cost what they
     contain; a clip of exactly that length encodes as ``WhisperEncoder`` encodes it. Clips are convolved one by
     one, so no kernel reads across a clip boundary. The position table stays frozen, as in Whisper. Split items
     (``enc_sp > 1``) are not supported; whole-item encoder balancing is.
@@ -43,9 +43,7 @@ class WhisperEncoderAdapter(nn.Module):
     def __init__(self, encoder: WhisperEncoder, llm_dim: int) -> None:
         super().__init__()
         config = encoder.config
-        if config._attn_implementation not in ("sdpa", "eager"):
-            raise ValueError(f"attention implementation {config._attn_implementation!r} is not supported: build the "
-                             "model with attn_implementation 'sdpa' or 'eager'")
+        use_packed_attention(config)  # whatever it was built with: items attend within themselves, no dense mask
         self.config = config
         self.conv1, self.conv2 = encoder.conv1, encoder.conv2
         # Whisper freezes its sinusoidal table: a (persistent) buffer says so to the optimizer and to FSDP.
@@ -76,10 +74,10 @@ class WhisperEncoderAdapter(nn.Module):
                sp_groups: Mapping[int, dist.ProcessGroup] | None = None) -> torch.Tensor:
         if chunks:
             raise ValueError("WhisperEncoderAdapter encodes whole clips only: use enc_sp=1")
-        mask = packed_attention_mask(cu_seqlens, causal=False, dtype=x.dtype)
+        items = PackedItems.of(cu_seqlens)
         h = x[None]
         for block in self.blocks:
-            h = block(h, mask)
+            h = block(h, items)
         # Clip lengths are multiples of 4 frames, so pairs of stem tokens never straddle two clips.
         h = self.layer_norm(h[0]).unflatten(0, (-1, _POOL)).mean(1)
         return self.projector(h)

@@ -9,7 +9,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from transformers import PreTrainedModel
 
 from omni_lightning.balance.cost import ModuleCost
-from omni_lightning.models.adapters.masks import packed_attention_mask
+from omni_lightning.models.adapters.hf_attention import PackedItems, use_packed_attention
 from omni_lightning.models.flops import TRAIN, attention_pair_flops, matmul_flops
 from omni_lightning.parallel.tensor_parallel import ColwiseLinear, RowwiseLinear
 
@@ -18,7 +18,6 @@ __all__ = ["HFCausalLMAdapter"]
 # HF's per-layer TP plan vocabulary (``config.base_model_tp_plan``) -> DTensor styles. Only the two plain styles:
 # others (packed, local, gather) change activation layouts in ways this adapter's forward does not expect.
 _STYLES = {"colwise": ColwiseLinear, "rowwise": RowwiseLinear}
-_ATTENTION = ("sdpa", "eager")  # implementations that take a dense 4-D mask (flash-attn wants position ids)
 
 
 class HFCausalLMAdapter(nn.Module):
@@ -26,24 +25,23 @@ class HFCausalLMAdapter(nn.Module):
 
     Takes the HF model's pieces (embedding, decoder layers, final norm, rotary table, LM head), so the parameter
     names become ``tok_embeddings.*``, ``layers.{i}.*``, ``norm.*``, ``output.*``; load pretrained weights into the
-    HF model before wrapping it. Packed samples attend only within themselves through a block-diagonal causal mask,
-    and RoPE positions restart per sample (``positions``), so a packed micro-batch gives every sample the logits it
-    would get alone. Tensor parallelism follows the model's own ``base_model_tp_plan``.
+    HF model before wrapping it. Packed samples attend only within themselves (causal, through
+    :mod:`~omni_lightning.models.adapters.hf_attention` whatever attention implementation the model was built
+    with: no dense mask), and RoPE positions restart per sample (``positions``), so a packed micro-batch gives every
+    sample the logits it would get alone. Tensor parallelism follows the model's own ``base_model_tp_plan``.
 
-    Raises ``ValueError`` for an attention implementation other than SDPA or eager, for sliding-window layers (the
-    packed mask is full causal), and (at parallelisation) for tied embeddings under tensor parallelism.
+    Raises ``ValueError`` for sliding-window layers (packed attention is full causal within a sample), and (at
+    parallelisation) for tied embeddings under tensor parallelism.
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
         super().__init__()
         config = model.config
-        if config._attn_implementation not in _ATTENTION:
-            raise ValueError(f"attention implementation {config._attn_implementation!r} is not supported: build the "
-                             f"model with attn_implementation in {_ATTENTION}")
         windowed = [kind for kind in getattr(config, "layer_types", None) or () if kind != "full_attention"]
         if windowed:
-            raise ValueError(f"layers of type {sorted(set(windowed))} are not supported: the packed mask is full "
+            raise ValueError(f"layers of type {sorted(set(windowed))} are not supported: packed attention is full "
                              "causal attention within each sample (e.g. build Qwen2 with use_sliding_window=False)")
+        use_packed_attention(config)  # whatever it was built with: samples attend within themselves, no dense mask
         self.config = config
         base = model.model
         self.tok_embeddings = base.embed_tokens
@@ -61,9 +59,9 @@ class HFCausalLMAdapter(nn.Module):
         """``embeddings [tokens, dim]`` -> logits ``[tokens, vocab]`` (vocabulary-sharded under TP)."""
         x, position_ids = embeddings[None], positions[None].long()
         rope = self.rotary_emb(x, position_ids)
-        mask = packed_attention_mask(cu_seqlens, causal=True, dtype=x.dtype)
+        items = PackedItems.of(cu_seqlens)
         for layer in self.layers.values():
-            x = layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=rope)
+            x = layer(x, attention_mask=items, position_ids=position_ids, position_embeddings=rope)
         # Drop the batch dimension before the head: the vocabulary-sharded logits are a DTensor under TP.
         return self.output(self.norm(x[0]))
 

@@ -12,7 +12,7 @@ from transformers import SiglipVisionModel
 
 from omni_lightning.balance.cost import ModuleCost
 from omni_lightning.balance.reshard import SplitChunk
-from omni_lightning.models.adapters.masks import packed_attention_mask
+from omni_lightning.models.adapters.hf_attention import PackedItems, use_packed_attention
 from omni_lightning.models.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair_flops, matmul_flops
 from omni_lightning.models.layers import GeluMLP
 from omni_lightning.parallel.attention import cu_seqlens_from_lengths
@@ -27,7 +27,7 @@ class SiglipVisionAdapter(nn.Module):
     Variable image sizes: SigLIP learns position embeddings for a square ``image_size / patch_size`` grid; each
     item gets that table bicubically interpolated to its own grid (exactly HF's ``interpolate_pos_encoding=True``),
     so any whole number of patches per side works and a native-size image gets the table itself. Items are packed
-    and attend only within themselves (block-diagonal mask), so a packed batch encodes every image as
+    and attend only within themselves (packed attention, no dense mask), so a packed batch encodes every image as
     ``SiglipVisionModel(pixel_values=image, interpolate_pos_encoding=True)`` would.
 
     The data must be cut into the model's patch size (``pack_samples(patch_size=...)``; 14 for the reference
@@ -42,9 +42,7 @@ class SiglipVisionAdapter(nn.Module):
         if merge not in (1, 4):
             raise ValueError(f"merge={merge} must be 1 or 4 (a 2x2 spatial merge)")
         config = model.config
-        if config._attn_implementation not in ("sdpa", "eager"):
-            raise ValueError(f"attention implementation {config._attn_implementation!r} is not supported: build the "
-                             "model with attn_implementation 'sdpa' or 'eager'")
+        use_packed_attention(config)  # whatever it was built with: items attend within themselves, no dense mask
         tower = getattr(model, "vision_model", model)  # older releases nest the tower one level down
         self.config = config
         self.merge = merge
@@ -95,10 +93,10 @@ class SiglipVisionAdapter(nn.Module):
                sp_groups: Mapping[int, dist.ProcessGroup] | None = None) -> torch.Tensor:
         if chunks:
             raise ValueError("SiglipVisionAdapter encodes whole items only: use enc_sp=1")
-        mask = packed_attention_mask(cu_seqlens, causal=False, dtype=x.dtype)
+        items = PackedItems.of(cu_seqlens)
         h = x[None]
         for block in self.blocks:
-            h = block(h, mask)
+            h = block(h, items)
         h = self.post_layernorm(h[0])
         return self.projector(h.reshape(-1, self.config.hidden_size * self.merge))
 
