@@ -99,8 +99,10 @@ class OmniDataModule(WebDataModule):
         layout: ``"auto"`` (per sample), ``"pairs"``, ``"conversations"`` or ``"synthetic"``
             (:mod:`omni_lightning.data.layouts`).
         caption_key: the json key of an image-text pair's caption.
-        audio_frames_per_second, video_fps, video_max_frames: how audio and video files are featurised and
-            sampled (see :class:`~omni_lightning.datamodules.WebDataModule`).
+        audio_frames_per_second: mel frames per second of decoded audio files (default: the feature extractor's,
+            else 100); a value that contradicts the processor is an error.
+        video_fps: frames per second sampled from video files (default: the processor's, else 2).
+        video_max_frames: most frames sampled from one video (default: the processor's, else 32).
         workload_balance: deprecated name of ``reorder`` (warns once).
         balance_group_size: deprecated name of ``reorder_group_size`` (warns once); a value other than its default
             (8) is the one used.

@@ -54,8 +54,9 @@ class WebDataModule(LightningDataModule):
         caption_key: the json key holding an image-text pair's caption (else ``txt``, else ``caption``).
         audio_frames_per_second: mel frames per second of decoded audio files (the feature extractor's sampling
             rate over its hop length; 100 without a processor); a value that contradicts the processor is an error.
-        video_fps, video_max_frames: how video files are sampled: frames per second and the most frames per
-            video (the processor's ``video_preprocessor_config.json`` where it has one, else 2 and 32).
+        video_fps: frames per second sampled from video files (the processor's
+            ``video_preprocessor_config.json`` where it has one, else 2).
+        video_max_frames: most frames sampled from one video (the processor's where it has one, else 32).
         on_bad_sample: ``"skip"`` counts and logs a sample that cannot be used (``data/skipped``) and goes on,
             ``"error"`` stops at it, naming shard and sample.
 
