@@ -19,9 +19,11 @@ from typing_extensions import override
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.batch import PackingSpec
 from omni_lightning.data.packing import DATA_COUNTS
+from omni_lightning.data.processor import load_processor
 from omni_lightning.deprecations import with_deprecated_names
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import ReferenceMLLM
+from omni_lightning.models.pretrained import build_pretrained, read_checkpoint, reset_rotary_buffers
 from omni_lightning.monitor import loggers_write_this_step
 from omni_lightning.parallel.layout import OmniLayout, OmniMeshes
 from omni_lightning.runtime.optim import (
@@ -53,6 +55,10 @@ def initial_state_dict(
         return ReferenceMLLM(config).state_dict()
 
 
+def _holds_tokenizer(path: str) -> bool:
+    return any((Path(path) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
+
+
 class OmniModule(LightningModule):
     """Next-token training of a multimodal LLM on packed micro-batches.
 
@@ -60,6 +66,11 @@ class OmniModule(LightningModule):
         model: configuration of the reference MLLM (``ReferenceMLLMConfig.tiny()`` when omitted), or a built
             :class:`ReferenceMLLM`, whose rank-0 weights every rank starts from: e.g. with Hugging Face encoders or
             decoder in place of ``vision``/``audio``/``llm`` through :mod:`omni_lightning.models.adapters`.
+        pretrained: a local Hugging Face checkpoint directory of a supported family
+            (:data:`~omni_lightning.models.pretrained.SUPPORTED_FAMILIES`: Qwen2-VL), trained whole with the family's
+            own modules and numerics: its vision tower and merger, its decoder with M-RoPE, its LM head. Built on the
+            meta device; rank 0 reads the weights and every rank receives its shards. Its tokenizer gives the token
+            roles, and a data module given no processor reads with the checkpoint's.
         learning_rate, weight_decay, betas, warmup_steps: AdamW (learning rate 1e-3 by default) with linear warm-up,
             used when no ``optimizer`` / ``lr_scheduler`` is given. Where both are, the callable wins: its own
             learning rate and weight decay, its schedule (a warning names what is ignored).
@@ -98,6 +109,7 @@ class OmniModule(LightningModule):
         self,
         model: ReferenceMLLMConfig | ReferenceMLLM | None = None,
         *,
+        pretrained: str | None = None,
         learning_rate: float | None = None,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -114,11 +126,18 @@ class OmniModule(LightningModule):
         deprecated_metric_names: bool = True,
     ) -> None:
         super().__init__()
+        if pretrained is not None and model is not None:
+            raise ValueError("give OmniModule either model or pretrained, not both: a checkpoint brings its model")
         built = model if isinstance(model, ReferenceMLLM) else None
         # The callables are code, not settings: the CLI's config records them; a checkpoint cannot rebuild them.
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", *(["model"] if built is not None else [])])
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
         self.freeze, self.lr_multipliers = tuple(freeze), dict(lr_multipliers or {})
+        self.pretrained = pretrained
+        if pretrained is not None:  # the family's shape from its config.json; the weights load in configure_model
+            model = build_pretrained(pretrained).config
+            if _holds_tokenizer(pretrained):  # and its token roles from its own tokenizer
+                model = replace(model, roles=load_processor(pretrained).roles)
         self.config = built.config if built is not None else model or ReferenceMLLMConfig.tiny()
         # Held in a tuple so the module is not registered (and saved) twice before configure_model adopts it.
         self._built_model: tuple[ReferenceMLLM, ...] = (built,) if built is not None else ()
@@ -129,6 +148,8 @@ class OmniModule(LightningModule):
         self._options = StepOptions(getattr(torch, param_dtype) if param_dtype else None, activation_checkpointing,
                                     compile_backend)
         self._sizes_from_data = model is None  # the vocabulary and token roles come from the data's processor
+        # A checkpoint directory holding a processor serves a data module that was given none.
+        self.processor_source = pretrained if pretrained is not None and _holds_tokenizer(pretrained) else None
         self._last_step_time: float | None = None
 
     @property
@@ -180,6 +201,8 @@ class OmniModule(LightningModule):
         if processor is None or processor.is_bytes or self._built_model or self.model is not None:
             return
         config, llm = self.config, self.config.llm
+        if self.pretrained is not None:
+            self._check_pretrained_roles(processor)
         if self._sizes_from_data:
             llm = replace(llm, vocab_size=processor.vocab_size)
         elif config.roles not in (None, processor.roles):
@@ -210,6 +233,8 @@ class OmniModule(LightningModule):
         if built_model:
             (model,) = self._built_model
             state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+        elif self.pretrained is not None:
+            model, state = self._pretrained_model()
         else:
             with torch.device("meta"):
                 model = ReferenceMLLM(self.config, groups=layout.model_groups if layout is not None else None)
@@ -238,11 +263,43 @@ class OmniModule(LightningModule):
         model.to_empty(device=device)
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
+        if self.pretrained is not None:
+            reset_rotary_buffers(model)
         # Rank 0's copy wins, so a model built with unseeded randomness on each rank still starts identically.
         options = StateDictOptions(full_state_dict=True, strict=True, broadcast_from_rank0=broadcast)
         set_model_state_dict(model, state, options=options)
         self.model = model
         self._built_model = ()
+
+    def _pretrained_model(self) -> tuple[ReferenceMLLM, dict[str, torch.Tensor]]:
+        """The checkpoint's model on the meta device and, on rank 0 only (it sends every rank its shards), its
+        weights: read from the safetensors files, and from the seed for what the family lacks (an audio encoder)."""
+        assert self.pretrained is not None
+        built = build_pretrained(self.pretrained, self.config.roles)
+        model = built.model
+        if self.omni_layout is not None:
+            model.use_groups(self.omni_layout.model_groups)
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return model, {}
+        state = read_checkpoint(self.pretrained, built.checkpoint_names)
+        if seeded := [name for name, stored in built.checkpoint_names.items() if stored is None]:
+            fresh = initial_state_dict(self.config, seed=self.hparams.init_seed)
+            state.update({name: fresh[name] for name in seeded})
+        return model, state
+
+    def _check_pretrained_roles(self, processor: Any) -> None:
+        """The data's placeholders must be the checkpoint's own tokens, and its vocabulary within the model's."""
+        llm = self._model_view().llm
+        for modality, attr in (("image", "image_token_id"), ("video", "video_token_id")):
+            expected = getattr(llm, attr, None)
+            if expected is not None and processor.roles.has_placeholder(modality) and \
+                    processor.roles.placeholder(modality) != expected:
+                raise ValueError(f"the processor at {processor.source} marks {modality}s with token "
+                                 f"{processor.roles.placeholder(modality)} but the checkpoint at {self.pretrained} "
+                                 f"expects {expected}: use the checkpoint's own processor")
+        if processor.vocab_size > self.config.llm.vocab_size:
+            raise ValueError(f"the tokenizer at {processor.source} has {processor.vocab_size} tokens, more than the "
+                             f"checkpoint's vocabulary of {self.config.llm.vocab_size}")
 
     def forward(self, batch: dict[str, Any]) -> torch.Tensor:
         assert self.model is not None, "configure_model() has not run"

@@ -85,8 +85,9 @@ def adapted_mllm() -> ReferenceMLLM:
 
 
 def test_importing_the_package_leaves_transformers_to_the_hf_adapter_modules() -> None:
-    """Only ``models/adapters/hf_*.py`` and the processor loader (``data/processor.py``, inside its functions)
-    import ``transformers``; the package reaches them on first use."""
+    """Only ``models/adapters/hf_*.py``, and inside their functions the processor loader (``data/processor.py``)
+    and the checkpoint loader (``models/pretrained.py``), import ``transformers``; the package reaches them on first
+    use."""
     root = Path(__file__).resolve().parents[1] / "omni_lightning"
     importers = set()
     for path in root.rglob("*.py"):
@@ -96,7 +97,8 @@ def test_importing_the_package_leaves_transformers_to_the_hf_adapter_modules() -
             if any(name.split(".")[0] == "transformers" for name in names):
                 importers.add(path.relative_to(root).as_posix())
     assert importers == {"models/adapters/hf_llm.py", "models/adapters/hf_vision.py", "models/adapters/hf_audio.py",
-                         "models/adapters/hf_attention.py", "data/processor.py"}
+                         "models/adapters/hf_attention.py", "models/pretrained.py",
+                         "data/processor.py"}
 
 
 def test_reference_modules_implement_the_protocols_with_the_cost_model_coefficients() -> None:

@@ -170,13 +170,26 @@ class WebDataModule(LightningDataModule):
             kwargs = trainer.strategy.distributed_sampler_kwargs
             self.dp_rank, self.dp_size = kwargs["rank"], kwargs["num_replicas"]
         if trainer is not None:
-            self._adopt_model_packing(getattr(trainer.lightning_module, "config", None))
+            module = trainer.lightning_module
+            source = getattr(module, "processor_source", None)
+            if self.data_processor is None and source is not None:
+                self.use_processor(source)
+            self._adopt_model_packing(getattr(module, "config", None))
         # Settings that starve a rank's loader fail here, on every rank alike, rather than once the loop has started.
         if stage == "fit" and self.shards is not None:
             assign_shards(existing_shards(self.shards), dp_rank=self.dp_rank, dp_size=self.dp_size,
                           num_workers=self.num_workers)
         if self.val_shards is not None and stage in ("fit", "validate"):
             assign_shards(existing_shards(self.val_shards), dp_rank=self.dp_rank, dp_size=self.dp_size)
+
+    def use_processor(self, path: str) -> None:
+        """Read text and media as the processor at ``path`` does (a checkpoint's own, when none was given): its
+        tokenizer and roles, its image, audio and video policies."""
+        log.info("the data module reads its samples with the processor of %s", path)
+        self.data_processor = load_processor(path)
+        self.audio_policy = self.data_processor.audio
+        self.video_policy = self.data_processor.video
+        self.packing = self._with_processor(self.packing)
 
     def _adopt_model_packing(self, config: Any) -> None:
         """Pack as the model's encoders expect (else shapes fail deep in a forward): its packing, when the layout

@@ -108,10 +108,16 @@ class ReferenceMLLM(nn.Module):
         """Logits of ``batch``, its placeholders taking ``encoded`` (:meth:`encode` of it when ``None``)."""
         embeddings = self.embed(batch, self.encode(batch) if encoded is None else encoded)
         if self.groups.cp is None:
-            return self.llm(embeddings, batch["position_ids"], batch["cu_seqlens"])
+            return self.llm(embeddings, self.positions(batch), batch["cu_seqlens"])
         shard = shard_for_context_parallel(batch["cu_seqlens"], self.groups.cp)
         local = shard.local_index
         return self.llm(embeddings[local], batch["position_ids"][local], batch["cu_seqlens"], shard)
+
+    def positions(self, batch: PackedBatch) -> torch.Tensor:
+        """The LLM's rotary positions of ``batch``: its own (e.g. Qwen2-VL's multimodal ``[3, tokens]``) where it
+        computes them, else the text positions restarting per sample."""
+        own = getattr(self.llm, "rope_positions", None)
+        return batch["position_ids"] if own is None else own(batch, self.packing)
 
     def embed(self, batch: PackedBatch, encoded: Encoded) -> torch.Tensor:
         """Token embeddings with every placeholder replaced by its encoder's output: the decoder's input."""

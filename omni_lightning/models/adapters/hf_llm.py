@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -36,20 +38,22 @@ class HFCausalLMAdapter(nn.Module):
 
     def __init__(self, model: PreTrainedModel) -> None:
         super().__init__()
-        config = model.config
+        self._adopt(model.config, model.model, model.get_output_embeddings())
+
+    def _adopt(self, config: Any, base: nn.Module, head: nn.Module) -> None:
+        """Take the decoder's pieces: ``base`` holds ``embed_tokens``, ``layers``, ``norm`` and ``rotary_emb``."""
         windowed = [kind for kind in getattr(config, "layer_types", None) or () if kind != "full_attention"]
         if windowed:
             raise ValueError(f"layers of type {sorted(set(windowed))} are not supported: packed attention is full "
                              "causal attention within each sample (e.g. build Qwen2 with use_sliding_window=False)")
         use_packed_attention(config)  # whatever it was built with: samples attend within themselves, no dense mask
         self.config = config
-        base = model.model
         self.tok_embeddings = base.embed_tokens
         # Keyed by index like the reference decoder, so pipeline-style slicing keeps checkpoint names.
         self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(base.layers)})
         self.norm = base.norm
         self.rotary_emb = base.rotary_emb
-        self.output = model.get_output_embeddings()
+        self.output = head
         self.tied = self.output.weight is self.tok_embeddings.weight
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

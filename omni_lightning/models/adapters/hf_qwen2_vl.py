@@ -1,0 +1,187 @@
+"""Qwen2-VL whole: its vision tower and merger as the vision encoder, its decoder with multimodal rotary positions
+(M-RoPE) as the LLM, computing exactly what ``Qwen2VLForConditionalGeneration`` computes.
+
+The packed vision inputs of :mod:`omni_lightning.modalities` are Qwen2-VL's own: patch rows in ``(C, T, p, p)``
+order with each 2x2 merge window adjacent, (row, col) positions in the same order, one attention item per image or
+per temporal patch of a video. The tower's rotary angles need the positions after the stem, where encoder
+resharding may move the tokens to another rank, so :meth:`Qwen2VLVisionAdapter.embed` appends them to each token
+as four small integers (exact in bf16 and fp16) and :meth:`~Qwen2VLVisionAdapter.encode` takes them off again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from omni_lightning.balance.cost import ModuleCost
+from omni_lightning.balance.reshard import SplitChunk
+from omni_lightning.batch import PackedBatch, PackingSpec, input_key
+from omni_lightning.models.adapters.hf_attention import PackedItems
+from omni_lightning.models.adapters.hf_llm import HFCausalLMAdapter
+from omni_lightning.models.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair_flops, matmul_flops
+from omni_lightning.parallel.attention import cu_seqlens_from_lengths
+
+__all__ = ["Qwen2VLTextAdapter", "Qwen2VLVisionAdapter", "mrope_positions"]
+
+_BASE = 256  # positions travel as (p // 256, p % 256): integers below 256 are exact in bf16
+_POSITION_COLUMNS = 4
+
+
+def _position_columns(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    positions = positions.long()
+    return torch.cat([positions // _BASE, positions % _BASE], dim=1).to(dtype)
+
+
+def _positions_from_columns(columns: torch.Tensor) -> torch.Tensor:
+    high, low = columns.float().round().long().chunk(2, dim=1)
+    return high * _BASE + low
+
+
+class Qwen2VLVisionAdapter(nn.Module):
+    """Qwen2-VL's vision tower (Conv3d patch stem, 2-D rotary blocks) and its patch merger, over packed items.
+
+    Parameter names: ``patch_embed.*``, ``blocks.{i}.*`` and ``projector.*`` (the merger, so that
+    ``freeze=["projector"]`` finds it). Items attend within themselves through the tower's own ``cu_seqlens``.
+    Split items (``enc_sp > 1``) are not supported; whole-item encoder balancing is.
+    """
+
+    supports_sequence_parallel = False
+
+    def __init__(self, visual: nn.Module) -> None:
+        super().__init__()
+        config = visual.config
+        self.config = config
+        self.patch_embed = visual.patch_embed
+        self.rotary_pos_emb = visual.rotary_pos_emb
+        self.blocks = visual.blocks
+        self.projector = visual.merger
+        self.merge = config.spatial_merge_size
+        self.tokens_per_output = self.merge * self.merge
+        self.n_heads = config.num_heads
+
+    @property
+    def patch_width(self) -> int:
+        config = self.config
+        return config.in_channels * config.temporal_patch_size * config.patch_size * config.patch_size
+
+    def forward(self, patches: torch.Tensor, positions: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+        tokens, lengths = self.embed(patches, positions, grids)
+        return self.encode(tokens, cu_seqlens_from_lengths(lengths))
+
+    def item_tokens(self, patches: torch.Tensor, positions: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+        return grids[:, 0] * grids[:, 1]
+
+    def embed(self, patches: torch.Tensor, positions: torch.Tensor,
+              grids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if patches.shape[-1] != self.patch_width:
+            raise ValueError(f"patches of {patches.shape[-1]} values do not fit Qwen2-VL's patch stem of "
+                             f"{self.patch_width} (channels x temporal_patch_size={self.config.temporal_patch_size} "
+                             f"x {self.config.patch_size}^2): pack the data with the model's patch sizes")
+        x = self.patch_embed(patches)
+        return torch.cat([x, _position_columns(positions, x.dtype)], dim=1), self.item_tokens(patches, positions,
+                                                                                                grids)
+
+    def encode(self, x: torch.Tensor, cu_seqlens: torch.Tensor, chunks: Sequence[SplitChunk] = (),
+               sp_groups: Mapping[int, dist.ProcessGroup] | None = None) -> torch.Tensor:
+        if chunks:
+            raise ValueError("Qwen2VLVisionAdapter encodes whole items only: use enc_sp=1")
+        hidden, positions = x[:, :-_POSITION_COLUMNS], _positions_from_columns(x[:, -_POSITION_COLUMNS:])
+        rotary = self.rotary_pos_emb(hidden, positions)
+        cu = cu_seqlens.to(torch.int32)
+        max_seqlen = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+        for block in self.blocks:
+            hidden = block(hidden, cu_seqlens=cu, max_seqlen=max_seqlen, position_embeddings=rotary)
+        return self.projector(hidden)
+
+    def dummy_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One merge window, for a rank that has no images."""
+        positions = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]], device=device)
+        patches = torch.zeros(4, self.patch_width, device=device, dtype=self.patch_embed.proj.weight.dtype)
+        return patches, positions, torch.tensor([[2, 2]], device=device)
+
+    def cost(self) -> ModuleCost:
+        """Per patch: the stem, every block (qkv, projection, MLP) and a quarter of the merger; per pair of
+        patches of one item, the attention."""
+        config, dim = self.config, self.config.embed_dim
+        hidden = int(dim * config.mlp_ratio)
+        block = matmul_flops(dim, 3 * dim) + matmul_flops(dim, dim) + 2 * matmul_flops(dim, hidden)
+        merged = dim * self.tokens_per_output
+        merger = (matmul_flops(merged, merged) + matmul_flops(merged, config.hidden_size)) / self.tokens_per_output
+        stem = TRAIN_FIRST_LAYER * matmul_flops(self.patch_width, dim)  # no gradient for the pixels
+        return ModuleCost(linear=stem + TRAIN * (config.depth * block + merger),
+                          quadratic=attention_pair_flops(dim, config.depth))
+
+
+class Qwen2VLTextAdapter(HFCausalLMAdapter):
+    """Qwen2-VL's decoder and LM head, with its multimodal rotary positions computed from the packed batch
+    (:func:`mrope_positions`): parameter names ``tok_embeddings.*``, ``layers.{i}.*``, ``norm.*``, ``output.*``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        nn.Module.__init__(self)
+        config = model.config
+        self._adopt(config.text_config, model.model.language_model, model.lm_head)
+        self.image_token_id, self.video_token_id = config.image_token_id, config.video_token_id
+        self.spatial_merge = config.vision_config.spatial_merge_size
+
+    def rope_positions(self, batch: PackedBatch, spec: PackingSpec) -> torch.Tensor:
+        """``[3, tokens]`` M-RoPE positions of the packed batch, restarting per sample."""
+        grids = batch[input_key("vision", "grids")]
+        return mrope_positions(batch["input_ids"], batch["cu_seqlens"], grids, image_id=self.image_token_id,
+                               video_id=self.video_token_id, merge=self.spatial_merge)
+
+    def forward(self, embeddings: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """``embeddings [tokens, dim]`` and ``positions [3, tokens]`` (or 1-D text positions) -> logits."""
+        x = embeddings[None]
+        position_ids = (positions if positions.ndim == 2 else positions[None].expand(3, -1))[:, None, :].long()
+        rope = self.rotary_emb(x, position_ids)
+        items = PackedItems.of(cu_seqlens)
+        for layer in self.layers.values():
+            x = layer(x, attention_mask=items, position_embeddings=rope)
+        return self.output(self.norm(x[0]))
+
+
+def mrope_positions(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, grids: torch.Tensor, *, image_id: int,
+                    video_id: int, merge: int) -> torch.Tensor:
+    """Qwen2-VL's ``get_rope_index`` over a packed batch: ``[3, tokens]`` (temporal, height, width), per sample.
+
+    Text runs count on from the position before them on all three axes. A run of image placeholders takes the
+    next vision item, laid out on its merged grid from the current position; a run of video placeholders takes as
+    many items (temporal patches, equal grids) as it covers, the temporal axis counting them. After either, the
+    position moves on by the larger merged side, as the model's own indexing does. ``grids`` are the vision items'
+    ``[rows, cols]`` in patches, in packing order.
+    """
+    ids = input_ids.tolist()
+    sides = (grids.long() // merge).tolist()
+    out = np.zeros((3, len(ids)), dtype=np.int64)
+    bounds, item = cu_seqlens.tolist(), 0
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        position, i = 0, start
+        while i < end:
+            token, j = ids[i], i + 1
+            if token not in (image_id, video_id):
+                while j < end and ids[j] not in (image_id, video_id):
+                    j += 1
+                out[:, i:j] = np.arange(position, position + j - i)
+                position += j - i
+                i = j
+                continue
+            while j < end and ids[j] == token:
+                j += 1
+            while i < j:  # images one item each; a video as many temporal patches as its run covers
+                if item >= len(sides):
+                    raise ValueError(f"placeholder tokens at {i} have no vision item left (grids: {len(sides)})")
+                h, w = sides[item]
+                frames = 1 if token == image_id else max((j - i) // (h * w), 1)
+                t, r, c = np.meshgrid(np.arange(frames), np.arange(h), np.arange(w), indexing="ij")
+                size = frames * h * w
+                if i + size > j:
+                    raise ValueError(f"a run of {j - i} placeholder tokens does not cover its vision item of {size}")
+                out[:, i : i + size] = np.stack([t.ravel(), r.ravel(), c.ravel()]) + position
+                position += max(h, w)
+                i += size
+                item += frames
+    return torch.from_numpy(out).to(input_ids.device)

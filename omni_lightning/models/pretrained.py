@@ -1,0 +1,133 @@
+"""Hugging Face multimodal checkpoints, whole: the family from ``config.json``, the model built on the meta device
+from the family's own classes, and the checkpoint's weights under this package's parameter names.
+
+Each family maps its HF model onto :class:`~omni_lightning.models.ReferenceMLLM` through adapters that reuse the HF
+modules themselves (:mod:`omni_lightning.models.adapters`), so the numerics are the family's own. One rank reads the
+weights (:func:`read_checkpoint`, through transformers' own loading, which knows every family's stored names) and
+every rank receives its shards from it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from omni_lightning.batch import TokenRoles
+from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig, VisionEncoderConfig
+from omni_lightning.models.mllm import ReferenceMLLM
+
+__all__ = ["SUPPORTED_FAMILIES", "PretrainedModel", "build_pretrained", "checkpoint_family", "read_checkpoint",
+           "reset_rotary_buffers"]
+
+
+@dataclass
+class PretrainedModel:
+    """A family's model on the meta device: the :class:`ReferenceMLLM`, its config, and for each of its parameter and
+    persistent-buffer names the name the checkpoint stores it under (``None``: not in the checkpoint, initialised
+    from the seed instead, e.g. the audio encoder of a vision-only family)."""
+
+    model: ReferenceMLLM
+    config: ReferenceMLLMConfig
+    checkpoint_names: dict[str, str | None]
+    family: str
+
+
+def _qwen2_vl(hf_config: Any, roles: TokenRoles | None) -> tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]:
+    import transformers
+
+    from omni_lightning.models.adapters.hf_qwen2_vl import Qwen2VLTextAdapter, Qwen2VLVisionAdapter
+
+    text, vision = hf_config.text_config, hf_config.vision_config
+    if vision.spatial_merge_size != 2:
+        raise ValueError(f"spatial_merge_size={vision.spatial_merge_size}: only Qwen2-VL's 2x2 merge is supported")
+    hf = transformers.Qwen2VLForConditionalGeneration._from_config(hf_config, attn_implementation="sdpa")
+    config = ReferenceMLLMConfig(
+        vision=VisionEncoderConfig(patch_size=vision.patch_size, in_channels=vision.in_channels,
+                                   dim=vision.embed_dim, n_layers=vision.depth, n_heads=vision.num_heads, merge=4,
+                                   temporal_patch_size=vision.temporal_patch_size),
+        # Qwen2-VL hears nothing: a minimal reference audio encoder fills the slot (no audio placeholder in its
+        # vocabulary, so no sample ever reaches it).
+        audio=AudioEncoderConfig(dim=16, n_layers=1, n_heads=2),
+        llm=LLMConfig(vocab_size=text.vocab_size, dim=text.hidden_size, n_layers=text.num_hidden_layers,
+                      n_heads=text.num_attention_heads, n_kv_heads=text.num_key_value_heads,
+                      ffn_hidden=text.intermediate_size),
+        roles=roles,
+    )
+    model = ReferenceMLLM(config, vision=Qwen2VLVisionAdapter(hf.model.visual), llm=Qwen2VLTextAdapter(hf))
+    return hf, model, config
+
+
+_FAMILIES: dict[str, Callable[[Any, TokenRoles | None], tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]]] = {
+    "qwen2_vl": _qwen2_vl,
+}
+# Each family's transformers class, by name (transformers is imported on first use).
+_HF_CLASSES: dict[str, Callable[[], str]] = {"qwen2_vl": lambda: "Qwen2VLForConditionalGeneration"}
+SUPPORTED_FAMILIES = tuple(_FAMILIES)
+
+
+def checkpoint_family(path: str | Path) -> str:
+    """The ``model_type`` of a checkpoint directory, checked to be a supported family."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"pretrained={str(path)!r} has no config.json: give a Hugging Face checkpoint directory "
+                         "(save_pretrained's output)")
+    family = json.loads(config_file.read_text()).get("model_type")
+    if family not in _FAMILIES:
+        raise ValueError(f"pretrained={str(path)!r} is a {family!r} checkpoint; the supported families are "
+                         f"{list(SUPPORTED_FAMILIES)}")
+    return family
+
+
+def build_pretrained(path: str | Path, roles: TokenRoles | None = None) -> PretrainedModel:
+    """The checkpoint's model on the meta device (no weights read) and where each of its tensors is stored;
+    ``roles`` are the token roles of the data it will train on (its tokenizer's)."""
+    import transformers
+
+    family = checkpoint_family(path)
+    hf_config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    with torch.device("meta"):
+        hf, model, config = _FAMILIES[family](hf_config, roles)
+    stored: dict[int, str] = {}
+    for name, tensor in _tensors(hf):  # a tied weight is stored under its first name
+        stored.setdefault(id(tensor), name)
+    names = {name: stored.get(id(t)) for name, t in _tensors(model)}
+    return PretrainedModel(model, config, names, family)
+
+
+def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters(remove_duplicate=False)
+    persistent = set(module.state_dict(keep_vars=True))
+    yield from ((name, b) for name, b in module.named_buffers(remove_duplicate=False) if name in persistent)
+
+
+def read_checkpoint(path: str | Path, names: dict[str, str | None]) -> dict[str, torch.Tensor]:
+    """The tensors of ``names`` (model name -> the HF model's own name) from the checkpoint directory, by model
+    name. transformers reads the files (every family's renamed and converted keys included); ``ValueError`` naming
+    what the checkpoint lacks."""
+    import transformers
+
+    family = checkpoint_family(path)
+    hf = _HF_CLASSES[family]()
+    loaded = getattr(transformers, hf).from_pretrained(str(path), local_files_only=True, dtype="auto")
+    tensors = dict(_tensors(loaded))
+    wanted = {name: stored for name, stored in names.items() if stored is not None}
+    if missing := sorted(stored for stored in wanted.values() if stored not in tensors):
+        raise ValueError(f"the checkpoint at {path} lacks {len(missing)} tensors of its family's model, e.g. "
+                         f"{missing[:5]}")
+    return {name: tensors[stored].detach() for name, stored in wanted.items()}
+
+
+def reset_rotary_buffers(model: nn.Module) -> None:
+    """Recompute the rotary tables (non-persistent buffers, which construction on the meta device leaves empty)."""
+    for module in model.modules():
+        if isinstance(getattr(module, "inv_freq", None), torch.Tensor) and hasattr(module, "config"):
+            with torch.device("cpu"):
+                fresh: Any = type(module)(module.config)
+            for name, buffer in fresh.named_buffers(recurse=False):
+                getattr(module, name).copy_(buffer)

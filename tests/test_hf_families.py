@@ -1,0 +1,251 @@
+"""Hugging Face multimodal checkpoints, whole: a tiny Qwen2-VL written with ``save_pretrained`` (model, tokenizer
+with its chat template, PIL image processor), loaded with ``OmniModule(pretrained=DIR)`` as a user's checkpoint is,
+computes exactly what ``Qwen2VLForConditionalGeneration`` computes.
+
+Tolerances: logits within 1e-5 of the HF forward in fp32 (the same modules; only the attention runs per item
+instead of over one padded sequence, and the packed batch sums in another order), the loss within 2e-2 relative in
+bf16 (bf16 keeps 8 bits of mantissa: each of the 4 layers' matmuls and norms rounds to about 4e-3), distributed
+losses within 1e-4 relative of one process (FSDP reduces the same gradients in another order).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_processors import save_tiny_qwen2_vl
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lightning_runs import RecordBatches, RecordRun, fit
+from PIL import Image
+
+from omni_lightning import OmniDataModule, OmniModule
+from omni_lightning.batch import IGNORE_INDEX
+from omni_lightning.data.jsonl import write_shard
+from omni_lightning.data.packing import DecodedSample, pack_samples
+from omni_lightning.data.shards import expand_shards
+from omni_lightning.data.streaming import open_shard
+from omni_lightning.models.adapters.hf_qwen2_vl import mrope_positions
+from omni_lightning.models.pretrained import SUPPORTED_FAMILIES
+
+transformers = pytest.importorskip("transformers")
+CAPTIONS = ["A cat sits on a mat.", "The left one is red, the right one is blue.", "Describe the picture please.",
+            "What happens? A cat jumps.", "这只猫可爱吗？是的，非常可爱！"]
+LEARNING_RATE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl"))
+
+
+def _image(height: int, width: int, seed: int) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)).save(out, "PNG")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def pair_shards(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Image-text pairs of several sizes, as collection tools write them: 2 shards of 12."""
+    out = tmp_path_factory.mktemp("pairs")
+    rng = np.random.default_rng(1)
+    for shard in range(2):
+        samples = []
+        for i in range(12):
+            h, w = (int(x) for x in rng.integers(20, 120, 2))
+            samples.append({"__key__": f"pair{shard}{i:02d}", "png": _image(h, w, shard * 12 + i),
+                            "txt": CAPTIONS[(shard + i) % len(CAPTIONS)].encode()})
+        write_shard(out / f"pairs-{shard:06d}.tar", samples)
+    return str(out / "pairs-{000000..000001}.tar")
+
+
+def _hf_model(path: Path, dtype: torch.dtype = torch.float32) -> Any:
+    return transformers.Qwen2VLForConditionalGeneration.from_pretrained(str(path), dtype=dtype).eval()
+
+
+def _hf_inputs(batch: dict[str, Any], config: Any) -> list[dict[str, torch.Tensor]]:
+    """Each packed sample as the HF model takes it: its ids, its token types, and its items' pixel rows and
+    ``(t, h, w)`` grids (an image one item, a video as many temporal patches as its placeholders cover)."""
+    image_id, video_id = config.image_token_id, config.video_token_id
+    grids, rows = batch["vision_grids"].tolist(), batch["vision_patches"]
+    cu, item, row = batch["cu_seqlens"].tolist(), 0, 0
+    samples = []
+    for start, end in itertools.pairwise(cu):
+        ids = batch["input_ids"][start:end]
+        inputs: dict[str, Any] = {"input_ids": ids[None], "mm_token_type_ids": (
+            (ids == image_id).long() + 2 * (ids == video_id).long())[None], "labels": batch["labels"][start:end]}
+        for kind, token in (("image", image_id), ("video", video_id)):
+            left, grid_thw, pixels = int((ids == token).sum()), [], []
+            while left > 0:
+                h, w = grids[item]
+                frames = 1 if kind == "image" else left // (h * w // 4)
+                pixels.append(rows[row : row + frames * h * w])
+                grid_thw.append([frames, h, w])
+                left, item, row = left - frames * h * w // 4, item + frames, row + frames * h * w
+            if grid_thw:
+                suffix = "" if kind == "image" else "_videos"
+                inputs[f"pixel_values{suffix}"] = torch.cat(pixels)
+                inputs[f"{kind}_grid_thw"] = torch.tensor(grid_thw)
+        samples.append(inputs)
+    return samples
+
+
+def _hf_loss_sum(hf: Any, samples: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, int]:
+    total, count = torch.zeros(()), 0
+    for inputs in samples:
+        labels = inputs["labels"]
+        logits = hf(**{k: v for k, v in inputs.items() if k != "labels"}).logits[0]
+        total = total + F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        count += int((labels != IGNORE_INDEX).sum())
+    return total, count
+
+
+def _batch(data: OmniDataModule, raws: list[dict[str, Any]]) -> dict[str, Any]:
+    reader = data.reader()
+    return pack_samples([reader.decode(reader(raw)) for raw in raws], data.packing)
+
+
+def _raw(pattern: str) -> list[dict[str, Any]]:
+    return [raw for path in expand_shards(pattern) for raw in open_shard(path)]
+
+
+def _loaded(qwen2_vl: Path, **kwargs: Any) -> tuple[OmniModule, OmniDataModule]:
+    """The module and a data module reading with the checkpoint's processor, as Lightning's setup hands them."""
+    module = OmniModule(pretrained=str(qwen2_vl), **kwargs)
+    module.configure_model()
+    data = OmniDataModule("unused", processor=str(qwen2_vl))
+    data._adopt_model_packing(module.config)
+    return module, data
+
+
+def test_logits_equal_the_hf_forward_sample_by_sample_and_packed(qwen2_vl: Path, pair_shards: str) -> None:
+    module, data = _loaded(qwen2_vl)
+    hf = _hf_model(qwen2_vl)
+    batch = _batch(data, _raw(pair_shards)[:5])
+    samples = _hf_inputs(batch, hf.config)
+    # The pixels are the processor's own (its PIL implementation on the same image bytes).
+    processor = transformers.AutoImageProcessor.from_pretrained(str(qwen2_vl), backend="pil")
+    first = processor(Image.open(io.BytesIO(_raw(pair_shards)[0]["png"])), return_tensors="pt")
+    torch.testing.assert_close(samples[0]["pixel_values"], first["pixel_values"], rtol=0, atol=0)
+    with torch.no_grad():
+        packed = module.model(batch)
+        alone = torch.cat([hf(**{k: v for k, v in s.items() if k != "labels"}).logits[0] for s in samples])
+        torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+        ours = F.cross_entropy(packed, batch["labels"], ignore_index=IGNORE_INDEX)
+        total, count = _hf_loss_sum(hf, samples)
+    torch.testing.assert_close(ours, total / count, rtol=1e-6, atol=0)
+
+
+def test_video_items_and_their_temporal_positions_equal_the_hf_forward(qwen2_vl: Path) -> None:
+    """Videos in temporal patches of 2 frames (the processor's video path needs torchvision, so the frames are
+    packed here; the rows are laid out as Qwen2-VL's own)."""
+    module, data = _loaded(qwen2_vl)
+    hf = _hf_model(qwen2_vl)
+    config, rng = hf.config, np.random.default_rng(0)
+    samples = []
+    for key, (frames, h, w) in enumerate([(4, 56, 56), (3, 28, 84), (2, 56, 28)]):
+        video = rng.integers(0, 256, (frames, h, w, 3), dtype=np.uint8)
+        tokens = -(-frames // 2) * (h // 28) * (w // 28)
+        ids = np.concatenate([rng.integers(10, 200, 3), [config.vision_start_token_id],
+                              [config.video_token_id] * tokens, [config.vision_end_token_id],
+                              rng.integers(10, 200, 4)]).astype(np.int64)
+        targets = np.zeros(len(ids), dtype=bool)
+        targets[-4:] = True
+        samples.append(DecodedSample(f"video{key}", ids, media={"video": [video]}, targets=targets,
+                                     media_order=[("video", 0)]))
+    batch = pack_samples(samples, data.packing)
+    with torch.no_grad():
+        alone = torch.cat([hf(**{k: v for k, v in s.items() if k != "labels"}).logits[0]
+                           for s in _hf_inputs(batch, config)])
+        torch.testing.assert_close(module.model(batch), alone, rtol=0, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None, database=None, derandomize=True)
+@given(layout=st.lists(st.tuples(st.sampled_from(["text", "image", "video"]), st.integers(1, 4), st.integers(1, 3),
+                                 st.integers(1, 3)), min_size=1, max_size=5), samples=st.integers(1, 3))
+def test_mrope_positions_equal_get_rope_index(layout: list[tuple[str, int, int, int]], samples: int) -> None:
+    """Any run of text, images and videos (grids in merged tokens), split over packed samples."""
+    config = transformers.Qwen2VLConfig(image_token_id=1, video_token_id=2, vision_start_token_id=3)
+    with torch.device("meta"):
+        model = transformers.Qwen2VLModel(config)
+    ids, grids, cu, expected = [], [], [0], []
+    for s in range(samples):
+        sample, images, videos = [], [], []
+        for kind, t, h, w in layout[s % len(layout):] + layout[: s % len(layout)]:
+            if kind == "text":
+                sample += [5] * (t + h)
+                continue
+            frames = 1 if kind == "image" else t
+            sample += [3] + [1 if kind == "image" else 2] * (frames * h * w) + [5]
+            grids += [[2 * h, 2 * w]] * frames
+            (images if kind == "image" else videos).append([frames, 2 * h, 2 * w])
+        sample = torch.tensor(sample)
+        types = (sample == 1).long() + 2 * (sample == 2).long()
+        position, _ = model.get_rope_index(sample[None], types[None], torch.tensor(images) if images else None,
+                                           torch.tensor(videos) if videos else None)
+        expected.append(position[:, 0])
+        ids.append(sample)
+        cu.append(cu[-1] + len(sample))
+    got = mrope_positions(torch.cat(ids), torch.tensor(cu), torch.tensor(grids).reshape(-1, 2), image_id=1,
+                          video_id=2, merge=2)
+    torch.testing.assert_close(got, torch.cat(expected, dim=1))
+
+
+def test_bf16_loss_is_the_hf_loss_within_bf16_rounding(qwen2_vl: Path, pair_shards: str) -> None:
+    module, data = _loaded(qwen2_vl)
+    module.model.to(torch.bfloat16)
+    batch = _batch(data, _raw(pair_shards)[:4])
+    hf = _hf_model(qwen2_vl)
+    with torch.no_grad():
+        ours = F.cross_entropy(module.model(batch).float(), batch["labels"], ignore_index=IGNORE_INDEX)
+        total, count = _hf_loss_sum(hf, _hf_inputs(batch, hf.config))
+    assert not torch.equal(ours, total / count)  # bf16 took effect
+    torch.testing.assert_close(ours, total / count, rtol=2e-2, atol=0)
+
+
+def test_a_family_not_supported_is_refused_naming_the_supported(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "blip-2"}))
+    supported = re.escape(str(list(SUPPORTED_FAMILIES)))
+    with pytest.raises(ValueError, match=rf"'blip-2' checkpoint; the supported families are {supported}"):
+        OmniModule(pretrained=str(tmp_path))
+    with pytest.raises(ValueError, match="has no config.json"):
+        OmniModule(pretrained=str(tmp_path / "nothing"))
+    with pytest.raises(ValueError, match="either model or pretrained"):
+        OmniModule(object(), pretrained=str(tmp_path))  # type: ignore[arg-type]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [{"dp_shard": 2}, {"tp": 2, "dp_shard": 1}], ids=["fsdp", "tp"])
+def test_training_under_a_layout_is_one_process_running_the_hf_model(layout: dict[str, int], tmp_path: Path,
+                                                                     qwen2_vl: Path, pair_shards: str) -> None:
+    """The data module is given no processor: it reads with the checkpoint's. Three steps on 2 ranks against the
+    HF model itself trained on the same global batches (each step's samples, wherever reordering put them)."""
+    module = OmniModule(pretrained=str(qwen2_vl), learning_rate=LEARNING_RATE)
+    data = OmniDataModule(pair_shards, samples_per_step=2, group_steps=2)
+    fit(tmp_path, pair_shards, Path("unused"), layout=layout, devices=2, max_steps=3, module=module, datamodule=data,
+        callbacks=[RecordRun(tmp_path), RecordBatches(tmp_path)])
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    per_rank = [torch.load(tmp_path / f"batches_rank{r}.pt", weights_only=False) for r in range(2)]
+    hf = _hf_model(qwen2_vl).train()
+    optimizer = torch.optim.AdamW(hf.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0)
+    expected = []
+    for step in range(3):
+        batches = [per_rank[r][step] for r in range(2 if "dp_shard" in layout and layout["dp_shard"] == 2 else 1)]
+        total, count = torch.zeros(()), 0
+        for batch in batches:
+            part, n = _hf_loss_sum(hf, _hf_inputs(batch, hf.config))
+            total, count = total + part, count + n
+        optimizer.zero_grad()
+        (total / count).backward()
+        optimizer.step()
+        expected.append(float(total / count))
+    torch.testing.assert_close(torch.tensor([losses[s] for s in "123"]), torch.tensor(expected), rtol=1e-4, atol=0)
