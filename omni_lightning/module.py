@@ -151,6 +151,7 @@ class OmniModule(LightningModule):
         # A checkpoint directory holding a processor serves a data module that was given none.
         self.processor_source = pretrained if pretrained is not None and _holds_tokenizer(pretrained) else None
         self._last_step_time: float | None = None
+        self._video_fps: float | None = None  # the data module's video sampling rate, once setup has seen it
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -196,8 +197,11 @@ class OmniModule(LightningModule):
     def setup(self, stage: str) -> None:
         """Take the vocabulary and token roles from the data module's processor (Lightning runs the data module's
         setup first): a reference model built without explicit sizes adopts them; a given config must agree. The
-        resolved config replaces the ``model`` hyper-parameter, so the checkpoint records it."""
-        processor = getattr(getattr(self._trainer, "datamodule", None), "data_processor", None)
+        resolved config replaces the ``model`` hyper-parameter, so the checkpoint records it. A model whose positions
+        count seconds of video (Qwen2.5-VL) takes the rate the data module samples videos at."""
+        datamodule = getattr(self._trainer, "datamodule", None)
+        self._video_fps = getattr(getattr(datamodule, "video_policy", None), "fps", None)
+        processor = getattr(datamodule, "data_processor", None)
         if processor is None or processor.is_bytes or self._built_model or self.model is not None:
             return
         config, llm = self.config, self.config.llm
@@ -277,6 +281,8 @@ class OmniModule(LightningModule):
         assert self.pretrained is not None
         built = build_pretrained(self.pretrained, self.config.roles)
         model = built.model
+        if self._video_fps is not None and hasattr(model.llm, "video_fps"):
+            model.llm.video_fps = self._video_fps
         if self.omni_layout is not None:
             model.use_groups(self.omni_layout.model_groups)
         if dist.is_initialized() and dist.get_rank() != 0:

@@ -83,19 +83,29 @@ def save_processor(path: Path, *, generation: bool = True, patch_size: int = 14,
     return path
 
 
-def save_tiny_qwen2_vl(path: Path, *, seed: int = 0) -> Path:
-    """A Qwen2-VL checkpoint directory as a user keeps one: the model (tiny, 2 + 2 layers) with its tokenizer (the
+def save_tiny_qwen_vl(path: Path, family: str = "qwen2_vl", *, seed: int = 0) -> Path:
+    """A Qwen2-VL (or Qwen2.5-VL: ``family="qwen2_5_vl"``) checkpoint directory as a user keeps one: the model (tiny,
+    2 + 2 layers; Qwen2.5-VL's tower with 56-pixel windows and one full-attention block) with its tokenizer (the
     template above, Qwen's vision tokens) and its PIL image processor (temporal patches of 2, a small pixel budget),
     all written with ``save_pretrained``."""
     import torch
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = save_tokenizer(path, train_bpe(), chatml(True), named=True)
     Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2,
                              size={"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 16}).save_pretrained(path)
     token = tokenizer.convert_tokens_to_ids
-    config = Qwen2VLConfig(
+    vision: dict[str, Any] = {"depth": 2, "num_heads": 4, "patch_size": 14, "spatial_merge_size": 2,
+                              "temporal_patch_size": 2}
+    if family == "qwen2_vl":
+        vision |= {"embed_dim": 32, "hidden_size": 32}
+        config_class, model_class = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+    else:
+        vision |= {"hidden_size": 32, "intermediate_size": 48, "out_hidden_size": 32, "window_size": 56,
+                   "fullatt_block_indexes": [1], "tokens_per_second": 4}
+        config_class, model_class = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+    config = config_class(
         # Padded past the tokenizer, as Qwen's checkpoints are (151936 rows for 151657 tokens).
         text_config={"vocab_size": -(-len(tokenizer) // 8) * 8, "hidden_size": 32, "intermediate_size": 64,
                      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -103,11 +113,9 @@ def save_tiny_qwen2_vl(path: Path, *, seed: int = 0) -> Path:
                      "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
                      "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id,
                      "pad_token_id": tokenizer.pad_token_id},
-        vision_config={"depth": 2, "embed_dim": 32, "hidden_size": 32, "num_heads": 4, "patch_size": 14,
-                       "spatial_merge_size": 2, "temporal_patch_size": 2},
-        image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
+        vision_config=vision, image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
         vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"),
         tie_word_embeddings=False)
     torch.manual_seed(seed)
-    Qwen2VLForConditionalGeneration(config).save_pretrained(path)
+    model_class(config).save_pretrained(path)
     return path

@@ -1,6 +1,6 @@
-"""Hugging Face multimodal checkpoints, whole: a tiny Qwen2-VL written with ``save_pretrained`` (model, tokenizer
-with its chat template, PIL image processor), loaded with ``OmniModule(pretrained=DIR)`` as a user's checkpoint is,
-computes exactly what ``Qwen2VLForConditionalGeneration`` computes.
+"""Hugging Face multimodal checkpoints, whole: a tiny Qwen2-VL and Qwen2.5-VL written with ``save_pretrained``
+(model, tokenizer with its chat template, PIL image processor), loaded with ``OmniModule(pretrained=DIR)`` as a
+user's checkpoint is, compute exactly what the family's ``*ForConditionalGeneration`` computes.
 
 Tolerances: logits within 1e-5 of the HF forward in fp32 (the same modules; only the attention runs per item
 instead of over one padded sequence, and the packed batch sums in another order), the loss within 2e-2 relative in
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_processors import save_tiny_qwen2_vl
+from hf_processors import save_tiny_qwen_vl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lightning_runs import RecordBatches, RecordRun, fit
@@ -42,9 +42,13 @@ CAPTIONS = ["A cat sits on a mat.", "The left one is red, the right one is blue.
 LEARNING_RATE = 1e-3
 
 
-@pytest.fixture(scope="module")
-def qwen2_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl"))
+FAMILIES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def qwen2_vl(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint directory of each family (named for the first; every test runs on both)."""
+    return save_tiny_qwen_vl(tmp_path_factory.mktemp(request.param), request.param)
 
 
 def _image(height: int, width: int, seed: int) -> bytes:
@@ -69,7 +73,8 @@ def pair_shards(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _hf_model(path: Path, dtype: torch.dtype = torch.float32) -> Any:
-    return transformers.Qwen2VLForConditionalGeneration.from_pretrained(str(path), dtype=dtype).eval()
+    family = json.loads((path / "config.json").read_text())["model_type"]
+    return getattr(transformers, FAMILIES[family]).from_pretrained(str(path), dtype=dtype).eval()
 
 
 def _hf_inputs(batch: dict[str, Any], config: Any) -> list[dict[str, torch.Tensor]]:
@@ -163,9 +168,13 @@ def test_video_items_and_their_temporal_positions_equal_the_hf_forward(qwen2_vl:
         samples.append(DecodedSample(f"video{key}", ids, media={"video": [video]}, targets=targets,
                                      media_order=[("video", 0)]))
     batch = pack_samples(samples, data.packing)
+    inputs = _hf_inputs(batch, config)
+    if hasattr(module.model.llm, "video_fps"):  # Qwen2.5-VL: positions count seconds, at the sampling rate
+        module.model.llm.video_fps = 0.5
+        for one in inputs:
+            one["second_per_grid_ts"] = torch.tensor([2 / 0.5])
     with torch.no_grad():
-        alone = torch.cat([hf(**{k: v for k, v in s.items() if k != "labels"}).logits[0]
-                           for s in _hf_inputs(batch, config)])
+        alone = torch.cat([hf(**{k: v for k, v in s.items() if k != "labels"}).logits[0] for s in inputs])
         torch.testing.assert_close(module.model(batch), alone, rtol=0, atol=1e-5)
 
 

@@ -38,36 +38,51 @@ class PretrainedModel:
     family: str
 
 
-def _qwen2_vl(hf_config: Any, roles: TokenRoles | None) -> tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]:
+def _qwen_vl(hf_config: Any, roles: TokenRoles | None, *, hf_class: str, vision_adapter: Any, text_adapter: Any,
+             tower_width: str) -> tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]:
+    """Qwen2-VL and Qwen2.5-VL: the tower and merger, the M-RoPE decoder and its head."""
     import transformers
-
-    from omni_lightning.models.adapters.hf_qwen2_vl import Qwen2VLTextAdapter, Qwen2VLVisionAdapter
 
     text, vision = hf_config.text_config, hf_config.vision_config
     if vision.spatial_merge_size != 2:
-        raise ValueError(f"spatial_merge_size={vision.spatial_merge_size}: only Qwen2-VL's 2x2 merge is supported")
-    hf = transformers.Qwen2VLForConditionalGeneration._from_config(hf_config, attn_implementation="sdpa")
+        raise ValueError(f"spatial_merge_size={vision.spatial_merge_size}: only the 2x2 merge is supported")
+    hf = getattr(transformers, hf_class)._from_config(hf_config, attn_implementation="sdpa")
     config = ReferenceMLLMConfig(
         vision=VisionEncoderConfig(patch_size=vision.patch_size, in_channels=vision.in_channels,
-                                   dim=vision.embed_dim, n_layers=vision.depth, n_heads=vision.num_heads, merge=4,
-                                   temporal_patch_size=vision.temporal_patch_size),
-        # Qwen2-VL hears nothing: a minimal reference audio encoder fills the slot (no audio placeholder in its
-        # vocabulary, so no sample ever reaches it).
+                                   dim=getattr(vision, tower_width), n_layers=vision.depth, n_heads=vision.num_heads,
+                                   merge=4, temporal_patch_size=vision.temporal_patch_size),
+        # These families hear nothing: a minimal reference audio encoder fills the slot (their vocabularies have no
+        # audio placeholder, so no sample ever reaches it).
         audio=AudioEncoderConfig(dim=16, n_layers=1, n_heads=2),
         llm=LLMConfig(vocab_size=text.vocab_size, dim=text.hidden_size, n_layers=text.num_hidden_layers,
                       n_heads=text.num_attention_heads, n_kv_heads=text.num_key_value_heads,
                       ffn_hidden=text.intermediate_size),
         roles=roles,
     )
-    model = ReferenceMLLM(config, vision=Qwen2VLVisionAdapter(hf.model.visual), llm=Qwen2VLTextAdapter(hf))
+    model = ReferenceMLLM(config, vision=vision_adapter(hf.model.visual), llm=text_adapter(hf))
     return hf, model, config
 
 
+def _qwen2_vl(hf_config: Any, roles: TokenRoles | None) -> tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]:
+    from omni_lightning.models.adapters.hf_qwen2_vl import Qwen2VLTextAdapter, Qwen2VLVisionAdapter
+
+    return _qwen_vl(hf_config, roles, hf_class=_HF_CLASSES["qwen2_vl"], vision_adapter=Qwen2VLVisionAdapter,
+                    text_adapter=Qwen2VLTextAdapter, tower_width="embed_dim")
+
+
+def _qwen2_5_vl(hf_config: Any, roles: TokenRoles | None) -> tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]:
+    from omni_lightning.models.adapters.hf_qwen2_vl import Qwen25VLTextAdapter, Qwen25VLVisionAdapter
+
+    return _qwen_vl(hf_config, roles, hf_class=_HF_CLASSES["qwen2_5_vl"], vision_adapter=Qwen25VLVisionAdapter,
+                    text_adapter=Qwen25VLTextAdapter, tower_width="hidden_size")
+
+
+# Each family's transformers class, by name (transformers is imported on first use).
+_HF_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 _FAMILIES: dict[str, Callable[[Any, TokenRoles | None], tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]]] = {
     "qwen2_vl": _qwen2_vl,
+    "qwen2_5_vl": _qwen2_5_vl,
 }
-# Each family's transformers class, by name (transformers is imported on first use).
-_HF_CLASSES: dict[str, Callable[[], str]] = {"qwen2_vl": lambda: "Qwen2VLForConditionalGeneration"}
 SUPPORTED_FAMILIES = tuple(_FAMILIES)
 
 
@@ -113,8 +128,7 @@ def read_checkpoint(path: str | Path, names: dict[str, str | None]) -> dict[str,
     import transformers
 
     family = checkpoint_family(path)
-    hf = _HF_CLASSES[family]()
-    loaded = getattr(transformers, hf).from_pretrained(str(path), local_files_only=True, dtype="auto")
+    loaded = getattr(transformers, _HF_CLASSES[family]).from_pretrained(str(path), local_files_only=True, dtype="auto")
     tensors = dict(_tensors(loaded))
     wanted = {name: stored for name, stored in names.items() if stored is not None}
     if missing := sorted(stored for stored in wanted.values() if stored not in tensors):

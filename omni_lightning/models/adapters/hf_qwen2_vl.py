@@ -1,5 +1,7 @@
-"""Qwen2-VL whole: its vision tower and merger as the vision encoder, its decoder with multimodal rotary positions
-(M-RoPE) as the LLM, computing exactly what ``Qwen2VLForConditionalGeneration`` computes.
+"""Qwen2-VL and Qwen2.5-VL whole: the vision tower and merger as the vision encoder, the decoder with multimodal
+rotary positions (M-RoPE) as the LLM, computing exactly what ``Qwen2VLForConditionalGeneration`` and
+``Qwen2_5_VLForConditionalGeneration`` compute (Qwen2.5-VL's tower attends in windows except in its full-attention
+blocks, and its video positions count seconds).
 
 The packed vision inputs of :mod:`omni_lightning.modalities` are Qwen2-VL's own: patch rows in ``(C, T, p, p)``
 order with each 2x2 merge window adjacent, (row, col) positions in the same order, one attention item per image or
@@ -25,7 +27,8 @@ from omni_lightning.models.adapters.hf_llm import HFCausalLMAdapter
 from omni_lightning.models.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair_flops, matmul_flops
 from omni_lightning.parallel.attention import cu_seqlens_from_lengths
 
-__all__ = ["Qwen2VLTextAdapter", "Qwen2VLVisionAdapter", "mrope_positions"]
+__all__ = ["Qwen25VLTextAdapter", "Qwen25VLVisionAdapter", "Qwen2VLTextAdapter", "Qwen2VLVisionAdapter",
+           "mrope_positions"]
 
 _BASE = 256  # positions travel as (p // 256, p % 256): integers below 256 are exact in bf16
 _POSITION_COLUMNS = 4
@@ -145,12 +148,13 @@ class Qwen2VLTextAdapter(HFCausalLMAdapter):
 
 
 def mrope_positions(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, grids: torch.Tensor, *, image_id: int,
-                    video_id: int, merge: int) -> torch.Tensor:
+                    video_id: int, merge: int, video_time_interval: float = 1.0) -> torch.Tensor:
     """Qwen2-VL's ``get_rope_index`` over a packed batch: ``[3, tokens]`` (temporal, height, width), per sample.
 
     Text runs count on from the position before them on all three axes. A run of image placeholders takes the
     next vision item, laid out on its merged grid from the current position; a run of video placeholders takes as
-    many items (temporal patches, equal grids) as it covers, the temporal axis counting them. After either, the
+    many items (temporal patches, equal grids) as it covers, the temporal axis counting them (times
+    ``video_time_interval``, rounded down: Qwen2.5-VL's tokens per second times seconds per patch). After either, the
     position moves on by the larger merged side, as the model's own indexing does. ``grids`` are the vision items'
     ``[rows, cols]`` in patches, in packing order.
     """
@@ -176,7 +180,9 @@ def mrope_positions(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, grids: to
                     raise ValueError(f"placeholder tokens at {i} have no vision item left (grids: {len(sides)})")
                 h, w = sides[item]
                 frames = 1 if token == image_id else max((j - i) // (h * w), 1)
-                t, r, c = np.meshgrid(np.arange(frames), np.arange(h), np.arange(w), indexing="ij")
+                interval = 1.0 if token == image_id else video_time_interval
+                steps = (torch.arange(frames, dtype=torch.float32) * interval).long().numpy()  # as the model rounds
+                t, r, c = np.meshgrid(steps, np.arange(h), np.arange(w), indexing="ij")
                 size = frames * h * w
                 if i + size > j:
                     raise ValueError(f"a run of {j - i} placeholder tokens does not cover its vision item of {size}")
@@ -185,3 +191,67 @@ def mrope_positions(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, grids: to
                 i += size
                 item += frames
     return torch.from_numpy(out).to(input_ids.device)
+
+
+class Qwen25VLVisionAdapter(Qwen2VLVisionAdapter):
+    """Qwen2.5-VL's tower: as Qwen2-VL's, but attending within windows of ``window_size`` pixels (tokens reordered
+    window by window, as the model does) except in its full-attention blocks."""
+
+    def encode(self, x: torch.Tensor, cu_seqlens: torch.Tensor, chunks: Sequence[SplitChunk] = (),
+               sp_groups: Mapping[int, dist.ProcessGroup] | None = None) -> torch.Tensor:
+        from transformers.vision_utils import get_vision_window_index
+
+        if chunks:
+            raise ValueError("Qwen25VLVisionAdapter encodes whole items only: use enc_sp=1")
+        config, unit = self.config, self.tokens_per_output
+        hidden, positions = x[:, :-_POSITION_COLUMNS], _positions_from_columns(x[:, -_POSITION_COLUMNS:])
+        cu = cu_seqlens.to(torch.int32)
+        # Each item's grid from its own positions: one temporal patch, rows and columns counted from zero.
+        grid_thw = torch.tensor([[1, int(positions[a:b, 0].max()) + 1, int(positions[a:b, 1].max()) + 1]
+                                 for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True) if b > a],
+                                dtype=torch.long).reshape(-1, 3)
+        window_index, cu_windows = get_vision_window_index(grid_thw, spatial_merge_size=self.merge,
+                                                           window_size=config.window_size,
+                                                           patch_size=config.patch_size)
+        window_index = window_index.to(hidden.device)
+        cu_windows = cu_windows.to(hidden.device)
+
+        def by_window(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(t.shape[0] // unit, unit, -1)[window_index].reshape(t.shape[0], -1)
+
+        rotary = tuple(by_window(r) for r in self.rotary_pos_emb(hidden, positions))
+        hidden = by_window(hidden)
+        lengths = {id(cu): int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0,
+                   id(cu_windows): int((cu_windows[1:] - cu_windows[:-1]).max()) if cu_windows.numel() > 1 else 0}
+        for index, block in enumerate(self.blocks):
+            bounds = cu if index in config.fullatt_block_indexes else cu_windows
+            hidden = block(hidden, cu_seqlens=bounds, max_seqlen=lengths[id(bounds)], position_embeddings=rotary)
+        return self.projector(hidden)[torch.argsort(window_index)]
+
+    def cost(self) -> ModuleCost:
+        """Per patch: the stem, every block (qkv, projection, gated MLP) and a quarter of the merger; per pair of
+        patches, the attention (windowed blocks attend to fewer pairs: an upper bound)."""
+        config, dim = self.config, self.config.hidden_size
+        block = matmul_flops(dim, 3 * dim) + matmul_flops(dim, dim) + 3 * matmul_flops(dim, config.intermediate_size)
+        merged = dim * self.tokens_per_output
+        merger = (matmul_flops(merged, merged) + matmul_flops(merged, config.out_hidden_size)) / self.tokens_per_output
+        stem = TRAIN_FIRST_LAYER * matmul_flops(self.patch_width, dim)
+        return ModuleCost(linear=stem + TRAIN * (config.depth * block + merger),
+                          quadratic=attention_pair_flops(dim, config.depth))
+
+
+class Qwen25VLTextAdapter(Qwen2VLTextAdapter):
+    """Qwen2.5-VL's decoder: as Qwen2-VL's, with a video's temporal positions counting ``tokens_per_second`` per
+    second of video (``video_fps``: the rate frames were sampled at, set from the data module)."""
+
+    def __init__(self, model: nn.Module, video_fps: float = 2.0) -> None:
+        super().__init__(model)
+        vision = model.config.vision_config
+        self.tokens_per_second, self.temporal_patch_size = vision.tokens_per_second, vision.temporal_patch_size
+        self.video_fps = video_fps
+
+    def rope_positions(self, batch: PackedBatch, spec: PackingSpec) -> torch.Tensor:
+        grids = batch[input_key("vision", "grids")]
+        interval = self.tokens_per_second * (self.temporal_patch_size / self.video_fps)  # the processor's order
+        return mrope_positions(batch["input_ids"], batch["cu_seqlens"], grids, image_id=self.image_token_id,
+                               video_id=self.video_token_id, merge=self.spatial_merge, video_time_interval=interval)
