@@ -1,5 +1,5 @@
-"""The ``omni-lightning`` command: LightningCLI subcommands (fit, validate, ...) plus ``make-shards`` and
-``simulate``."""
+"""The ``omni-lightning`` command: LightningCLI subcommands (fit, validate, ...) plus ``make-shards``, ``export-hf``
+and ``simulate``."""
 
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ from omni_lightning.data.jsonl import jsonl_to_shards
 from omni_lightning.data.synthetic import make_synthetic_shards
 from omni_lightning.datamodules.omni import OmniDataModule
 from omni_lightning.deprecations import warn_renamed
+from omni_lightning.export import export_hf
 from omni_lightning.module import OmniModule
 from omni_lightning.sim.report import simulate_main
 from omni_lightning.strategies.omni import OmniStrategy
 
-__all__ = ["main", "OmniCLI", "argument_reference", "make_shards_main"]
+__all__ = ["main", "OmniCLI", "argument_reference", "export_hf_main", "make_shards_main"]
 
 _SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
@@ -147,11 +148,31 @@ def make_shards_main(argv: list[str]) -> None:
     print(f"wrote {len(paths)} shards to {args.out}")
 
 
+def export_hf_main(argv: list[str]) -> None:
+    """``omni-lightning export-hf``: a training checkpoint of a Hugging Face family in the family's own format."""
+    parser = argparse.ArgumentParser(
+        prog="omni-lightning export-hf",
+        description="Write the model of a training checkpoint (any layout, sharded or not) as a Hugging Face "
+                    "checkpoint of its family (config, safetensors, the processor files), which from_pretrained "
+                    "reads. The module must have been trained from OmniModule(pretrained=DIR).")
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint written by training (.ckpt file or dir)")
+    parser.add_argument("--out", required=True, help="the directory to write")
+    args = parser.parse_args(argv)
+    try:
+        out = export_hf(args.checkpoint, args.out)
+    except ValueError as error:
+        parser.error(str(error))
+    print(f"exported {args.checkpoint} to {out}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``omni-lightning``; ``argv`` defaults to the command line."""
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] == "make-shards":
         make_shards_main(args[1:])
+        return
+    if args and args[0] == "export-hf":
+        export_hf_main(args[1:])
         return
     if args and args[0] == "simulate":
         simulate_main([_renamed_flag(arg) for arg in args[1:]])

@@ -21,6 +21,7 @@ from omni_lightning.batch import PackingSpec
 from omni_lightning.data.packing import DATA_COUNTS
 from omni_lightning.data.processor import load_processor
 from omni_lightning.deprecations import with_deprecated_names
+from omni_lightning.export import PRETRAINED_KEY, pretrained_files
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.models.pretrained import build_pretrained, read_checkpoint, reset_rotary_buffers
@@ -292,6 +293,11 @@ class OmniModule(LightningModule):
             fresh = initial_state_dict(self.config, seed=self.hparams.init_seed)
             state.update({name: fresh[name] for name in seeded})
         return model, state
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.pretrained is not None:  # what export-hf needs besides the weights: the family's configs, tokenizer
+            checkpoint[PRETRAINED_KEY] = {"files": pretrained_files(self.pretrained)}
 
     def _check_pretrained_roles(self, processor: Any) -> None:
         """The data's placeholders must be the checkpoint's own tokens, and its vocabulary within the model's."""

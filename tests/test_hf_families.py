@@ -258,3 +258,37 @@ def test_training_under_a_layout_is_one_process_running_the_hf_model(layout: dic
         optimizer.step()
         expected.append(float(total / count))
     torch.testing.assert_close(torch.tensor([losses[s] for s in "123"]), torch.tensor(expected), rtol=1e-4, atol=0)
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_of_a_sharded_layout_exports_to_what_from_pretrained_reads(tmp_path: Path, qwen2_vl: Path,
+                                                                               pair_shards: str) -> None:
+    """FSDP on 2 ranks writes a sharded checkpoint; ``omni-lightning export-hf`` writes the family's format from it
+    alone, and the family's own class loads it with the trained weights: its logits are the trained module's."""
+    import lightning.pytorch as pl
+    import torch.distributed.checkpoint as dcp
+
+    from omni_lightning.cli import main
+    from omni_lightning.data.processor import load_processor
+
+    module = OmniModule(pretrained=str(qwen2_vl), learning_rate=LEARNING_RATE)
+    fit(tmp_path, pair_shards, Path("unused"), layout={"dp_shard": 2}, devices=2, max_steps=2, module=module,
+        datamodule=OmniDataModule(pair_shards, samples_per_step=2, group_steps=2),
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2)])
+    (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")
+    main(["export-hf", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "exported")])
+    exported = _hf_model(tmp_path / "exported")
+    assert load_processor(tmp_path / "exported").roles == load_processor(qwen2_vl).roles  # its processor travels
+
+    trained, data = _loaded(qwen2_vl)
+    state = {f"model.{k}": v for k, v in trained.model.state_dict().items()}
+    dcp.load({"state_dict": state}, checkpoint_id=checkpoint)
+    trained.model.load_state_dict({k[len("model."):]: v for k, v in state.items()})
+    assert not torch.equal(trained.model.llm.output.weight, _hf_model(qwen2_vl).lm_head.weight)  # it trained
+    batch = _batch(data, _raw(pair_shards)[:4])
+    with torch.no_grad():
+        alone = torch.cat([exported(**{k: v for k, v in s.items() if k != "labels"}).logits[0]
+                           for s in _hf_inputs(batch, exported.config)])
+        torch.testing.assert_close(trained.model(batch), alone, rtol=0, atol=1e-5)
+    with pytest.raises(SystemExit):  # a checkpoint of the reference model has no family to export to
+        main(["export-hf", "--checkpoint", str(tmp_path / "nothing.ckpt"), "--out", str(tmp_path / "x")])

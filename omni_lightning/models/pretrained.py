@@ -22,8 +22,8 @@ from omni_lightning.batch import TokenRoles
 from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig, VisionEncoderConfig
 from omni_lightning.models.mllm import ReferenceMLLM
 
-__all__ = ["SUPPORTED_FAMILIES", "PretrainedModel", "build_pretrained", "checkpoint_family", "read_checkpoint",
-           "reset_rotary_buffers"]
+__all__ = ["SUPPORTED_FAMILIES", "PretrainedModel", "build_pretrained", "checkpoint_family", "hf_class_of",
+           "read_checkpoint", "reset_rotary_buffers"]
 
 
 @dataclass
@@ -84,6 +84,11 @@ _FAMILIES: dict[str, Callable[[Any, TokenRoles | None], tuple[nn.Module, Referen
     "qwen2_5_vl": _qwen2_5_vl,
 }
 SUPPORTED_FAMILIES = tuple(_FAMILIES)
+
+
+def hf_class_of(family: str) -> str:
+    """The name of the transformers class a family's checkpoints load into."""
+    return _HF_CLASSES[family]
 
 
 def checkpoint_family(path: str | Path) -> str:
