@@ -232,23 +232,34 @@ def test_a_family_not_supported_is_refused_naming_the_supported(tmp_path: Path) 
         OmniModule(object(), pretrained=str(tmp_path))  # type: ignore[arg-type]
 
 
+# (layout, ranks, data-parallel ranks): each parallelism the HF families take, the encoder stage's resharding of
+# whole items between the data-parallel ranks included.
+LAYOUTS = {
+    "fsdp": ({"dp_shard": 2}, 2, 2),
+    "tp": ({"tp": 2, "dp_shard": 1}, 2, 1),
+    "fsdp-encoder-reshard": ({"dp_shard": 2, "encoder_reshard": True}, 2, 2),
+    "hsdp-tp": ({"dp_replicate": 2, "dp_shard": 1, "tp": 2}, 4, 2),
+}
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", [{"dp_shard": 2}, {"tp": 2, "dp_shard": 1}], ids=["fsdp", "tp"])
-def test_training_under_a_layout_is_one_process_running_the_hf_model(layout: dict[str, int], tmp_path: Path,
-                                                                     qwen2_vl: Path, pair_shards: str) -> None:
-    """The data module is given no processor: it reads with the checkpoint's. Three steps on 2 ranks against the
-    HF model itself trained on the same global batches (each step's samples, wherever reordering put them)."""
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_training_under_a_layout_is_one_process_running_the_hf_model(name: str, tmp_path: Path, qwen2_vl: Path,
+                                                                     pair_shards: str) -> None:
+    """The data module is given no processor: it reads with the checkpoint's. Three steps against the HF model
+    itself trained on the same global batches (each step's samples, wherever reordering put them)."""
+    layout, ranks, dp = LAYOUTS[name]
     module = OmniModule(pretrained=str(qwen2_vl), learning_rate=LEARNING_RATE)
     data = OmniDataModule(pair_shards, samples_per_step=2, group_steps=2)
-    fit(tmp_path, pair_shards, Path("unused"), layout=layout, devices=2, max_steps=3, module=module, datamodule=data,
-        callbacks=[RecordRun(tmp_path), RecordBatches(tmp_path)])
+    fit(tmp_path, pair_shards, Path("unused"), layout=layout, devices=ranks, max_steps=3, module=module,
+        datamodule=data, callbacks=[RecordRun(tmp_path), RecordBatches(tmp_path)])
     losses = json.loads((tmp_path / "losses.json").read_text())
-    per_rank = [torch.load(tmp_path / f"batches_rank{r}.pt", weights_only=False) for r in range(2)]
+    per_rank = [torch.load(tmp_path / f"batches_rank{r}.pt", weights_only=False) for r in range(ranks)]
     hf = _hf_model(qwen2_vl).train()
     optimizer = torch.optim.AdamW(hf.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0)
     expected = []
-    for step in range(3):
-        batches = [per_rank[r][step] for r in range(2 if "dp_shard" in layout and layout["dp_shard"] == 2 else 1)]
+    for step in range(3):  # one rank of each data-parallel group (its tensor-parallel peers hold the same batch)
+        batches = [per_rank[r][step] for r in range(0, ranks, ranks // dp)]
         total, count = torch.zeros(()), 0
         for batch in batches:
             part, n = _hf_loss_sum(hf, _hf_inputs(batch, hf.config))
