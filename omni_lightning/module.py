@@ -180,6 +180,8 @@ class OmniModule(LightningModule):
             return self.model
         if self._built_model:
             return self._built_model[0]
+        if self.pretrained is not None:  # the family's own modules and modalities, on the meta device
+            return build_pretrained(self.pretrained, self.config.roles).model
         with torch.device("meta"):
             return ReferenceMLLM(self.config)
 

@@ -56,6 +56,7 @@ def test_groups_hold_trainable_parameters_with_decay_only_on_matrices() -> None:
     optimizer = torch.optim.AdamW(groups, lr=1e-3)
     apply_lr_multipliers(optimizer)
     assert sorted({g["lr"] for g in optimizer.param_groups}) == [1e-3, 2e-3]
+    assert all("lr_multiplier" not in g for g in optimizer.param_groups)  # saved state keeps its usual keys
 
 
 def test_bad_part_names_and_freezing_everything_are_refused() -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import soundfile
 import torch
 import torch.nn.functional as F
 from hf_processors import save_tiny_qwen_vl
@@ -128,7 +129,7 @@ def _loaded(qwen2_vl: Path, **kwargs: Any) -> tuple[OmniModule, OmniDataModule]:
     module = OmniModule(pretrained=str(qwen2_vl), **kwargs)
     module.configure_model()
     data = OmniDataModule("unused", processor=str(qwen2_vl))
-    data._adopt_model_packing(module.config)
+    data._adopt_model_packing(module)
     return module, data
 
 
@@ -219,6 +220,19 @@ def test_bf16_loss_is_the_hf_loss_within_bf16_rounding(qwen2_vl: Path, pair_shar
         total, count = _hf_loss_sum(hf, _hf_inputs(batch, hf.config))
     assert not torch.equal(ours, total / count)  # bf16 took effect
     torch.testing.assert_close(ours, total / count, rtol=2e-2, atol=0)
+
+
+def test_an_audio_sample_is_refused_by_a_family_that_hears_nothing(qwen2_vl: Path) -> None:
+    """The tokenizer has an audio token, the family no audio encoder: the sample is a named bad sample (a counted
+    skip in training), never fed to an encoder."""
+    module, data = _loaded(qwen2_vl)
+    assert [m.name for m in data.packing.modalities] == ["image", "video"]
+    out = io.BytesIO()
+    soundfile.write(out, np.zeros(1600, dtype=np.float32), 16000, format="WAV")
+    dialogue = {"messages": [{"role": "user", "content": "<audio> What is it?"},
+                             {"role": "assistant", "content": "Silence."}], "audios": ["0.wav"]}
+    with pytest.raises(ValueError, match=r"modality 'audio' \(0.wav\) has no encoder in this model"):
+        data.reader()({"__key__": "heard", "json": json.dumps(dialogue).encode(), "0.wav": out.getvalue()})
 
 
 def test_a_family_not_supported_is_refused_naming_the_supported(tmp_path: Path) -> None:

@@ -174,7 +174,7 @@ class WebDataModule(LightningDataModule):
             source = getattr(module, "processor_source", None)
             if self.data_processor is None and source is not None:
                 self.use_processor(source)
-            self._adopt_model_packing(getattr(module, "config", None))
+            self._adopt_model_packing(module)
         # Settings that starve a rank's loader fail here, on every rank alike, rather than once the loop has started.
         if stage == "fit" and self.shards is not None:
             assign_shards(existing_shards(self.shards), dp_rank=self.dp_rank, dp_size=self.dp_size,
@@ -191,10 +191,14 @@ class WebDataModule(LightningDataModule):
         self.video_policy = self.data_processor.video
         self.packing = self._with_processor(self.packing)
 
-    def _adopt_model_packing(self, config: Any) -> None:
+    def _adopt_model_packing(self, module: Any) -> None:
         """Pack as the model's encoders expect (else shapes fail deep in a forward): its packing, when the layout
-        or the model's config says it, after checking this data module's sizes against it."""
+        or the module says it (an OmniModule's ``packing()``, else its reference config's), after checking this
+        data module's sizes against it."""
+        config = getattr(module, "config", None)
         model = self.omni_layout.packing if self.omni_layout is not None else None
+        if model is None and callable(getattr(module, "packing", None)):
+            model = module.packing()
         if model is None and isinstance(config, ReferenceMLLMConfig):
             model = config.packing()
         if model is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,10 @@ def _qwen_vl(hf_config: Any, roles: TokenRoles | None, *, hf_class: str, vision_
                       ffn_hidden=text.intermediate_size),
         roles=roles,
     )
-    model = ReferenceMLLM(config, vision=vision_adapter(hf.model.visual), llm=text_adapter(hf))
+    # Images and video only: an audio sample is refused as a modality the model has no encoder for, never fed to
+    # the stand-in encoder.
+    packing = replace(config.packing(), modalities=tuple(m for m in config.packing().modalities if m.name != "audio"))
+    model = ReferenceMLLM(config, vision=vision_adapter(hf.model.visual), llm=text_adapter(hf), packing=packing)
     return hf, model, config
 
 

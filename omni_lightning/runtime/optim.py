@@ -77,7 +77,8 @@ def parameter_groups(model: nn.Module, encoders: Iterable[str], *, weight_decay:
     pipeline stage holds some parts only, so the names in ``lr_multipliers`` are checked against the whole model
     beforehand (:func:`check_parts`), not here.
 
-    Groups that decay carry ``weight_decay`` (``None``: the optimizer's own default); the others ``0.0``. Each group
+    Groups that decay carry ``weight_decay`` (``None``: the optimizer's own default); the others ``0.0``; with a
+    ``weight_decay`` of 0 they are one group. Each group
     carries ``lr_multiplier`` (1.0 unless ``lr_multipliers`` names its part); :func:`apply_lr_multipliers` turns it
     into the group's ``lr`` once the optimizer has filled in its default.
     """
@@ -90,20 +91,21 @@ def parameter_groups(model: nn.Module, encoders: Iterable[str], *, weight_decay:
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        multiplier, decays = multipliers.get(part_of(name, names), 1.0), name not in skip
+        # Without decay to skip, norms and matrices share a group: the groups (and saved schedules) of a run that
+        # sets neither decay nor multipliers are the single group they always were.
+        multiplier, decays = multipliers.get(part_of(name, names), 1.0), name not in skip or weight_decay == 0.0
         group = groups.setdefault((multiplier, decays), {"params": [], "lr_multiplier": multiplier})
-        if not decays:
-            group["weight_decay"] = 0.0
-        elif weight_decay is not None:
-            group["weight_decay"] = weight_decay
+        if not decays or weight_decay is not None:
+            group["weight_decay"] = weight_decay if decays else 0.0
         group["params"].append(param)
     return list(groups.values())
 
 
 def apply_lr_multipliers(optimizer: torch.optim.Optimizer) -> None:
-    """Scale each group's learning rate by its ``lr_multiplier`` (before a schedule records the initial rates)."""
+    """Scale each group's learning rate by its ``lr_multiplier`` and drop the key (before a schedule records the
+    initial rates): saved optimizer state then has the keys it always had, so checkpoints stay interchangeable."""
     for group in optimizer.param_groups:
-        group["lr"] = group["lr"] * group.get("lr_multiplier", 1.0)
+        group["lr"] = group["lr"] * group.pop("lr_multiplier", 1.0)
 
 
 class WarmupCosineLR(LRScheduler):
