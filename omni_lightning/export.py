@@ -10,6 +10,7 @@ the checkpoint's own dtype. ``from_pretrained(OUT)`` then loads what training le
 from __future__ import annotations
 
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +66,10 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     model = built.model
     model.to_empty(device="cpu")
     state = {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
-    if sharded:  # gathered whole from the shards of any layout
-        dcp.load({"state_dict": state}, checkpoint_id=checkpoint)
+    if sharded:  # gathered whole from the shards of any layout, in this one process
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"state_dict": state}, checkpoint_id=checkpoint)
     else:
         state = {key: saved["state_dict"][key] for key in state}
     hf = getattr(transformers, hf_class_of(built.family))._from_config(config)

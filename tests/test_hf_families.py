@@ -317,3 +317,39 @@ def test_a_checkpoint_of_a_sharded_layout_exports_to_what_from_pretrained_reads(
         torch.testing.assert_close(trained.model(batch), alone, rtol=0, atol=1e-5)
     with pytest.raises(SystemExit):  # a checkpoint of the reference model has no family to export to
         main(["export-hf", "--checkpoint", str(tmp_path / "nothing.ckpt"), "--out", str(tmp_path / "x")])
+
+
+@pytest.mark.distributed
+def test_readme_hf_demo_fine_tunes_exports_and_loads(tmp_path: Path) -> None:
+    """The README's chain for Hugging Face models: demo conversations, a tiny Qwen2.5-VL with the demo's tokenizer,
+    2 steps on 2 processes (its audio clip skipped), export-hf, from_pretrained."""
+    import os
+    import subprocess
+    import sys
+
+    from distributed import free_port
+
+    from omni_lightning.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, str(repo / "examples" / "make_demo_conversations.py"), str(data / "demo_chat"),
+                    "--dialogues", "24"], check=True, capture_output=True)
+    main(["make-shards", "--from-conversations", str(data / "demo_chat" / "dialogues.json"), "--media-root",
+          str(data / "demo_chat" / "media"), "--out", str(data / "demo_chat" / "shards"), "--samples-per-shard", "12"])
+    subprocess.run([sys.executable, str(repo / "examples" / "make_tiny_hf_vlm.py"), str(data / "tiny_qwen2_5_vl"),
+                    "--tokenizer", str(data / "demo_chat" / "processor")], check=True, capture_output=True)
+    os.environ["MASTER_PORT"] = str(free_port())
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # the config's paths are relative to the repository root, as in the README
+    try:
+        main(["fit", "--config", str(repo / "examples" / "hf_vlm.yaml"), "--trainer.max_steps", "2",
+              "--trainer.strategy.launcher", "fork", "--trainer.enable_progress_bar", "false",
+              "--trainer.logger", "false", "--data.init_args.group_steps", "2"])
+        main(["export-hf", "--checkpoint", "checkpoints/hf_vlm/last.ckpt", "--out", "data/tuned_qwen2_5_vl"])
+    finally:
+        os.chdir(cwd)
+    tuned = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(data / "tuned_qwen2_5_vl"))
+    original = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(data / "tiny_qwen2_5_vl"))
+    assert torch.equal(tuned.model.visual.blocks[0].attn.qkv.weight, original.model.visual.blocks[0].attn.qkv.weight)
+    assert not torch.equal(tuned.lm_head.weight, original.lm_head.weight)  # frozen tower, trained decoder
