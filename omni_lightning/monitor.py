@@ -9,6 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.throughput import get_available_flops
 from typing_extensions import override
 
 from omni_lightning.balance.cost import CostModel
@@ -114,7 +115,8 @@ class ThroughputMonitor(pl.Callback):
 
     Args:
         peak_flops: peak FLOP/s of one device in the precision trained (e.g. ``989e12`` for an H100's dense
-            bf16); ``None`` logs no MFU.
+            bf16); ``None`` looks the device up in Lightning's table of known GPUs (by name and the module's
+            compute dtype) and logs no MFU where it is not there (CPUs, unknown chips).
 
     The rate is over the wall time between the ends of consecutive batches and counts every data-parallel rank's
     batch once (tensor, context and pipeline peers hold the same one). FLOPs come from the batch's shapes and the
@@ -129,6 +131,7 @@ class ThroughputMonitor(pl.Callback):
         self._cost_model: CostModel | None = None
         self._packing: PackingSpec = DEFAULT_PACKING
         self._last: float | None = None
+        self._peak: float | None = peak_flops
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -138,6 +141,10 @@ class ThroughputMonitor(pl.Callback):
                              "has no cost_model() and packing() (OmniModule has): remove the callback for this module")
         self._cost_model, self._packing = cost_model(), packing()
         self._last = None
+        self._peak = self.peak_flops
+        if self._peak is None:
+            self._peak = get_available_flops(trainer.strategy.root_device,
+                                             getattr(pl_module, "compute_dtype", torch.float32))
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -153,6 +160,6 @@ class ThroughputMonitor(pl.Callback):
         copies = trainer.world_size // layout.dims.dp if layout is not None else 1  # peers that hold the same batch
         rate = float(flops) / copies / (now - last)
         metrics = {"throughput/flops_per_s": rate}
-        if self.peak_flops is not None:
-            metrics["throughput/mfu"] = rate / (trainer.world_size * self.peak_flops)
+        if self._peak is not None:
+            metrics["throughput/mfu"] = rate / (trainer.world_size * self._peak)
         pl_module.log_dict(metrics, batch_size=1)

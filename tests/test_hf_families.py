@@ -353,3 +353,20 @@ def test_readme_hf_demo_fine_tunes_exports_and_loads(tmp_path: Path) -> None:
     original = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(data / "tiny_qwen2_5_vl"))
     assert torch.equal(tuned.model.visual.blocks[0].attn.qkv.weight, original.model.visual.blocks[0].attn.qkv.weight)
     assert not torch.equal(tuned.lm_head.weight, original.lm_head.weight)  # frozen tower, trained decoder
+
+
+def test_the_loaded_model_prices_reordering_and_throughput(qwen2_vl: Path) -> None:
+    """The cost model of a loaded family is its modules' own (the tower, merger and decoder sizes), which the data
+    module's reordering and ThroughputMonitor take by default, not the reference model's of some config."""
+    from types import SimpleNamespace
+
+    from omni_lightning.models.flops import reference_cost_model
+
+    module = OmniModule(pretrained=str(qwen2_vl))
+    view = module._model_view()
+    cost = module.cost_model()
+    assert (cost.vision, cost.llm) == (view.vision.cost(), view.llm.cost())
+    assert cost.vision != reference_cost_model(module.config).vision
+    data = OmniDataModule("unused")
+    data.trainer = SimpleNamespace(lightning_module=module)  # type: ignore[assignment]
+    assert data._model_cost_model().llm == cost.llm

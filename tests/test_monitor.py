@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import numpy as np
@@ -54,6 +55,27 @@ def test_batch_flops_are_the_cost_models_sum_over_its_samples() -> None:
 def test_peak_flops_must_be_positive() -> None:
     with pytest.raises(ValueError, match="peak_flops"):
         ThroughputMonitor(peak_flops=0)
+
+
+def test_peak_flops_of_known_gpus_are_looked_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a figure, the device is looked up (Lightning's table of known GPUs) in the module's compute dtype;
+    a given figure wins, and a device the table lacks logs no MFU."""
+    import omni_lightning.monitor as monitor
+
+    asked = []
+
+    def table(device: torch.device, dtype: torch.dtype) -> float | None:
+        asked.append((device.type, dtype))
+        return 989e12 if device.type == "cuda" else None
+
+    monkeypatch.setattr(monitor, "get_available_flops", table)
+    module = OmniModule(ReferenceMLLMConfig.tiny(), param_dtype="bfloat16")
+    for device, given, expected in (("cuda", None, 989e12), ("cpu", None, None), ("cuda", 5e12, 5e12)):
+        trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
+        callback = ThroughputMonitor(peak_flops=given)
+        callback.on_train_start(trainer, module)  # type: ignore[arg-type]
+        assert callback._peak == expected
+    assert asked == [("cuda", torch.bfloat16), ("cpu", torch.bfloat16)]
 
 
 class _ProgressBarMetrics(pl.Callback):

@@ -212,11 +212,14 @@ class OmniDataModule(WebDataModule):
             self._create_reorder_groups()
 
     def _model_cost_model(self) -> CostModel:
-        """The model's cost model: the layout's, or the reference model's of the module's config (of the tiny one
-        for a module without one)."""
+        """The model's cost model: the layout's, the module's own (an OmniModule prices its actual modules: a
+        loaded Hugging Face family, adapters), or the reference model's of the module's config (of the tiny one for
+        a module without one)."""
         if self.omni_layout is not None and self.omni_layout.cost_model is not None:
             return self.omni_layout.cost_model
         module = self.trainer.lightning_module if self.trainer is not None else None
+        if callable(priced := getattr(module, "cost_model", None)):
+            return priced()
         config = getattr(module, "config", None)
         return reference_cost_model(config if isinstance(config, ReferenceMLLMConfig) else ReferenceMLLMConfig.tiny())
 
