@@ -24,7 +24,7 @@ from omni_lightning.deprecations import with_deprecated_names
 from omni_lightning.export import PRETRAINED_KEY, pretrained_files
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import ReferenceMLLM
-from omni_lightning.models.pretrained import build_pretrained, read_checkpoint, reset_rotary_buffers
+from omni_lightning.models.pretrained import PretrainedModel, build_pretrained, read_checkpoint, reset_rotary_buffers
 from omni_lightning.monitor import loggers_write_this_step
 from omni_lightning.parallel.layout import OmniLayout, OmniMeshes
 from omni_lightning.runtime.optim import (
@@ -153,6 +153,7 @@ class OmniModule(LightningModule):
         self.processor_source = pretrained if pretrained is not None and _holds_tokenizer(pretrained) else None
         self._last_step_time: float | None = None
         self._video_fps: float | None = None  # the data module's video sampling rate, once setup has seen it
+        self._pretrained_view: PretrainedModel | None = None  # the family's model on the meta device, built once
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -181,7 +182,9 @@ class OmniModule(LightningModule):
         if self._built_model:
             return self._built_model[0]
         if self.pretrained is not None:  # the family's own modules and modalities, on the meta device
-            return build_pretrained(self.pretrained, self.config.roles).model
+            if self._pretrained_view is None or self._pretrained_view.config.roles != self.config.roles:
+                self._pretrained_view = build_pretrained(self.pretrained, self.config.roles)
+            return self._pretrained_view.model
         with torch.device("meta"):
             return ReferenceMLLM(self.config)
 

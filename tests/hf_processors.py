@@ -83,11 +83,13 @@ def save_processor(path: Path, *, generation: bool = True, patch_size: int = 14,
     return path
 
 
-def save_tiny_qwen_vl(path: Path, family: str = "qwen2_vl", *, seed: int = 0) -> Path:
+def save_tiny_qwen_vl(path: Path, family: str = "qwen2_vl", *, seed: int = 0, hidden: int = 32, layers: int = 2,
+                      vocab_size: int | None = None) -> Path:
     """A Qwen2-VL (or Qwen2.5-VL: ``family="qwen2_5_vl"``) checkpoint directory as a user keeps one: the model (tiny,
     2 + 2 layers; Qwen2.5-VL's tower with 56-pixel windows and one full-attention block) with its tokenizer (the
     template above, Qwen's vision tokens) and its PIL image processor (temporal patches of 2, a small pixel budget),
-    all written with ``save_pretrained``."""
+    all written with ``save_pretrained``. ``hidden``, ``layers`` and ``vocab_size`` (rows past the tokenizer's)
+    make it larger."""
     import torch
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -96,21 +98,25 @@ def save_tiny_qwen_vl(path: Path, family: str = "qwen2_vl", *, seed: int = 0) ->
     Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2,
                              size={"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 16}).save_pretrained(path)
     token = tokenizer.convert_tokens_to_ids
+    half = hidden // 4 // 2  # half a head (4 heads): M-RoPE splits it over time, height and width as Qwen does
     vision: dict[str, Any] = {"depth": 2, "num_heads": 4, "patch_size": 14, "spatial_merge_size": 2,
                               "temporal_patch_size": 2}
     if family == "qwen2_vl":
-        vision |= {"embed_dim": 32, "hidden_size": 32}
+        vision |= {"embed_dim": 32, "hidden_size": hidden}
         config_class, model_class = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
     else:
-        vision |= {"hidden_size": 32, "intermediate_size": 48, "out_hidden_size": 32, "window_size": 56,
+        vision |= {"hidden_size": 32, "intermediate_size": 48, "out_hidden_size": hidden, "window_size": 56,
                    "fullatt_block_indexes": [1], "tokens_per_second": 4}
         config_class, model_class = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
     config = config_class(
         # Padded past the tokenizer, as Qwen's checkpoints are (151936 rows for 151657 tokens).
-        text_config={"vocab_size": -(-len(tokenizer) // 8) * 8, "hidden_size": 32, "intermediate_size": 64,
-                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        text_config={"vocab_size": vocab_size or -(-len(tokenizer) // 8) * 8, "hidden_size": hidden,
+                     "intermediate_size": 2 * hidden,
+                     "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
                      "tie_word_embeddings": False,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                         "mrope_section": [half // 4, (half - half // 4) // 2,
+                                                           half - half // 4 - (half - half // 4) // 2]},
                      "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id,
                      "pad_token_id": tokenizer.pad_token_id},
         vision_config=vision, image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),

@@ -370,3 +370,46 @@ def test_the_loaded_model_prices_reordering_and_throughput(qwen2_vl: Path) -> No
     data = OmniDataModule("unused")
     data.trainer = SimpleNamespace(lightning_module=module)  # type: ignore[assignment]
     assert data._model_cost_model().llm == cost.llm
+
+
+@pytest.mark.distributed
+def test_a_family_resumes_exactly_under_another_layout(tmp_path: Path, qwen2_vl: Path, pair_shards: str) -> None:
+    """Saved sharded over 2 FSDP ranks x 2 TP ranks, resumed replicated over 2 ranks x 2 TP ranks (the same
+    data-parallel size): steps 4-6 lose what the uninterrupted run lost."""
+    from lightning_runs import assert_resumes_under
+
+    assert_resumes_under(
+        tmp_path, pair_shards, Path("unused"), saved={"dp_shard": 2, "tp": 2}, resumed={"dp_replicate": 2, "tp": 2},
+        module=lambda: OmniModule(pretrained=str(qwen2_vl), learning_rate=LEARNING_RATE),
+        datamodule=lambda: OmniDataModule(pair_shards, samples_per_step=2, group_steps=2))
+
+
+@pytest.mark.slow
+def test_fresh_rank_processes_hold_their_shard_not_the_model(tmp_path: Path) -> None:
+    """4 ranks started fresh by Lightning (not forked from a parent holding the model) load a 125 MiB checkpoint:
+    rank 0 reads it once (through transformers) and sends every rank its quarter, so the other ranks' resident
+    memory grows by far less than one copy of the model while it is built and loaded (by their quarter and one
+    whole tensor at a time in transit)."""
+    import os
+    import subprocess
+    import sys
+
+    from distributed import free_port
+
+    # Many layers and a small vocabulary: as in real models, no single tensor is a large part of the whole.
+    checkpoint = save_tiny_qwen_vl(tmp_path / "large", hidden=512, layers=12, vocab_size=4096)
+    for shard in range(4):  # one data shard per rank
+        write_shard(tmp_path / f"pairs-{shard:06d}.tar", [
+            {"__key__": f"p{shard}{i}", "png": _image(28, 56, shard * 2 + i), "txt": CAPTIONS[i].encode()}
+            for i in range(2)])
+    model_bytes = 4 * sum(p.numel() for p in _hf_model(checkpoint).parameters())
+    assert model_bytes > 120 * 2**20
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    shards = str(tmp_path / "pairs-{000000..000003}.tar")
+    result = subprocess.run([sys.executable, str(Path(__file__).parent / "peak_rss_job.py"), str(checkpoint), shards,
+                             str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rss_rank{r}.json").read_text()) for r in range(4)]
+    assert len({rank["local_parameters"] for rank in ranks}) == 1  # each holds a quarter
+    for rank, grown in enumerate((r["grew"] for r in ranks[1:]), start=1):
+        assert grown < model_bytes / 2, f"rank {rank} grew {grown >> 20} MiB, the model is {model_bytes >> 20} MiB"
