@@ -24,7 +24,7 @@ from omni_lightning.deprecations import with_deprecated_names
 from omni_lightning.export import PRETRAINED_KEY, pretrained_files
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import ReferenceMLLM
-from omni_lightning.models.pretrained import PretrainedModel, build_pretrained, read_checkpoint, reset_rotary_buffers
+from omni_lightning.models.pretrained import PretrainedModel, build_pretrained, read_checkpoint, reset_computed_buffers
 from omni_lightning.monitor import loggers_write_this_step
 from omni_lightning.parallel.layout import OmniLayout, OmniMeshes
 from omni_lightning.runtime.optim import (
@@ -68,8 +68,9 @@ class OmniModule(LightningModule):
             :class:`ReferenceMLLM`, whose rank-0 weights every rank starts from: e.g. with Hugging Face encoders or
             decoder in place of ``vision``/``audio``/``llm`` through :mod:`omni_lightning.models.adapters`.
         pretrained: a local Hugging Face checkpoint directory of a supported family
-            (:data:`~omni_lightning.models.pretrained.SUPPORTED_FAMILIES`: Qwen2-VL), trained whole with the family's
-            own modules and numerics: its vision tower and merger, its decoder with M-RoPE, its LM head. Built on the
+            (:data:`~omni_lightning.models.pretrained.SUPPORTED_FAMILIES`: Qwen2-VL, Qwen2.5-VL, the Qwen2.5-Omni
+            thinker), trained whole with the family's own modules and numerics: its vision (and audio) towers and
+            merger, its decoder with M-RoPE, its LM head. Built on the
             meta device; rank 0 reads the weights and every rank receives its shards. Its tokenizer gives the token
             roles, and a data module given no processor reads with the checkpoint's.
         learning_rate, weight_decay, betas, warmup_steps: AdamW (learning rate 1e-3 by default) with linear warm-up,
@@ -244,7 +245,8 @@ class OmniModule(LightningModule):
             (model,) = self._built_model
             state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
         elif self.pretrained is not None:
-            model, state = self._pretrained_model()
+            pretrained, state = self._pretrained_model()
+            model = pretrained.model
         else:
             with torch.device("meta"):
                 model = ReferenceMLLM(self.config, groups=layout.model_groups if layout is not None else None)
@@ -273,15 +275,15 @@ class OmniModule(LightningModule):
         model.to_empty(device=device)
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
-        if self.pretrained is not None:
-            reset_rotary_buffers(model)
+        if self.pretrained is not None and not built_model:
+            reset_computed_buffers(pretrained)
         # Rank 0's copy wins, so a model built with unseeded randomness on each rank still starts identically.
         options = StateDictOptions(full_state_dict=True, strict=True, broadcast_from_rank0=broadcast)
         set_model_state_dict(model, state, options=options)
         self.model = model
         self._built_model = ()
 
-    def _pretrained_model(self) -> tuple[ReferenceMLLM, dict[str, torch.Tensor]]:
+    def _pretrained_model(self) -> tuple[PretrainedModel, dict[str, torch.Tensor]]:
         """The checkpoint's model on the meta device and, on rank 0 only (it sends every rank its shards), its
         weights: read from the safetensors files, and from the seed for what the family lacks (an audio encoder)."""
         assert self.pretrained is not None
@@ -292,12 +294,12 @@ class OmniModule(LightningModule):
         if self.omni_layout is not None:
             model.use_groups(self.omni_layout.model_groups)
         if dist.is_initialized() and dist.get_rank() != 0:
-            return model, {}
+            return built, {}
         state = read_checkpoint(self.pretrained, built.checkpoint_names)
         if seeded := [name for name, stored in built.checkpoint_names.items() if stored is None]:
             fresh = initial_state_dict(self.config, seed=self.hparams.init_seed)
             state.update({name: fresh[name] for name in seeded})
-        return model, state
+        return built, state
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

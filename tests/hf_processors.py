@@ -125,3 +125,39 @@ def save_tiny_qwen_vl(path: Path, family: str = "qwen2_vl", *, seed: int = 0, hi
     torch.manual_seed(seed)
     model_class(config).save_pretrained(path)
     return path
+
+
+def save_tiny_qwen_omni_thinker(path: Path, *, seed: int = 0) -> Path:
+    """A Qwen2.5-Omni thinker checkpoint directory: the model (tiny: 2 audio, 2 vision, 2 decoder layers), its
+    tokenizer (the template above, Qwen's vision and audio tokens) and one preprocessor file holding the image
+    processor and the Whisper feature extractor together, as Qwen2.5-Omni's checkpoints keep them."""
+    import json
+
+    import torch
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = save_tokenizer(path, train_bpe(), chatml(True), named=True)
+    Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2,
+                             size={"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 16}).save_pretrained(path)
+    combined = json.loads((path / "preprocessor_config.json").read_text())
+    combined |= transformers.WhisperFeatureExtractor(feature_size=80).to_dict()
+    (path / "preprocessor_config.json").write_text(json.dumps(combined))
+    token = tokenizer.convert_tokens_to_ids
+    config = transformers.Qwen2_5OmniThinkerConfig(
+        text_config={"vocab_size": -(-len(tokenizer) // 8) * 8, "hidden_size": 32, "intermediate_size": 64,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+                     "tie_word_embeddings": False},
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 4, "out_hidden_size": 32,
+                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+                       "fullatt_block_indexes": [1]},
+        audio_config={"num_mel_bins": 80, "d_model": 32, "encoder_layers": 2, "encoder_attention_heads": 4,
+                      "encoder_ffn_dim": 64, "output_dim": 32, "n_window": 8, "max_source_positions": 200},
+        audio_token_index=token("<|AUDIO|>"), image_token_index=token("<|image_pad|>"),
+        video_token_index=token("<|video_pad|>"), audio_start_token_id=token("<|audio_bos|>"),
+        audio_end_token_id=token("<|audio_eos|>"), vision_start_token_id=token("<|vision_start|>"),
+        vision_end_token_id=token("<|vision_end|>"), tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    transformers.Qwen2_5OmniThinkerForConditionalGeneration(config).save_pretrained(path)
+    return path

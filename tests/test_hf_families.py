@@ -22,7 +22,7 @@ import pytest
 import soundfile
 import torch
 import torch.nn.functional as F
-from hf_processors import save_tiny_qwen_vl
+from hf_processors import save_tiny_qwen_omni_thinker, save_tiny_qwen_vl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lightning_runs import RecordBatches, RecordRun, fit
@@ -43,12 +43,15 @@ CAPTIONS = ["A cat sits on a mat.", "The left one is red, the right one is blue.
 LEARNING_RATE = 1e-3
 
 
-FAMILIES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+FAMILIES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+            "qwen2_5_omni_thinker": "Qwen2_5OmniThinkerForConditionalGeneration"}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def qwen2_vl(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A checkpoint directory of each family (named for the first; every test runs on both)."""
+    """A checkpoint directory of each family (named for the first; every test runs on each)."""
+    if request.param == "qwen2_5_omni_thinker":
+        return save_tiny_qwen_omni_thinker(tmp_path_factory.mktemp(request.param))
     return save_tiny_qwen_vl(tmp_path_factory.mktemp(request.param), request.param)
 
 
@@ -80,15 +83,17 @@ def _hf_model(path: Path, dtype: torch.dtype = torch.float32) -> Any:
 
 def _hf_inputs(batch: dict[str, Any], config: Any) -> list[dict[str, torch.Tensor]]:
     """Each packed sample as the HF model takes it: its ids, its token types, and its items' pixel rows and
-    ``(t, h, w)`` grids (an image one item, a video as many temporal patches as its placeholders cover)."""
+    ``(t, h, w)`` grids (an image one item, a video as many temporal patches as its placeholders cover), and for
+    the thinker its clips' features with their masks."""
     image_id, video_id = config.image_token_id, config.video_token_id
     grids, rows = batch["vision_grids"].tolist(), batch["vision_patches"]
-    cu, item, row = batch["cu_seqlens"].tolist(), 0, 0
+    cu, item, row, clip, frame = batch["cu_seqlens"].tolist(), 0, 0, 0, 0
     samples = []
     for start, end in itertools.pairwise(cu):
         ids = batch["input_ids"][start:end]
         inputs: dict[str, Any] = {"input_ids": ids[None], "mm_token_type_ids": (
-            (ids == image_id).long() + 2 * (ids == video_id).long())[None], "labels": batch["labels"][start:end]}
+            (ids == image_id).long() + 2 * (ids == video_id).long())[None], "labels": batch["labels"][start:end],
+            "attention_mask": torch.ones_like(ids)[None]}  # the thinker computes its positions only with a mask
         for kind, token in (("image", image_id), ("video", video_id)):
             left, grid_thw, pixels = int((ids == token).sum()), [], []
             while left > 0:
@@ -101,6 +106,17 @@ def _hf_inputs(batch: dict[str, Any], config: Any) -> list[dict[str, torch.Tenso
                 suffix = "" if kind == "image" else "_videos"
                 inputs[f"pixel_values{suffix}"] = torch.cat(pixels)
                 inputs[f"{kind}_grid_thw"] = torch.tensor(grid_thw)
+        clips = int((ids == getattr(config, "audio_token_id", -1)).sum())
+        if clips:  # the thinker's audio: one padded row of features per clip, with its mask
+            lengths, mels = batch["audio_lengths"].tolist(), []
+            while clips > 0:
+                frames = lengths[clip]
+                mels.append(batch["audio_mels"][frame : frame + frames])
+                clips, clip, frame = clips - frames // 4, clip + 1, frame + frames
+            longest = max(m.shape[0] for m in mels)
+            inputs["input_features"] = torch.stack([F.pad(m, (0, 0, 0, longest - m.shape[0])).t() for m in mels])
+            inputs["feature_attention_mask"] = torch.stack(
+                [torch.arange(longest) < m.shape[0] for m in mels]).long()
         samples.append(inputs)
     return samples
 
@@ -170,10 +186,11 @@ def test_video_items_and_their_temporal_positions_equal_the_hf_forward(qwen2_vl:
                                      media_order=[("video", 0)]))
     batch = pack_samples(samples, data.packing)
     inputs = _hf_inputs(batch, config)
-    if hasattr(module.model.llm, "video_fps"):  # Qwen2.5-VL: positions count seconds, at the sampling rate
+    if hasattr(module.model.llm, "video_fps"):  # Qwen2.5-VL, the thinker: positions count seconds of video
         module.model.llm.video_fps = 0.5
+        key = "video_second_per_grid" if "omni" in config.model_type else "second_per_grid_ts"
         for one in inputs:
-            one["second_per_grid_ts"] = torch.tensor([2 / 0.5])
+            one[key] = torch.tensor([2 / 0.5])
     with torch.no_grad():
         alone = torch.cat([hf(**{k: v for k, v in s.items() if k != "labels"}).logits[0] for s in inputs])
         torch.testing.assert_close(module.model(batch), alone, rtol=0, atol=1e-5)
@@ -222,17 +239,32 @@ def test_bf16_loss_is_the_hf_loss_within_bf16_rounding(qwen2_vl: Path, pair_shar
     torch.testing.assert_close(ours, total / count, rtol=2e-2, atol=0)
 
 
-def test_an_audio_sample_is_refused_by_a_family_that_hears_nothing(qwen2_vl: Path) -> None:
-    """The tokenizer has an audio token, the family no audio encoder: the sample is a named bad sample (a counted
-    skip in training), never fed to an encoder."""
+def test_audio_is_heard_by_the_thinker_and_refused_by_families_that_hear_nothing(qwen2_vl: Path) -> None:
+    """A dialogue with a clip and an image: the thinker's logits equal its HF forward (features from the clip's
+    own decode, as Whisper's extractor computes them, and the tower's chunks of 2 * n_window frames: 2.3 s makes
+    several); a family without an audio encoder refuses the sample by name (a counted skip in training), although
+    its tokenizer has an audio token."""
     module, data = _loaded(qwen2_vl)
-    assert [m.name for m in data.packing.modalities] == ["image", "video"]
     out = io.BytesIO()
-    soundfile.write(out, np.zeros(1600, dtype=np.float32), 16000, format="WAV")
-    dialogue = {"messages": [{"role": "user", "content": "<audio> What is it?"},
-                             {"role": "assistant", "content": "Silence."}], "audios": ["0.wav"]}
-    with pytest.raises(ValueError, match=r"modality 'audio' \(0.wav\) has no encoder in this model"):
-        data.reader()({"__key__": "heard", "json": json.dumps(dialogue).encode(), "0.wav": out.getvalue()})
+    wave = np.sin(np.linspace(0, 900, 36800)).astype(np.float32) * 0.3
+    soundfile.write(out, wave, 16000, format="WAV")
+    dialogue = {"messages": [{"role": "user", "content": "<image> <audio> What is it?"},
+                             {"role": "assistant", "content": "A cat and a tone."}],
+                "images": ["0.png"], "audios": ["0.wav"]}
+    raw = {"__key__": "heard", "json": json.dumps(dialogue).encode(), "0.wav": out.getvalue(),
+           "0.png": _image(40, 70, 3)}
+    hf = _hf_model(qwen2_vl)
+    if not hasattr(hf.config, "audio_token_id"):
+        assert [m.name for m in data.packing.modalities] == ["image", "video"]
+        with pytest.raises(ValueError, match=r"modality 'audio' \(0.wav\) has no encoder in this model"):
+            data.reader()(raw)
+        return
+    batch = _batch(data, [raw])
+    assert int(batch["audio_lengths"][0]) > 2 * 2 * hf.config.audio_config.n_window  # several chunks
+    (inputs,) = _hf_inputs(batch, hf.config)
+    with torch.no_grad():
+        torch.testing.assert_close(module.model(batch), hf(**{k: v for k, v in inputs.items() if k != "labels"}
+                                                            ).logits[0], rtol=0, atol=1e-5)
 
 
 def test_a_family_not_supported_is_refused_naming_the_supported(tmp_path: Path) -> None:

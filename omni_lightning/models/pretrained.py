@@ -23,7 +23,7 @@ from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, Referenc
 from omni_lightning.models.mllm import ReferenceMLLM
 
 __all__ = ["SUPPORTED_FAMILIES", "PretrainedModel", "build_pretrained", "checkpoint_family", "hf_class_of",
-           "read_checkpoint", "reset_rotary_buffers"]
+           "read_checkpoint", "reset_computed_buffers"]
 
 
 @dataclass
@@ -36,6 +36,7 @@ class PretrainedModel:
     config: ReferenceMLLMConfig
     checkpoint_names: dict[str, str | None]
     family: str
+    hf: nn.Module  # the family's own model, whose modules the adapters hold
 
 
 def _qwen_vl(hf_config: Any, roles: TokenRoles | None, *, hf_class: str, vision_adapter: Any, text_adapter: Any,
@@ -80,11 +81,42 @@ def _qwen2_5_vl(hf_config: Any, roles: TokenRoles | None) -> tuple[nn.Module, Re
                     text_adapter=Qwen25VLTextAdapter, tower_width="hidden_size")
 
 
+def _qwen2_5_omni_thinker(hf_config: Any, roles: TokenRoles | None
+                          ) -> tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]:
+    """Qwen2.5-Omni's thinker: the audio tower, the vision tower and merger, the M-RoPE decoder and its head."""
+    import transformers
+
+    from omni_lightning.models.adapters.hf_qwen2_5_omni import Qwen25OmniAudioAdapter, Qwen25OmniTextAdapter
+    from omni_lightning.models.adapters.hf_qwen2_vl import Qwen25VLVisionAdapter
+
+    text, vision, audio = hf_config.text_config, hf_config.vision_config, hf_config.audio_config
+    if vision.spatial_merge_size != 2:
+        raise ValueError(f"spatial_merge_size={vision.spatial_merge_size}: only the 2x2 merge is supported")
+    hf = getattr(transformers, _HF_CLASSES["qwen2_5_omni_thinker"])._from_config(hf_config,
+                                                                                   attn_implementation="sdpa")
+    config = ReferenceMLLMConfig(
+        vision=VisionEncoderConfig(patch_size=vision.patch_size, in_channels=vision.in_channels,
+                                   dim=vision.hidden_size, n_layers=vision.depth, n_heads=vision.num_heads, merge=4,
+                                   temporal_patch_size=vision.temporal_patch_size),
+        audio=AudioEncoderConfig(n_mels=audio.num_mel_bins, dim=audio.d_model, n_layers=audio.encoder_layers,
+                                 n_heads=audio.encoder_attention_heads),
+        llm=LLMConfig(vocab_size=text.vocab_size, dim=text.hidden_size, n_layers=text.num_hidden_layers,
+                      n_heads=text.num_attention_heads, n_kv_heads=text.num_key_value_heads,
+                      ffn_hidden=text.intermediate_size),
+        roles=roles,
+    )
+    model = ReferenceMLLM(config, vision=Qwen25VLVisionAdapter(hf.model.visual),
+                          audio=Qwen25OmniAudioAdapter(hf.model.audio_tower), llm=Qwen25OmniTextAdapter(hf))
+    return hf, model, config
+
+
 # Each family's transformers class, by name (transformers is imported on first use).
-_HF_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+_HF_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+               "qwen2_5_omni_thinker": "Qwen2_5OmniThinkerForConditionalGeneration"}
 _FAMILIES: dict[str, Callable[[Any, TokenRoles | None], tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]]] = {
     "qwen2_vl": _qwen2_vl,
     "qwen2_5_vl": _qwen2_5_vl,
+    "qwen2_5_omni_thinker": _qwen2_5_omni_thinker,
 }
 SUPPORTED_FAMILIES = tuple(_FAMILIES)
 
@@ -120,7 +152,7 @@ def build_pretrained(path: str | Path, roles: TokenRoles | None = None) -> Pretr
     for name, tensor in _tensors(hf):  # a tied weight is stored under its first name
         stored.setdefault(id(tensor), name)
     names = {name: stored.get(id(t)) for name, t in _tensors(model)}
-    return PretrainedModel(model, config, names, family)
+    return PretrainedModel(model, config, names, family, hf)
 
 
 def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -145,11 +177,14 @@ def read_checkpoint(path: str | Path, names: dict[str, str | None]) -> dict[str,
     return {name: tensors[stored].detach() for name, stored in wanted.items()}
 
 
-def reset_rotary_buffers(model: nn.Module) -> None:
-    """Recompute the rotary tables (non-persistent buffers, which construction on the meta device leaves empty)."""
-    for module in model.modules():
-        if isinstance(getattr(module, "inv_freq", None), torch.Tensor) and hasattr(module, "config"):
-            with torch.device("cpu"):
-                fresh: Any = type(module)(module.config)
-            for name, buffer in fresh.named_buffers(recurse=False):
-                getattr(module, name).copy_(buffer)
+def reset_computed_buffers(pretrained: PretrainedModel) -> None:
+    """Recompute the tables the family derives from its config (rotary frequencies, sinusoidal positions): buffers
+    outside the checkpoint, which construction on the meta device leaves empty. The family's own initialisation
+    computes them, module by module, on modules that hold such buffers and no parameters."""
+    hf = pretrained.hf
+    for module in pretrained.model.modules():
+        persistent = set(module.state_dict(keep_vars=True))
+        computed = [name for name, _ in module.named_buffers(recurse=False) if name not in persistent]
+        if computed and not any(True for _ in module.parameters(recurse=False)):
+            module._is_hf_initialized = False  # transformers skips modules it believes initialised
+            hf._init_weights(module)

@@ -13,6 +13,7 @@ as four small integers (exact in bf16 and fp16) and :meth:`~Qwen2VLVisionAdapter
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -148,14 +149,19 @@ class Qwen2VLTextAdapter(HFCausalLMAdapter):
 
 
 def mrope_positions(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, grids: torch.Tensor, *, image_id: int,
-                    video_id: int, merge: int, video_time_interval: float = 1.0) -> torch.Tensor:
+                    video_id: int, merge: int, video_time_interval: float = 1.0,
+                    continue_after: Literal["longest_side", "largest"] = "longest_side",
+                    vision_start_id: int | None = None) -> torch.Tensor:
     """Qwen2-VL's ``get_rope_index`` over a packed batch: ``[3, tokens]`` (temporal, height, width), per sample.
 
     Text runs count on from the position before them on all three axes. A run of image placeholders takes the
     next vision item, laid out on its merged grid from the current position; a run of video placeholders takes as
     many items (temporal patches, equal grids) as it covers, the temporal axis counting them (times
     ``video_time_interval``, rounded down: Qwen2.5-VL's tokens per second times seconds per patch). After either, the
-    position moves on by the larger merged side, as the model's own indexing does. ``grids`` are the vision items'
+    position moves on by the larger merged side, as Qwen2-VL's and Qwen2.5-VL's own indexing does
+    (``continue_after="longest_side"``), or to one past the item's largest position on any axis, as Qwen2.5-Omni's
+    does (``"largest"``). With ``vision_start_id`` (Qwen2.5-Omni), a run not right after that token is laid out as
+    text, as the thinker's indexing finds vision items by their start token only. ``grids`` are the vision items'
     ``[rows, cols]`` in patches, in packing order.
     """
     ids = input_ids.tolist()
@@ -175,6 +181,7 @@ def mrope_positions(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, grids: to
                 continue
             while j < end and ids[j] == token:
                 j += 1
+            as_text = vision_start_id is not None and (i == start or ids[i - 1] != vision_start_id)
             while i < j:  # images one item each; a video as many temporal patches as its run covers
                 if item >= len(sides):
                     raise ValueError(f"placeholder tokens at {i} have no vision item left (grids: {len(sides)})")
@@ -186,8 +193,11 @@ def mrope_positions(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, grids: to
                 size = frames * h * w
                 if i + size > j:
                     raise ValueError(f"a run of {j - i} placeholder tokens does not cover its vision item of {size}")
-                out[:, i : i + size] = np.stack([t.ravel(), r.ravel(), c.ravel()]) + position
-                position += max(h, w)
+                block = np.stack([t.ravel(), r.ravel(), c.ravel()]) + position
+                if as_text:
+                    block = np.broadcast_to(np.arange(position, position + size), (3, size))
+                out[:, i : i + size] = block
+                position = position + max(h, w) if continue_after == "longest_side" else int(block.max()) + 1
                 i += size
                 item += frames
     return torch.from_numpy(out).to(input_ids.device)
