@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from omni_lightning.models.pretrained import build_pretrained, hf_class_of
+from omni_lightning.models.pretrained import build_pretrained, hf_class_of, trained_config
 
 __all__ = ["PRETRAINED_KEY", "export_hf", "pretrained_files"]
 
@@ -72,6 +72,7 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
             dcp.load({"state_dict": state}, checkpoint_id=checkpoint)
     else:
         state = {key: saved["state_dict"][key] for key in state}
+    config = trained_config(built.family, config)  # a whole Qwen2.5-Omni exports its thinker
     hf = getattr(transformers, hf_class_of(built.family))._from_config(config)
     stored = {hf_name: state[f"model.{name}"] for name, hf_name in built.checkpoint_names.items() if hf_name}
     hf.load_state_dict(stored, strict=True)

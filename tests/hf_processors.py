@@ -127,10 +127,12 @@ def save_tiny_qwen_vl(path: Path, family: str = "qwen2_vl", *, seed: int = 0, hi
     return path
 
 
-def save_tiny_qwen_omni_thinker(path: Path, *, seed: int = 0) -> Path:
+def save_tiny_qwen_omni_thinker(path: Path, *, seed: int = 0, whole: bool = False) -> Path:
     """A Qwen2.5-Omni thinker checkpoint directory: the model (tiny: 2 audio, 2 vision, 2 decoder layers), its
     tokenizer (the template above, Qwen's vision and audio tokens) and one preprocessor file holding the image
-    processor and the Whisper feature extractor together, as Qwen2.5-Omni's checkpoints keep them."""
+    processor and the Whisper feature extractor together, as Qwen2.5-Omni's checkpoints keep them. ``whole``
+    writes it as a whole Qwen2.5-Omni (``model_type`` ``qwen2_5_omni``, weights under ``thinker.``), without a
+    talker."""
     import json
 
     import torch
@@ -159,5 +161,9 @@ def save_tiny_qwen_omni_thinker(path: Path, *, seed: int = 0) -> Path:
         audio_end_token_id=token("<|audio_eos|>"), vision_start_token_id=token("<|vision_start|>"),
         vision_end_token_id=token("<|vision_end|>"), tie_word_embeddings=False)
     torch.manual_seed(seed)
-    transformers.Qwen2_5OmniThinkerForConditionalGeneration(config).save_pretrained(path)
+    if whole:
+        config = transformers.Qwen2_5OmniConfig(thinker_config=config.to_dict(), enable_audio_output=False)
+        transformers.Qwen2_5OmniForConditionalGeneration(config).save_pretrained(path)
+    else:
+        transformers.Qwen2_5OmniThinkerForConditionalGeneration(config).save_pretrained(path)
     return path

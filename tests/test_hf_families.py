@@ -445,3 +445,32 @@ def test_fresh_rank_processes_hold_their_shard_not_the_model(tmp_path: Path) -> 
     assert len({rank["local_parameters"] for rank in ranks}) == 1  # each holds a quarter
     for rank, grown in enumerate((r["grew"] for r in ranks[1:]), start=1):
         assert grown < model_bytes / 2, f"rank {rank} grew {grown >> 20} MiB, the model is {model_bytes >> 20} MiB"
+
+
+@pytest.mark.distributed
+def test_a_whole_qwen2_5_omni_trains_and_exports_its_thinker(tmp_path: Path, pair_shards: str) -> None:
+    """A whole Qwen2.5-Omni checkpoint (the thinker's weights under ``thinker.``): the thinker loads and computes as
+    the HF thinker does, trains, and exports as a thinker checkpoint the thinker class loads."""
+    import lightning.pytorch as pl
+
+    from omni_lightning.cli import main
+
+    whole = save_tiny_qwen_omni_thinker(tmp_path / "whole", whole=True)
+    config = transformers.AutoConfig.from_pretrained(str(whole))
+    hf = transformers.Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
+        str(whole), config=config.thinker_config, key_mapping={r"^thinker\.": ""}).eval()
+    module, data = _loaded(whole)
+    batch = _batch(data, _raw(pair_shards)[:3])
+    with torch.no_grad():
+        alone = torch.cat([hf(**{k: v for k, v in s.items() if k != "labels"}).logits[0]
+                           for s in _hf_inputs(batch, hf.config)])
+        torch.testing.assert_close(module.model(batch), alone, rtol=0, atol=1e-5)
+    fit(tmp_path, pair_shards, Path("unused"), layout={"dp_shard": 2}, devices=2, max_steps=1,
+        module=OmniModule(pretrained=str(whole), learning_rate=LEARNING_RATE),
+        datamodule=OmniDataModule(pair_shards, samples_per_step=2, group_steps=1),
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1)])
+    (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")
+    main(["export-hf", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "thinker")])
+    assert json.loads((tmp_path / "thinker" / "config.json").read_text())["model_type"] == "qwen2_5_omni_thinker"
+    exported = transformers.Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(str(tmp_path / "thinker"))
+    assert not torch.equal(exported.lm_head.weight, hf.lm_head.weight)  # trained

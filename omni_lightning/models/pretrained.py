@@ -23,7 +23,7 @@ from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, Referenc
 from omni_lightning.models.mllm import ReferenceMLLM
 
 __all__ = ["SUPPORTED_FAMILIES", "PretrainedModel", "build_pretrained", "checkpoint_family", "hf_class_of",
-           "read_checkpoint", "reset_computed_buffers"]
+           "read_checkpoint", "reset_computed_buffers", "trained_config"]
 
 
 @dataclass
@@ -112,18 +112,33 @@ def _qwen2_5_omni_thinker(hf_config: Any, roles: TokenRoles | None
 
 # Each family's transformers class, by name (transformers is imported on first use).
 _HF_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-               "qwen2_5_omni_thinker": "Qwen2_5OmniThinkerForConditionalGeneration"}
+               "qwen2_5_omni_thinker": "Qwen2_5OmniThinkerForConditionalGeneration",
+               "qwen2_5_omni": "Qwen2_5OmniForConditionalGeneration"}
+def _qwen2_5_omni(hf_config: Any, roles: TokenRoles | None) -> tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]:
+    """A whole Qwen2.5-Omni checkpoint: its thinker is what trains (and exports); the talker is left alone."""
+    return _qwen2_5_omni_thinker(hf_config.thinker_config, roles)
+
+
 _FAMILIES: dict[str, Callable[[Any, TokenRoles | None], tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]]] = {
     "qwen2_vl": _qwen2_vl,
     "qwen2_5_vl": _qwen2_5_vl,
     "qwen2_5_omni_thinker": _qwen2_5_omni_thinker,
+    "qwen2_5_omni": _qwen2_5_omni,
 }
+# Families whose trained part is one submodule of the checkpoint's model: (its attribute, its config's attribute).
+_PART = {"qwen2_5_omni": ("thinker", "thinker_config")}
 SUPPORTED_FAMILIES = tuple(_FAMILIES)
 
 
 def hf_class_of(family: str) -> str:
-    """The name of the transformers class a family's checkpoints load into."""
-    return _HF_CLASSES[family]
+    """The name of the transformers class that what a family trains is exported as (the thinker, for a whole
+    Qwen2.5-Omni)."""
+    return _HF_CLASSES["qwen2_5_omni_thinker" if family in _PART else family]
+
+
+def trained_config(family: str, hf_config: Any) -> Any:
+    """The config of what a family trains (``hf_config`` itself, or the thinker's)."""
+    return getattr(hf_config, _PART[family][1]) if family in _PART else hf_config
 
 
 def checkpoint_family(path: str | Path) -> str:
@@ -168,7 +183,14 @@ def read_checkpoint(path: str | Path, names: dict[str, str | None]) -> dict[str,
     import transformers
 
     family = checkpoint_family(path)
-    loaded = getattr(transformers, _HF_CLASSES[family]).from_pretrained(str(path), local_files_only=True, dtype="auto")
+    if family in _PART:  # only the trained part (a whole Qwen2.5-Omni's thinker), its keys without their prefix
+        part, part_config = _PART[family]
+        config = getattr(transformers.AutoConfig.from_pretrained(str(path), local_files_only=True), part_config)
+        loaded = getattr(transformers, hf_class_of(family)).from_pretrained(
+            str(path), config=config, local_files_only=True, dtype="auto", key_mapping={rf"^{part}\.": ""})
+    else:
+        loaded = getattr(transformers, _HF_CLASSES[family]).from_pretrained(str(path), local_files_only=True,
+                                                                            dtype="auto")
     tensors = dict(_tensors(loaded))
     wanted = {name: stored for name, stored in names.items() if stored is not None}
     if missing := sorted(stored for stored in wanted.values() if stored not in tensors):
