@@ -157,9 +157,12 @@ def export_hf_main(argv: list[str]) -> None:
                     "reads. The module must have been trained from OmniModule(pretrained=DIR).")
     parser.add_argument("--checkpoint", required=True, help="a checkpoint written by training (.ckpt file or dir)")
     parser.add_argument("--out", required=True, help="the directory to write")
+    parser.add_argument("--merge-lora", action="store_true", help="LoRA adapters merged into the weights")
+    parser.add_argument("--adapter-only", action="store_true",
+                        help="the LoRA adapters alone, as a peft adapter directory for the original checkpoint")
     args = parser.parse_args(argv)
     try:
-        out = export_hf(args.checkpoint, args.out)
+        out = export_hf(args.checkpoint, args.out, merge_lora=args.merge_lora, adapter_only=args.adapter_only)
     except ValueError as error:
         parser.error(str(error))
     print(f"exported {args.checkpoint} to {out}")

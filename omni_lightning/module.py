@@ -23,6 +23,7 @@ from omni_lightning.data.processor import load_processor
 from omni_lightning.deprecations import with_deprecated_names
 from omni_lightning.export import PRETRAINED_KEY, pretrained_files
 from omni_lightning.models.config import ReferenceMLLMConfig
+from omni_lightning.models.lora import lora_initial_state
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.models.pretrained import PretrainedModel, build_pretrained, read_checkpoint, reset_computed_buffers
 from omni_lightning.monitor import loggers_write_this_step
@@ -73,6 +74,10 @@ class OmniModule(LightningModule):
             merger, its decoder with M-RoPE, its LM head. Built on the
             meta device; rank 0 reads the weights and every rank receives its shards. Its tokenizer gives the token
             roles, and a data module given no processor reads with the checkpoint's.
+        lora: LoRA adapters on the decoder's projections, as ``peft.LoraConfig`` arguments (e.g. ``{"r": 8,
+            "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}``), with ``pretrained``: the decoder's own
+            weights freeze, the adapters train (under FSDP and TP), and ``export-hf`` merges them or writes a peft
+            adapter.
         learning_rate, weight_decay, betas, warmup_steps: AdamW (learning rate 1e-3 by default) with linear warm-up,
             used when no ``optimizer`` / ``lr_scheduler`` is given. Where both are, the callable wins: its own
             learning rate and weight decay, its schedule (a warning names what is ignored).
@@ -112,6 +117,7 @@ class OmniModule(LightningModule):
         model: ReferenceMLLMConfig | ReferenceMLLM | None = None,
         *,
         pretrained: str | None = None,
+        lora: dict[str, Any] | None = None,
         learning_rate: float | None = None,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -130,12 +136,14 @@ class OmniModule(LightningModule):
         super().__init__()
         if pretrained is not None and model is not None:
             raise ValueError("give OmniModule either model or pretrained, not both: a checkpoint brings its model")
+        if lora and pretrained is None:
+            raise ValueError("lora adapts a pretrained decoder: give OmniModule(pretrained=DIR, lora=...)")
         built = model if isinstance(model, ReferenceMLLM) else None
         # The callables are code, not settings: the CLI's config records them; a checkpoint cannot rebuild them.
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", *(["model"] if built is not None else [])])
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
         self.freeze, self.lr_multipliers = tuple(freeze), dict(lr_multipliers or {})
-        self.pretrained = pretrained
+        self.pretrained, self.lora = pretrained, dict(lora) if lora else None
         if pretrained is not None:  # the family's shape from its config.json; the weights load in configure_model
             model = build_pretrained(pretrained).config
             if _holds_tokenizer(pretrained):  # and its token roles from its own tokenizer
@@ -184,7 +192,7 @@ class OmniModule(LightningModule):
             return self._built_model[0]
         if self.pretrained is not None:  # the family's own modules and modalities, on the meta device
             if self._pretrained_view is None or self._pretrained_view.config.roles != self.config.roles:
-                self._pretrained_view = build_pretrained(self.pretrained, self.config.roles)
+                self._pretrained_view = build_pretrained(self.pretrained, self.config.roles, self.lora)
             return self._pretrained_view.model
         with torch.device("meta"):
             return ReferenceMLLM(self.config)
@@ -287,7 +295,7 @@ class OmniModule(LightningModule):
         """The checkpoint's model on the meta device and, on rank 0 only (it sends every rank its shards), its
         weights: read from the safetensors files, and from the seed for what the family lacks (an audio encoder)."""
         assert self.pretrained is not None
-        built = build_pretrained(self.pretrained, self.config.roles)
+        built = build_pretrained(self.pretrained, self.config.roles, self.lora)
         model = built.model
         if self._video_fps is not None and hasattr(model.llm, "video_fps"):
             model.llm.video_fps = self._video_fps
@@ -296,7 +304,8 @@ class OmniModule(LightningModule):
         if dist.is_initialized() and dist.get_rank() != 0:
             return built, {}
         state = read_checkpoint(self.pretrained, built.checkpoint_names)
-        if seeded := [name for name, stored in built.checkpoint_names.items() if stored is None]:
+        state.update(lora_initial_state(model, self.hparams.init_seed))  # what no checkpoint holds
+        if seeded := [name for name, stored in built.checkpoint_names.items() if stored is None and name not in state]:
             fresh = initial_state_dict(self.config, seed=self.hparams.init_seed)
             state.update({name: fresh[name] for name in seeded})
         return built, state

@@ -474,3 +474,101 @@ def test_a_whole_qwen2_5_omni_trains_and_exports_its_thinker(tmp_path: Path, pai
     assert json.loads((tmp_path / "thinker" / "config.json").read_text())["model_type"] == "qwen2_5_omni_thinker"
     exported = transformers.Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(str(tmp_path / "thinker"))
     assert not torch.equal(exported.lm_head.weight, hf.lm_head.weight)  # trained
+
+
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_qwen_vl(tmp_path_factory.mktemp("lora_qwen2_5_vl"), "qwen2_5_vl")
+
+
+def _peft_reference(checkpoint: Path, module: OmniModule) -> Any:
+    """The HF model with the same adapters (peft's own layers, our initial values) and the same frozen weights."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from omni_lightning.models.lora import lora_initial_state
+
+    hf = _hf_model(checkpoint).train()
+    inject_adapter_in_model(LoraConfig(**LORA), hf.model.language_model)
+    hf.lm_head.requires_grad_(False)  # the decoder's head is the decoder's: frozen under LoRA, as ours
+    initial = lora_initial_state(module._model_view(), module.hparams.init_seed)
+    with torch.no_grad():
+        for name, value in initial.items():
+            hf.get_parameter("model.language_model." + name.removeprefix("llm.")).copy_(value)
+    return hf
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["fsdp", "tp"])
+def test_lora_trains_the_adapters_as_peft_does_under_fsdp_and_tp(name: str, tmp_path: Path, qwen2_5_vl: Path,
+                                                                  pair_shards: str) -> None:
+    """Column- and row-parallel projections with adapters (q, v, o and the MLP's down projection) on 2 ranks
+    against the HF model with peft's adapters on one process: the same losses over 3 steps, the decoder's own
+    weights unchanged."""
+    layout, ranks, dp = LAYOUTS[name]
+    make = lambda: OmniModule(pretrained=str(qwen2_5_vl), lora=LORA, learning_rate=LEARNING_RATE)  # noqa: E731
+    fit(tmp_path, pair_shards, Path("unused"), layout=layout, devices=ranks, max_steps=3, module=make(),
+        datamodule=OmniDataModule(pair_shards, samples_per_step=2, group_steps=2),
+        callbacks=[RecordRun(tmp_path), RecordBatches(tmp_path)])
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    per_rank = [torch.load(tmp_path / f"batches_rank{r}.pt", weights_only=False) for r in range(ranks)]
+    hf = _peft_reference(qwen2_5_vl, make())
+    optimizer = torch.optim.AdamW([p for p in hf.parameters() if p.requires_grad], lr=LEARNING_RATE,
+                                  betas=(0.9, 0.95), weight_decay=0.0)
+    expected = []
+    for step in range(3):
+        total, count = torch.zeros(()), 0
+        for batch in [per_rank[r][step] for r in range(0, ranks, ranks // dp)]:
+            part, n = _hf_loss_sum(hf, _hf_inputs(batch, hf.config))
+            total, count = total + part, count + n
+        optimizer.zero_grad()
+        (total / count).backward()
+        optimizer.step()
+        expected.append(float(total / count))
+    torch.testing.assert_close(torch.tensor([losses[s] for s in "123"]), torch.tensor(expected), rtol=1e-4, atol=0)
+
+
+@pytest.mark.distributed
+def test_lora_exports_merged_or_as_a_peft_adapter(tmp_path: Path, qwen2_5_vl: Path, pair_shards: str) -> None:
+    """Adapters trained on a frozen tower: --merge-lora writes the family's format with them folded in, and
+    --adapter-only a peft adapter that PeftModel puts on the original checkpoint; both give the trained module's
+    logits. Without a choice, and --adapter-only where other parts trained, export refuses."""
+    import lightning.pytorch as pl
+    import torch.distributed.checkpoint as dcp
+    from peft import PeftModel
+
+    from omni_lightning.cli import main
+
+    def make(**kwargs: Any) -> OmniModule:
+        return OmniModule(pretrained=str(qwen2_5_vl), lora=LORA, learning_rate=LEARNING_RATE, **kwargs)
+
+    runs = {}
+    for run, freeze in (("frozen", ("vision", "projector")), ("towers", ())):
+        fit(tmp_path / run, pair_shards, Path("unused"), layout={"dp_shard": 2}, devices=2, max_steps=2,
+            module=make(freeze=freeze), datamodule=OmniDataModule(pair_shards, samples_per_step=2, group_steps=2),
+            callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path / run / "ckpt", every_n_train_steps=2)])
+        (runs[run],) = (tmp_path / run / "ckpt").glob("*.ckpt")
+    checkpoint = runs["frozen"]
+    main(["export-hf", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "merged"), "--merge-lora"])
+    main(["export-hf", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "adapter"), "--adapter-only"])
+    for argv in (["--out", str(tmp_path / "x")], ["--out", str(tmp_path / "y"), "--adapter-only"]):
+        with pytest.raises(SystemExit):
+            main(["export-hf", "--checkpoint", str(runs["towers"] if "--adapter-only" in argv else checkpoint),
+                  *argv])
+
+    trained, data = _loaded(qwen2_5_vl, lora=LORA)
+    state = {f"model.{k}": v for k, v in trained.model.state_dict().items()}
+    dcp.load({"state_dict": state}, checkpoint_id=checkpoint)
+    trained.model.load_state_dict({k[len("model."):]: v for k, v in state.items()})
+    assert trained.model.llm.layers["0"].self_attn.q_proj.lora_B.default.weight.abs().sum() > 0  # it trained
+    batch = _batch(data, _raw(pair_shards)[:3])
+    merged = _hf_model(tmp_path / "merged")
+    adapted = PeftModel.from_pretrained(_hf_model(qwen2_5_vl), str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        expected = trained.model(batch)
+        for exported in (merged, adapted):
+            alone = torch.cat([exported(**{k: v for k, v in s.items() if k != "labels"}).logits[0]
+                               for s in _hf_inputs(batch, merged.config)])
+            torch.testing.assert_close(expected, alone, rtol=0, atol=1e-5)

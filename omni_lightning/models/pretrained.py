@@ -10,7 +10,7 @@ every rank receives its shards from it.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from torch import nn
 
 from omni_lightning.batch import TokenRoles
 from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig, VisionEncoderConfig
+from omni_lightning.models.lora import apply_lora
 from omni_lightning.models.mllm import ReferenceMLLM
 
 __all__ = ["SUPPORTED_FAMILIES", "PretrainedModel", "build_pretrained", "checkpoint_family", "hf_class_of",
@@ -64,6 +65,7 @@ def _qwen_vl(hf_config: Any, roles: TokenRoles | None, *, hf_class: str, vision_
     # the stand-in encoder.
     packing = replace(config.packing(), modalities=tuple(m for m in config.packing().modalities if m.name != "audio"))
     model = ReferenceMLLM(config, vision=vision_adapter(hf.model.visual), llm=text_adapter(hf), packing=packing)
+    model.audio.requires_grad_(False)  # the stand-in never hears anything: nothing to train, nothing to export
     return hf, model, config
 
 
@@ -154,9 +156,11 @@ def checkpoint_family(path: str | Path) -> str:
     return family
 
 
-def build_pretrained(path: str | Path, roles: TokenRoles | None = None) -> PretrainedModel:
+def build_pretrained(path: str | Path, roles: TokenRoles | None = None,
+                     lora: Mapping[str, Any] | None = None) -> PretrainedModel:
     """The checkpoint's model on the meta device (no weights read) and where each of its tensors is stored;
-    ``roles`` are the token roles of the data it will train on (its tokenizer's)."""
+    ``roles`` are the token roles of the data it will train on (its tokenizer's); ``lora`` injects LoRA adapters
+    into its decoder (:func:`~omni_lightning.models.lora.apply_lora`), which the checkpoint does not store."""
     import transformers
 
     family = checkpoint_family(path)
@@ -166,6 +170,9 @@ def build_pretrained(path: str | Path, roles: TokenRoles | None = None) -> Pretr
     stored: dict[int, str] = {}
     for name, tensor in _tensors(hf):  # a tied weight is stored under its first name
         stored.setdefault(id(tensor), name)
+    if lora:  # after the names are read: a wrapped projection keeps its weight, as base_layer.weight
+        with torch.device("meta"):
+            apply_lora(model.llm, lora)
     names = {name: stored.get(id(t)) for name, t in _tensors(model)}
     return PretrainedModel(model, config, names, family, hf)
 

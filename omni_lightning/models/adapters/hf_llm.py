@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 from omni_lightning.balance.cost import ModuleCost
 from omni_lightning.models.adapters.hf_attention import PackedItems, use_packed_attention
 from omni_lightning.models.flops import TRAIN, attention_pair_flops, matmul_flops
+from omni_lightning.models.lora import lora_layer_plan
 from omni_lightning.parallel.tensor_parallel import ColwiseLinear, RowwiseLinear
 
 __all__ = ["HFCausalLMAdapter"]
@@ -90,7 +91,7 @@ class HFCausalLMAdapter(nn.Module):
         }
 
     def layer_tp_plan(self, layer: nn.Module) -> dict[str, ParallelStyle]:
-        return self._layer_plan()
+        return lora_layer_plan(layer, self._layer_plan())  # LoRA-wrapped projections split with their base
 
     def _layer_plan(self) -> dict[str, ParallelStyle]:
         plan = {}
