@@ -23,6 +23,15 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration_errors.md"
 TINY = ReferenceMLLMConfig.tiny()
 
 
+def _unsupported_family(shards: str) -> None:
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as path:
+        (Path(path) / "config.json").write_text(json.dumps({"model_type": "blip-2"}))
+        OmniModule(pretrained=path)
+
+
 def _model(**llm: Any) -> ReferenceMLLMConfig:
     """The tiny reference model with some LLM sizes changed (validated on construction)."""
     return ReferenceMLLMConfig(vision=TINY.vision, audio=TINY.audio, llm=replace(TINY.llm, **llm))
@@ -181,6 +190,20 @@ CASES: dict[str, Case] = {
                              r"audio.downsample=2 must be 4"),
     "attention-backend-unknown": Case(lambda _: ReferenceMLLMConfig(attention_backend="xformers"),
                                       r"attention_backend='xformers' must be 'auto', 'sdpa' or 'flash'"),
+    "pretrained-not-a-checkpoint": Case(lambda s: OmniModule(pretrained=str(Path(s).parent)),
+                                        r"has no config.json: give a Hugging Face checkpoint directory"),
+    "pretrained-family-unsupported": Case(_unsupported_family,
+                                          r"is a 'blip-2' checkpoint; the supported families are \['qwen2_vl'"),
+    "pretrained-and-model": Case(lambda s: OmniModule(TINY, pretrained=s),
+                                 r"give OmniModule either model or pretrained, not both"),
+    "lora-without-pretrained": Case(lambda _: OmniModule(lora={"r": 4}),
+                                    r"lora adapts a pretrained decoder: give OmniModule\(pretrained=DIR, lora=...\)"),
+    "freeze-unknown-part": Case(lambda _: OmniModule(freeze=["decoder"]).configure_model(),
+                                r"freeze names \['decoder'\], which are not parts of the model: choose from"),
+    "freeze-everything": Case(lambda _: OmniModule(freeze=["vision", "audio", "projector", "llm"]).configure_model(),
+                              r"freezes every part of the model .*: nothing would train"),
+    "lr-multiplier-unknown-part": Case(lambda _: OmniModule(lr_multipliers={"text": 0.1}).configure_model(),
+                                       r"lr_multipliers names \['text'\], which are not parts of the model"),
     # ---- data settings: OmniDataModule(...) and its setup on every rank
     "processor-not-a-directory": Case(lambda s: OmniDataModule(s, processor="no/such/processor"),
                                       r"processor='no/such/processor' is not a directory"),
