@@ -47,11 +47,11 @@ class RecordRun(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
         if self.grads and trainer.global_step == 0:  # after the last accumulated micro-batch of the first step
-            missing = [name for name, p in module.model.named_parameters() if p.grad is None]
+            missing = [name for name, p in module.model.named_parameters() if p.grad is None and p.requires_grad]
             assert not missing, f"rank {trainer.global_rank}: no gradient for {missing}"
             # full_tensor() is collective: every rank calls it. Under pipeline parallelism each stage holds its own
             # parameters, so every rank writes its file and grads.pt is rank 0's; merged_grads() joins them.
-            grads = {name: _full(p.grad) for name, p in module.model.named_parameters()}
+            grads = {name: _full(p.grad) for name, p in module.model.named_parameters() if p.requires_grad}
             torch.save(grads, self.out_dir / f"grads_rank{trainer.global_rank}.pt")
             if trainer.global_rank == 0:
                 torch.save(grads, self.out_dir / "grads.pt")

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from hf_processors import save_tiny_qwen_omni_thinker, save_tiny_qwen_vl
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lightning_runs import RecordBatches, RecordRun, fit
+from lightning_runs import RecordBatches, RecordRun, fit, merged_grads
 from PIL import Image
 
 from omni_lightning import OmniDataModule, OmniModule
@@ -35,7 +35,7 @@ from omni_lightning.data.packing import DecodedSample, pack_samples
 from omni_lightning.data.shards import expand_shards
 from omni_lightning.data.streaming import open_shard
 from omni_lightning.models.adapters.hf_qwen2_vl import mrope_positions
-from omni_lightning.models.pretrained import SUPPORTED_FAMILIES
+from omni_lightning.models.pretrained import SUPPORTED_FAMILIES, build_pretrained
 
 transformers = pytest.importorskip("transformers")
 CAPTIONS = ["A cat sits on a mat.", "The left one is red, the right one is blue.", "Describe the picture please.",
@@ -298,7 +298,7 @@ def test_training_under_a_layout_is_one_process_running_the_hf_model(name: str, 
     module = OmniModule(pretrained=str(qwen2_vl), learning_rate=LEARNING_RATE)
     data = OmniDataModule(pair_shards, samples_per_step=2, group_steps=2)
     fit(tmp_path, pair_shards, Path("unused"), layout=layout, devices=ranks, max_steps=3, module=module,
-        datamodule=data, callbacks=[RecordRun(tmp_path), RecordBatches(tmp_path)])
+        datamodule=data, callbacks=[RecordRun(tmp_path, grads=True), RecordBatches(tmp_path)])
     losses = json.loads((tmp_path / "losses.json").read_text())
     per_rank = [torch.load(tmp_path / f"batches_rank{r}.pt", weights_only=False) for r in range(ranks)]
     hf = _hf_model(qwen2_vl).train()
@@ -312,9 +312,22 @@ def test_training_under_a_layout_is_one_process_running_the_hf_model(name: str, 
             total, count = total + part, count + n
         optimizer.zero_grad()
         (total / count).backward()
+        if step == 0:
+            first = {name: p.grad.clone() for name, p in hf.named_parameters() if p.grad is not None}
         optimizer.step()
         expected.append(float(total / count))
     torch.testing.assert_close(torch.tensor([losses[s] for s in "123"]), torch.tensor(expected), rtol=1e-4, atol=0)
+    # The first step's gradients, parameter by parameter under the family's own names: 1e-4 of the largest entry
+    # of each, as the layouts sum the same terms in other orders.
+    ours = merged_grads(tmp_path)
+    stored = build_pretrained(qwen2_vl, module.config.roles).checkpoint_names
+    assert set(first) <= {stored[name] for name in ours}
+    for name, grad in ours.items():
+        if stored[name] not in first:  # a tower no sample used (audio on images): its dummy pass adds nothing
+            assert not grad.any(), name
+            continue
+        reference = first[stored[name]]
+        torch.testing.assert_close(grad, reference, rtol=0, atol=1e-4 * float(reference.abs().max()) + 1e-12)
 
 
 @pytest.mark.distributed
