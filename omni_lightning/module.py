@@ -232,7 +232,8 @@ class OmniModule(LightningModule):
                              f"{processor.source} (len(tokenizer) = {processor.vocab_size}): leave the model's sizes "
                              "to the data (OmniModule() without a model) or raise llm.vocab_size")
         self.config = replace(config, llm=llm, roles=processor.roles)
-        self.hparams["model"] = self.config
+        if self.pretrained is None:  # a checkpoint's family config comes from its directory, which hparams name
+            self.hparams["model"] = self.config
         self._cost_model = None
         check = getattr(self._trainer.strategy, "check_model_fits", None)
         if check is not None:  # the pre-launch check ran with the sizes unresolved (tp must divide the vocabulary)

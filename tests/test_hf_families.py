@@ -600,3 +600,19 @@ def test_a_family_refuses_the_layouts_of_the_next_issue_by_name(qwen2_vl: Path) 
         with pytest.raises(ValueError, match=message):
             check_model_fits_layout(model, ParallelDims(world_size=4, dp_shard=-1, **layout), reshard=True)
     check_model_fits_layout(model, ParallelDims(world_size=4, dp_shard=2, tp=2))
+
+
+def test_a_pretrained_modules_hyper_parameters_rebuild_it(qwen2_vl: Path) -> None:
+    """What a checkpoint records (Lightning rebuilds the module from it, e.g. load_from_checkpoint) names the
+    checkpoint directory and the adapters, not a config that would contradict them."""
+    from omni_lightning.data.processor import load_processor
+
+    module = OmniModule(pretrained=str(qwen2_vl), lora=LORA)
+    from types import SimpleNamespace
+
+    module._trainer = SimpleNamespace(datamodule=OmniDataModule("unused", processor=str(qwen2_vl)),
+                                      strategy=SimpleNamespace())  # type: ignore[assignment]
+    module.setup("fit")
+    assert module.config.roles == load_processor(qwen2_vl).roles
+    rebuilt = OmniModule(**module.hparams)
+    assert (rebuilt.pretrained, rebuilt.lora, rebuilt.config) == (module.pretrained, module.lora, module.config)
