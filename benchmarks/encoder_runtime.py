@@ -12,7 +12,11 @@ Per step it takes each rank's thread CPU time (a rank blocked in a collective us
 hardware on a machine that runs more ranks than it has cores) and prints the mean over steps of max/mean across
 ranks. The resharding's own time is the extra CPU it adds over ``none`` (planning, index bookkeeping, the
 all-to-alls, Ulysses), as a share of the step. Then the memory check: the largest item of the run alone, encoded on
-one rank and split over ``--enc-sp`` ranks; the activation bytes saved for backward on the busiest rank.
+one rank and split over ``--enc-sp`` ranks; the activation bytes saved for backward on the busiest rank. Last, the
+encoder work of tensor-parallel peers (``tp=2``: pairs of ranks holding the same samples), alternating on the same
+micro-batches: ``duplicated`` (each peer encodes all of them, as before the peers split their items) against
+``split`` (:class:`~omni_lightning.runtime.encoders.LocalEncoders` with the peers: each encodes its share, the
+outputs are all-gathered and the encoders' gradients summed over the pair).
 
     python benchmarks/encoder_runtime.py [--workload vlm_dynres] [--ranks 4] [--enc-sp 4] [--steps 24]
 """
@@ -134,6 +138,7 @@ def _worker(rank: int, size: int, port: int, paths: list[str], args: argparse.Na
                 if name == "long-short":
                     splits.append(resharder.stats["items_split"])
                     moved.append(resharder.stats["items_moved"])
+    tp_records = _tensor_parallel_peers(model, paths, rank, size, args)
     largest_tensor = torch.tensor([largest])
     dist.all_reduce(largest_tensor, op=dist.ReduceOp.MAX)
     side = int(np.sqrt(int(largest_tensor) / 4)) * 2 or 2  # a square grid with even sides and about as many patches
@@ -142,8 +147,32 @@ def _worker(rank: int, size: int, port: int, paths: list[str], args: argparse.Na
     dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
     if rank == 0:
         out.update(records=records, splits=splits, moved=moved, memory=busiest.tolist(), side=side,
-                   degree=memory["degree"])
+                   degree=memory["degree"], tp=tp_records)
     dist.destroy_process_group()
+
+
+def _tensor_parallel_peers(model: ReferenceMLLM, paths: list[str], rank: int, size: int, args: argparse.Namespace
+                           ) -> dict[str, list[float]]:
+    """Per step, the slowest rank's encoder CPU seconds when the pairs (0, 1), (2, 3), ... are tensor-parallel
+    peers: ``duplicated`` and ``split``, alternating on each pair's same micro-batch."""
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, size - 1, 2)]  # every rank takes part in every new_group
+    peers = pairs[rank // 2]
+    sources = {"duplicated": LocalEncoders(model), "split": LocalEncoders(model, peers=peers)}
+    stream = iter(ShardStream(paths, dp_rank=rank // 2, dp_size=size // 2, batch_size=args.samples_per_step))
+    records: dict[str, list[float]] = {"duplicated": [], "split": []}
+    for step in range(args.warmup + args.steps):
+        batch = next(stream)
+        for name in ("split", "duplicated") if step % 2 else ("duplicated", "split"):
+            model.zero_grad(set_to_none=True)
+            dist.barrier()
+            cpu = time.thread_time()
+            _encode(sources[name], batch)
+            sources[name].sync_gradients()
+            seconds = torch.tensor([time.thread_time() - cpu], dtype=torch.float64)
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            if step >= args.warmup:
+                records[name].append(float(seconds))
+    return records
 
 
 def _imbalance(rows: list[list[float]]) -> float:
@@ -197,6 +226,11 @@ def main() -> None:
     side = out["side"]
     print(f"largest item ({side}x{side} patches) saved activations: alone {alone / 2**20:.2f} MiB, "
           f"split {out['degree']} ways {split / 2**20:.2f} MiB on the busiest rank ({alone / max(split, 1):.2f}x less)")
+    tp = {name: float(np.mean(rows)) for name, rows in out["tp"].items()}
+    result["tp2_encoder_cpu_s"] = {**tp, "speedup": tp["duplicated"] / tp["split"]}
+    RESULTS.write_text(json.dumps(result, indent=2))
+    print(f"tp=2 peers, slowest rank's encoder CPU: duplicated {tp['duplicated'] * 1e3:.1f} ms/step, split "
+          f"{tp['split'] * 1e3:.1f} ms/step ({tp['duplicated'] / tp['split']:.2f}x less)")
     print(f"measured encoder max/mean: none {result['imbalance_none']:.3f}, "
           f"long-short {result['imbalance_long_short']:.3f}")
 

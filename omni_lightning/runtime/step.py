@@ -150,6 +150,8 @@ class PlainStep:
         return StepResult(loss(loss_sum, aux_share) * accumulate, stats)
 
     def sync_gradients(self) -> None:
+        if self.source is not None:
+            self.source.sync_gradients()
         sync_expert_gradients(self.model)
 
     def clip_gradients(self, parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -374,7 +376,8 @@ def build_step(model: ReferenceMLLM, layout: OmniLayout | None, *, device: torch
     resharder = _resharder(model, layout) if layout.reshard and meshes.encoder_group is not None else None
     if meshes.get("pp") is None:
         _parallelize(model, meshes, options)
-        return PlainStep(model, LocalEncoders(model, resharder), meshes)
+        tp = meshes.get("tp")  # tensor-parallel peers hold the same samples: they split the encoder items
+        return PlainStep(model, LocalEncoders(model, resharder, tp.get_group() if tp is not None else None), meshes)
     runner = _pipeline_runner(model, layout, device, options, resharder)
     return PipelineStep(model, runner, meshes)
 
