@@ -117,6 +117,8 @@ def batch_metas(batch: dict[str, Any]) -> list[dict[str, Any]]:
     """The samples of a packed micro-batch as ``SampleMeta.to_json`` dicts, read back from its layout (placeholder
     counts per sample, image grids, mel lengths), so the simulator's validation can price what each rank trained on.
     Video frames arrive as images: both are one vision attention item each, so the cost features are the same."""
+    if not batch["num_samples"]:  # a filler micro-batch (a rank with no sample for it) trains nothing
+        return []
     ids = batch["input_ids"]
     bounds = batch["cu_seqlens"].tolist()
     grids = iter(tuple(g) for g in batch["vision_grids"].tolist())
