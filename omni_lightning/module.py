@@ -27,6 +27,7 @@ from omni_lightning.models.lora import lora_initial_state
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.models.pretrained import PretrainedModel, build_pretrained, read_checkpoint, reset_computed_buffers
 from omni_lightning.monitor import loggers_write_this_step
+from omni_lightning.parallel.initial_state import broadcast_parts
 from omni_lightning.parallel.layout import OmniLayout, OmniMeshes
 from omni_lightning.runtime.optim import (
     apply_lr_multipliers,
@@ -271,12 +272,12 @@ class OmniModule(LightningModule):
         self.step = build_step(model, layout, device=device, options=self._options)
         broadcast = dist.is_initialized()
         if layout is not None and (layout.dims.pp > 1 or layout.pool is not None):
-            # Each pipeline rank (or pool) holds only its part: rank 0 cannot broadcast the others' weights, so every
-            # rank takes rank 0's full copy first (a built model) or already has it (seeded or from a seed checkpoint).
-            if built_model:
-                for tensor in state.values():
-                    dist.broadcast(tensor, src=0)
+            # Each pipeline rank (or pool) holds only its part, which FSDP's broadcast from rank 0 cannot serve: rank
+            # 0's copy (a built model's, a checkpoint's) goes to every rank tensor by tensor and each keeps its part;
+            # a seeded model (or one from a seed checkpoint) is already whole on every rank.
             kept = model.state_dict().keys()
+            if built_model or self.pretrained is not None:
+                state = broadcast_parts(state, kept, device)
             state, broadcast = {k: v for k, v in state.items() if k in kept}, False
         # to_empty also wipes buffers outside the state dict (e.g. the rotary frequencies of Hugging Face decoders):
         # a built model already holds their values, so put them back.

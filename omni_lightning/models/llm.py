@@ -7,6 +7,8 @@ same code runs with the local heads of a tensor-parallel shard.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -110,6 +112,11 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
 
+    @property
+    def n_experts(self) -> int:
+        """Experts of each MoE layer (0: a dense decoder)."""
+        return self.config.n_experts if self.config.moe_every else 0
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[tokens, dim]`` (before encoder outputs replace the placeholders')."""
         return self.tok_embeddings(input_ids)
@@ -123,10 +130,23 @@ class Decoder(nn.Module):
         With ``cp_shard`` (context parallelism) the tokens are this rank's share of the packed batch and attention
         sees the whole of it through the context-parallel group.
         """
+        return self.head_logits(self.run_layers(embeddings, positions, cu_seqlens, self.layers.items(), cp_shard))
+
+    def run_layers(
+        self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+        layers: Iterable[tuple[str, nn.Module]], cp_shard: ContextShard | None = None,
+        deepstack: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states through ``layers`` (a pipeline stage's run of blocks, or all of them)."""
+        if deepstack is not None:
+            raise ValueError("the reference decoder takes no DeepStack features")
         rope = rotary_embedding(positions, self.config.head_dim, self.config.rope_theta)
-        x = embeddings
-        for layer in self.layers.values():
+        for _, layer in layers:
             x = layer(x, rope, cu_seqlens, cp_shard)
+        return x
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head."""
         return self.output(self.norm(x))
 
     def check_tp(self, tp: int) -> None:

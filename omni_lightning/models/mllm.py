@@ -54,6 +54,9 @@ class ReferenceMLLM(nn.Module):
             self.add_module(name, module)
         # Kept when a rank prunes its encoders (pipeline stages, the LLM pool): placeholders still take outputs.
         self.encoder_names = ("vision", "audio", *(encoders or {}))
+        # Also kept when a rank prunes its encoders: the width of the outputs it receives.
+        self.deepstack_depths = {name: int(getattr(getattr(self, name), "deepstack_layers", 0))
+                                 for name in self.encoder_names}
         self.packing = packing or config.packing()
         if self.packing.encoder_names != self.encoder_names:
             raise ValueError(f"the packing's encoders {list(self.packing.encoder_names)} are not the model's "
@@ -106,12 +109,19 @@ class ReferenceMLLM(nn.Module):
 
     def forward(self, batch: PackedBatch, encoded: Encoded | None = None) -> torch.Tensor:
         """Logits of ``batch``, its placeholders taking ``encoded`` (:meth:`encode` of it when ``None``)."""
-        embeddings = self.embed(batch, self.encode(batch) if encoded is None else encoded)
-        if self.groups.cp is None:
-            return self.llm(embeddings, self.positions(batch), batch["cu_seqlens"])
-        shard = shard_for_context_parallel(batch["cu_seqlens"], self.groups.cp)
-        local = shard.local_index
-        return self.llm(embeddings[local], batch["position_ids"][local], batch["cu_seqlens"], shard)
+        encoded = self.encode(batch) if encoded is None else encoded
+        embeddings, positions = self.embed(batch, encoded), self.positions(batch)
+        deepstack = self.deepstack(batch, encoded)
+        shard = shard_for_context_parallel(batch["cu_seqlens"], self.groups.cp) if self.groups.cp is not None else None
+        if shard is not None:
+            local = shard.local_index
+            embeddings, positions = embeddings[local], positions[..., local]
+            deepstack = deepstack[:, local] if deepstack is not None else None
+        if deepstack is None:
+            return self.llm(embeddings, positions, batch["cu_seqlens"], shard)
+        hidden = self.llm.run_layers(embeddings, positions, batch["cu_seqlens"], self.llm.layers.items(), shard,
+                                     deepstack)
+        return self.llm.head_logits(hidden)
 
     def positions(self, batch: PackedBatch) -> torch.Tensor:
         """The LLM's rotary positions of ``batch``: its own (e.g. Qwen2-VL's multimodal ``[3, tokens]``) where it
@@ -127,14 +137,45 @@ class ReferenceMLLM(nn.Module):
         for name in self.encoder_names:
             if name not in encoded:
                 raise ValueError(f"no outputs of the {name} encoder for this micro-batch (got {sorted(encoded)})")
-            output = encoded[name][0]  # further outputs are for models that inject features deeper (DeepStack)
-            ids = torch.tensor(self.packing.placeholder_ids(name), device=input_ids.device)
-            rows.append(_placeholder_rows(torch.isin(input_ids, ids), output, embeddings.shape[-1], name))
-            values.append(output.to(embeddings.dtype))
+            output = encoded[name][0]
+            where = self._placeholders(input_ids, name)
+            rows.append(_placeholder_rows(where, output, embeddings.shape[-1] * (1 + self.deepstack_layers(name)),
+                                          name))
+            values.append(output[:, : embeddings.shape[-1]].to(embeddings.dtype))
         # One copy for all, even with no placeholders: an empty output still carries its encoder's (zero) gradients
         # back. Row indices rather than masked_scatter, whose walk over every element of the mask cost as much as a
         # tenth of a decoder layer on CPU.
         return embeddings.index_copy(0, torch.cat(rows), torch.cat(values))
+
+    def deepstack_layers(self, name: str) -> int:
+        """How many of the first decoder layers take features of encoder ``name`` (each a further ``dim`` columns of
+        its outputs)."""
+        return self.deepstack_depths[name]
+
+    def deepstack(self, batch: PackedBatch, encoded: Encoded) -> torch.Tensor | None:
+        """``[n, tokens, dim]``: the features each encoder injects after each of the first ``n`` decoder layers, at its
+        placeholders (zeros elsewhere); ``None`` when no encoder injects any (Qwen3-VL's DeepStack)."""
+        depth = max((self.deepstack_layers(name) for name in self.encoder_names), default=0)
+        if not depth:
+            return None
+        input_ids = batch["input_ids"]
+        dim = self.config.llm.dim
+        features = None
+        for name in self.encoder_names:
+            layers = self.deepstack_layers(name)
+            if not layers:
+                continue
+            rows = self._placeholders(input_ids, name).nonzero().squeeze(1)
+            extra = encoded[name][0][:, dim:].unflatten(1, (layers, dim)).transpose(0, 1)
+            if layers < depth:
+                extra = torch.cat([extra, extra.new_zeros(depth - layers, *extra.shape[1:])])
+            dense = extra.new_zeros(depth, input_ids.numel(), dim).index_copy(1, rows, extra)
+            features = dense if features is None else features + dense
+        return features
+
+    def _placeholders(self, input_ids: torch.Tensor, name: str) -> torch.Tensor:
+        ids = torch.tensor(self.packing.placeholder_ids(name), device=input_ids.device)
+        return torch.isin(input_ids, ids)
 
     def local_labels(self, batch: PackedBatch) -> torch.Tensor:
         """The labels of the tokens this rank's logits cover (all of them unless context parallelism is on)."""

@@ -17,7 +17,6 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.distributed.tensor.parallel import parallelize_module
 
 from omni_lightning.models.adapters.protocol import LLMAdapter
-from omni_lightning.models.encoders import AudioEncoder, VisionEncoder
 from omni_lightning.models.layers import GeluMLP
 from omni_lightning.models.llm import Decoder, FeedForward
 from omni_lightning.models.mllm import ReferenceMLLM
@@ -34,25 +33,22 @@ def check_model_fits_layout(model: ReferenceMLLM, dims: ParallelDims, *, reshard
     """Raise ``ValueError`` naming the model size or degree that the layout ``dims`` cannot serve (``reshard``:
     encoder items are resharded, as ``enc_sp > 1`` needs)."""
     model.llm.check_tp(dims.tp)
-    reference_llm = isinstance(model.llm, Decoder)
-    encoders = model.encoders  # an LLM-pool rank of the disaggregated placement holds none
-    reference_encoders = all(isinstance(e, VisionEncoder | AudioEncoder) for e in encoders.values())
-    # CP, EP and the pipeline drive the reference modules' own signatures (CP shards, experts, RoPE tables, stems).
-    for name, supported, what in (("cp", reference_llm, "decoder"), ("ep", reference_llm, "decoder"),
-                                  ("pp", reference_llm and reference_encoders, "decoder and encoders")):
-        if getattr(dims, name) > 1 and not supported:
-            parts = ", ".join(type(part).__name__ for part in (*encoders.values(), model.llm))
-            raise ValueError(f"{name}={getattr(dims, name)} needs the reference {what}, not {parts}; adapted models "
-                             "train with tp, dp_replicate and dp_shard")
-    if reference_llm:
-        llm = model.llm.config
-        if dims.ep > 1 and not llm.moe_every:
-            raise ValueError(f"ep={dims.ep} shards MoE experts but the LLM has no MoE layers (set llm.moe_every)")
-        if llm.moe_every and llm.n_experts % dims.ep:
-            raise ValueError(f"llm.n_experts={llm.n_experts} is not divisible by ep={dims.ep}; pick ep dividing it")
+    # The pipeline and context parallelism drive the decoder layer by layer (LLMAdapter.run_layers).
+    staged = all(hasattr(model.llm, name) for name in ("run_layers", "head_logits"))
+    for name in ("pp", "cp"):
+        if getattr(dims, name) > 1 and not staged:
+            raise ValueError(f"{name}={getattr(dims, name)} runs the decoder layer by layer, which "
+                             f"{type(model.llm).__name__} does not offer (LLMAdapter.run_layers and head_logits); "
+                             "train it with tp, dp_replicate and dp_shard")
+    experts = int(getattr(model.llm, "n_experts", 0))
+    if dims.ep > 1 and not experts:
+        fix = "set llm.moe_every" if isinstance(model.llm, Decoder) else f"{type(model.llm).__name__} is dense"
+        raise ValueError(f"ep={dims.ep} shards MoE experts but the LLM has no MoE layers ({fix})")
+    if experts and experts % dims.ep:
+        raise ValueError(f"llm.n_experts={experts} is not divisible by ep={dims.ep}; pick ep dividing it")
     if dims.enc_sp > 1 and not reshard:
         raise ValueError(f"enc_sp={dims.enc_sp} splits items planned by the resharder: set encoder_reshard=True")
-    for name, encoder in encoders.items():
+    for name, encoder in model.encoders.items():  # an LLM-pool rank of the disaggregated placement holds none
         if dims.enc_sp > 1 and not encoder.supports_sequence_parallel:
             raise ValueError(f"enc_sp={dims.enc_sp} splits long items, which {type(encoder).__name__} cannot encode "
                              "in pieces: use enc_sp=1 (whole-item encoder balancing still works)")

@@ -89,11 +89,13 @@ def _gather_sequence(x: torch.Tensor, shard: ContextShard) -> torch.Tensor:
     return everyone[shard.global_order]
 
 
-def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: ContextShard,
+                 scale: float | None = None) -> torch.Tensor:
     """Causal attention of local queries ``[local, heads, d]`` over the whole packed batch's keys and values.
 
     ``k``/``v`` are local ``[local, kv_heads, d]`` (grouped-query attention: ``heads`` a multiple of ``kv_heads``).
-    Sample by sample: a local query attends to the keys of its own sample at or before its position.
+    Sample by sample: a local query attends to the keys of its own sample at or before its position. ``scale``:
+    of the scores (``None``: ``1 / sqrt(d)``).
     """
     keys, values = _gather_sequence(k, shard), _gather_sequence(v, shard)
     groups = q.shape[1] // k.shape[1]
@@ -110,8 +112,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Conte
         sample_keys = keys[start:end].repeat_interleave(groups, dim=1)
         sample_values = values[start:end].repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(
-            q[lo:hi].transpose(0, 1), sample_keys.transpose(0, 1), sample_values.transpose(0, 1), attn_mask=mask
-        )
+            q[lo:hi].transpose(0, 1), sample_keys.transpose(0, 1), sample_values.transpose(0, 1), attn_mask=mask,
+            scale=scale)
         outputs.append(out.transpose(0, 1))
     if not outputs:  # no local tokens: keep the gathered keys and values in the graph for the backward exchange
         return q + 0.0 * (keys.sum() + values.sum())

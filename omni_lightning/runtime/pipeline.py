@@ -31,9 +31,7 @@ from torch.distributed.pipelining.schedules import (
 
 from omni_lightning.batch import PackedBatch
 from omni_lightning.models.config import LLMConfig
-from omni_lightning.models.llm import rotary_embedding
 from omni_lightning.models.mllm import ReferenceMLLM
-from omni_lightning.models.moe import MoEFeedForward
 from omni_lightning.parallel.context_parallel import shard_for_context_parallel
 from omni_lightning.parallel.settings import PipelineSettings
 from omni_lightning.parallel.timing import ActionLog, timed
@@ -117,14 +115,20 @@ def _pad_rows(x: torch.Tensor, rows: int, value: float = 0, dim: int = 0) -> tor
 
 
 class _StageModule(nn.Module):
-    """One pipeline stage of a (pruned) ReferenceMLLM; parameters stay registered under the model too."""
+    """One pipeline stage of a (pruned) ReferenceMLLM; parameters stay registered under the model too.
+
+    ``deep_in`` / ``deep_out``: whether DeepStack features (encoder features added after the first decoder layers,
+    Qwen3-VL's) arrive with the hidden states / leave with them, because this stage or a later one holds such a
+    layer.
+    """
 
     def __init__(self, model: ReferenceMLLM, runner: PipelineRunner, layer_ids: list[int], *, stage_index: int,
-                 is_first: bool, is_last: bool) -> None:
+                 is_first: bool, is_last: bool, deep_in: bool = False, deep_out: bool = False) -> None:
         super().__init__()
         self.stage_index = stage_index
         self.layers = nn.ModuleDict({str(i): model.llm.layers[str(i)] for i in layer_ids})
         self.is_first, self.is_last = is_first, is_last
+        self.deep_in, self.deep_out = deep_in, deep_out
         if is_first:
             self.tok_embeddings = model.llm.tok_embeddings
             if runner.settings.encoders == "first_stage":  # else the encoders are roots of their own, or elsewhere
@@ -134,10 +138,12 @@ class _StageModule(nn.Module):
         self._model = (model,)  # not registered: the model is not part of this stage
         self._runner = (runner,)
         self._config = model.config.llm
+        self._deep_layers = max(model.deepstack_depths.values(), default=0)
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         """First stage: ``(micro-batch number,)``; later stages: ``(hidden, number)`` from the previous one, hidden
-        padded to ``max_tokens`` rows. The last stage returns ``[[summed token loss, MoE load-balance share]]``.
+        padded to ``max_tokens`` rows (and DeepStack features ``[1, n, max_tokens, dim]`` between them where a later
+        stage needs them). The last stage returns ``[[summed token loss, MoE load-balance share]]``.
 
         Every pipeline rank holds the step's micro-batches, so positions, sample boundaries and labels are read
         here rather than sent. Under context parallelism each stage works on this rank's head-tail token share.
@@ -153,44 +159,60 @@ class _StageModule(nn.Module):
         batch = runner.micro_batches[index]
         if runner.source is not None:
             runner.source.before_forward(index)
-        cu, positions = batch["cu_seqlens"].long(), batch["position_ids"]
+        cu, positions = batch["cu_seqlens"].long(), model.positions(batch)
         cp_group = model.groups.cp
         shard = shard_for_context_parallel(cu, cp_group) if cp_group is not None else None
         local = shard.local_index if shard is not None else None
         if local is not None:
-            positions = positions[local]
+            positions = positions[..., local]
+        tokens = positions.shape[-1]
+        deep = None
         if self.is_first:
             assert runner.source is not None, "the first stage embeds: it needs an encoder source"
-            x = model.embed(batch, runner.source.outputs(index))
-            x = x[local] if local is not None else x
+            encoded = runner.source.outputs(index)
+            x, deep = model.embed(batch, encoded), model.deepstack(batch, encoded)
+            if local is not None:
+                x, deep = x[local], (deep[:, local] if deep is not None else None)
         else:
-            x = inputs[0][0, : positions.numel()]
-        rope = rotary_embedding(positions, self._config.head_dim, self._config.rope_theta)
-        for layer in self.layers.values():
-            x = layer(x, rope, cu, shard)
+            x = inputs[0][0, :tokens]
+            if self.deep_in:
+                deep = inputs[1][0, :, :tokens]
+        x = model.llm.run_layers(x, positions, cu, self.layers.items(), shard, deep)
         aux = self._moe_aux_share()
         if self.is_last:
             labels = batch["labels"] if local is None else batch["labels"][local]
-            loss_sum, _ = next_token_loss_sum(self.output(self.norm(x)), labels)
+            loss_sum, _ = next_token_loss_sum(model.llm.head_logits(x), labels)
             return torch.stack([loss_sum.reshape(()), aux.to(loss_sum.dtype)]).reshape(1, 2)
         if aux.requires_grad:
             x = _AddAuxGradient.apply(x, aux, runner.aux_scale)
-        # A fresh tensor, not a view: zero-bubble schedules detach stage outputs in place.
-        return _pad_rows(x[None], runner.max_tokens, dim=1), number.clone()
+        # Fresh tensors, not views: zero-bubble schedules detach stage outputs in place.
+        out = [_pad_rows(x[None], runner.max_tokens, dim=1)]
+        if self.deep_out:
+            assert deep is not None, "DeepStack features must reach the stages that hold their layers"
+            out.append(_pad_rows(deep[None], runner.max_tokens, dim=2))
+        return (*out, number.clone())
 
     def _moe_aux_share(self) -> torch.Tensor:
-        shares = [layer.feed_forward.aux_loss for layer in self.layers.values()
-                  if isinstance(layer.feed_forward, MoEFeedForward) and layer.feed_forward.aux_loss is not None]
+        """The MoE load-balance shares of this stage's layers (any module of theirs holding an ``aux_loss``)."""
+        shares = [module.aux_loss for layer in self.layers.values() for module in layer.modules()
+                  if isinstance(getattr(module, "aux_loss", None), torch.Tensor)]
         (runner,) = self._runner
         return torch.stack(shares).sum() if shares else torch.zeros((), device=runner.device)
 
     def example_io(self, max_tokens: int, dtype: torch.dtype, device: torch.device) -> tuple[tuple, tuple]:
         """Shapes of this stage's inputs and outputs, given to PipelineStage so no inference forward is needed."""
         number = torch.zeros(1, 1, dtype=torch.long, device=device)
-        between = (torch.zeros(1, max_tokens, self._config.dim, dtype=dtype, device=device, requires_grad=True),
-                   number)
-        inputs = (number,) if self.is_first else between
-        outputs = (torch.zeros(1, 2, device=device, requires_grad=True),) if self.is_last else between
+
+        def between(deep: bool) -> tuple[torch.Tensor, ...]:
+            hidden = torch.zeros(1, max_tokens, self._config.dim, dtype=dtype, device=device, requires_grad=True)
+            if not deep:
+                return hidden, number
+            features = torch.zeros(1, self._deep_layers, max_tokens, self._config.dim, dtype=dtype, device=device,
+                                   requires_grad=True)
+            return hidden, features, number
+
+        inputs = (number,) if self.is_first else between(self.deep_in)
+        outputs = (torch.zeros(1, 2, device=device, requires_grad=True),) if self.is_last else between(self.deep_out)
         return inputs, outputs
 
 
@@ -247,9 +269,14 @@ class PipelineRunner:
         self.source, self.calibrator = source, calibrator
         # While set, every stage forward and backward and every joint-pipeline action of a step is timed into it.
         self.action_log: ActionLog | None = None
+        deep_layers = max(model.deepstack_depths.values(), default=0)
+        # Whether stage s or a later one holds a layer that takes DeepStack features.
+        needs_deep = [any(i < deep_layers for stage in self.layers_by_stage[s:] for i in stage)
+                      for s in range(n_stages)]
         self.stage_modules = [
             _StageModule(model, self, self.layers_by_stage[s], stage_index=s, is_first=s == 0,
-                         is_last=s == n_stages - 1)
+                         is_last=s == n_stages - 1, deep_in=s > 0 and needs_deep[s],
+                         deep_out=s < n_stages - 1 and needs_deep[s + 1])
             for s in self.stage_ids
         ]
         self._model = (model,)

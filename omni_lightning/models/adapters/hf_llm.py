@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from omni_lightning.balance.cost import ModuleCost
 from omni_lightning.models.adapters.hf_attention import PackedItems, use_packed_attention
 from omni_lightning.models.flops import TRAIN, attention_pair_flops, matmul_flops
 from omni_lightning.models.lora import lora_layer_plan
+from omni_lightning.parallel.context_parallel import ContextShard
 from omni_lightning.parallel.tensor_parallel import ColwiseLinear, RowwiseLinear
 
 __all__ = ["HFCausalLMAdapter"]
@@ -60,15 +62,35 @@ class HFCausalLMAdapter(nn.Module):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.tok_embeddings(input_ids)
 
-    def forward(self, embeddings: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def forward(self, embeddings: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                cp_shard: ContextShard | None = None) -> torch.Tensor:
         """``embeddings [tokens, dim]`` -> logits ``[tokens, vocab]`` (vocabulary-sharded under TP)."""
-        x, position_ids = embeddings[None], positions[None].long()
-        rope = self.rotary_emb(x, position_ids)
-        items = PackedItems.of(cu_seqlens)
-        for layer in self.layers.values():
-            x = layer(x, attention_mask=items, position_ids=position_ids, position_embeddings=rope)
-        # Drop the batch dimension before the head: the vocabulary-sharded logits are a DTensor under TP.
-        return self.output(self.norm(x[0]))
+        return self.head_logits(self.run_layers(embeddings, positions, cu_seqlens, self.layers.items(), cp_shard))
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                   layers: Iterable[tuple[str, nn.Module]], cp_shard: ContextShard | None = None,
+                   deepstack: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states through ``layers``, each attending within the packed samples (under context parallelism
+        over the whole batch through the group); ``deepstack[i]`` is added after layer ``i``."""
+        hidden = x[None]
+        position_ids = self.position_ids(positions)
+        rope = self.rotary_emb(hidden, position_ids)
+        items = PackedItems.of(cu_seqlens, cp_shard)
+        text_positions = position_ids if position_ids.ndim == 2 else None  # layers take 1-D text positions only
+        for name, layer in layers:
+            hidden = layer(hidden, attention_mask=items, position_ids=text_positions, position_embeddings=rope)
+            if deepstack is not None and int(name) < deepstack.shape[0]:
+                hidden = hidden + deepstack[int(name)][None].to(hidden.dtype)
+        return hidden[0]
+
+    def position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rotary table's ``position_ids`` of packed positions (``[1, tokens]`` for 1-D RoPE)."""
+        return positions[None].long()
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head; the batch dimension is gone, so the vocabulary-sharded logits are a DTensor
+        under TP."""
+        return self.output(self.norm(x))
 
     def check_tp(self, tp: int) -> None:
         config = self.config

@@ -20,7 +20,13 @@ from torch import nn
 from omni_lightning.balance.cost import ModuleCost
 from omni_lightning.balance.reshard import SplitChunk
 from omni_lightning.batch import PackedBatch, PackingSpec, input_key
-from omni_lightning.models.adapters.hf_qwen2_vl import Qwen2VLTextAdapter, mrope_positions
+from omni_lightning.models.adapters.hf_attention import SplitItems, use_tower_attention
+from omni_lightning.models.adapters.hf_qwen2_vl import (
+    Qwen2VLTextAdapter,
+    mrope_positions,
+    position_columns,
+    positions_from_columns,
+)
 from omni_lightning.models.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair_flops, matmul_flops
 from omni_lightning.parallel.attention import cu_seqlens_from_lengths
 
@@ -28,16 +34,19 @@ __all__ = ["Qwen25OmniAudioAdapter", "Qwen25OmniTextAdapter"]
 
 _FRAMES_PER_TOKEN = 2  # the stem's stride-2 convolution
 _POOL = 2  # stem tokens averaged into one output
+_INDEX_COLUMNS = 2  # a stem token's index in its clip, as (index // 256, index % 256)
 
 
 class Qwen25OmniAudioAdapter(nn.Module):
     """The thinker's audio tower over packed clips (``mels [frames, n_mels]``, ``lengths`` multiples of 4 frames).
 
     Parameter names: ``conv1.*``, ``conv2.*``, ``blocks.{i}.*``, ``ln_post.*`` and ``projector.*`` (its output
-    projection). Split clips (``enc_sp > 1``) are not supported; whole-item encoder balancing is.
+    projection). A clip split over an SP block (``enc_sp > 1``) attends with Ulysses sequence parallelism, each of
+    its stem tokens carrying its index in the clip (as exact small integers) so that it attends within its own
+    chunk; pieces are cut at whole pairs, which the pooling averages.
     """
 
-    supports_sequence_parallel = False
+    supports_sequence_parallel = True
     tokens_per_output = _POOL
 
     def __init__(self, tower: nn.Module) -> None:
@@ -53,6 +62,7 @@ class Qwen25OmniAudioAdapter(nn.Module):
         self.audio_bos_eos_token = tower.audio_bos_eos_token.requires_grad_(False)
         self.n_window = config.n_window
         self.n_heads = config.encoder_attention_heads
+        use_tower_attention(config)  # one call over every row: whole clips packed, split clips with Ulysses
 
     def forward(self, mels: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         tokens, token_lengths = self.embed(mels, lengths)
@@ -72,26 +82,30 @@ class Qwen25OmniAudioAdapter(nn.Module):
             raise ValueError(f"{mels.shape[-1]} mel bins do not fit the audio tower's {self.config.num_mel_bins}: "
                              "decode audio with the checkpoint's feature extractor")
         weight = self.conv1.weight
-        pieces = []
+        pieces, indices = [], []
         for clip in mels.split(lengths.tolist()):
             for chunk in clip.split(self._chunks(clip.shape[0])):
                 x = F.gelu(self.conv1(chunk.t()[None].to(weight.dtype)))
                 x = F.gelu(self.conv2(x))[0].t()
                 pieces.append(x + self.positional_embedding.positional_embedding[: x.shape[0]].to(x.dtype))
-        return torch.cat(pieces), self.item_tokens(mels, lengths)
+            indices.append(torch.arange(clip.shape[0] // _FRAMES_PER_TOKEN, device=mels.device))
+        x = torch.cat(pieces)
+        index_columns = position_columns(torch.cat(indices)[:, None], x.dtype)
+        return torch.cat([x, index_columns], dim=1), self.item_tokens(mels, lengths)
 
     def encode(self, x: torch.Tensor, cu_seqlens: torch.Tensor, chunks: Sequence[SplitChunk] = (),
                sp_groups: Mapping[int, dist.ProcessGroup] | None = None) -> torch.Tensor:
-        if chunks:
-            raise ValueError("Qwen25OmniAudioAdapter encodes whole clips only: use enc_sp=1")
+        x, index = x[:, :-_INDEX_COLUMNS], positions_from_columns(x[:, -_INDEX_COLUMNS:])[:, 0]
+        whole = int(cu_seqlens[-1])
         clip_tokens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
         # The tower attends within each chunk of a clip: its 2 * n_window frames are n_window stem tokens.
         windows = [w // _FRAMES_PER_TOKEN for n in clip_tokens for w in self._chunks(n * _FRAMES_PER_TOKEN)]
         cu = cu_seqlens_from_lengths(torch.tensor(windows, dtype=torch.long, device=x.device))
-        max_seqlen = max(windows, default=0)
+        split = SplitItems(chunks, sp_groups or {}, index[whole:] // self.n_window) if chunks else None
         for block in self.blocks:
-            x = block(x, cu_seqlens=cu, max_seqlen=max_seqlen)[0]
-        # Clips are whole multiples of 4 frames, so pairs of stem tokens never straddle two clips.
+            x = block(x, cu_seqlens=cu, max_seqlen=max(windows, default=0), split_items=split)[0]
+        # Clips are whole multiples of 4 frames and pieces of split ones whole pairs, so pairs of stem tokens never
+        # straddle two clips.
         x = x.unflatten(0, (-1, _POOL)).mean(1)
         return self.projector(self.ln_post(x))
 

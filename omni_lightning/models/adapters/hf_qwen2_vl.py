@@ -23,37 +23,44 @@ from torch import nn
 from omni_lightning.balance.cost import ModuleCost
 from omni_lightning.balance.reshard import SplitChunk
 from omni_lightning.batch import PackedBatch, PackingSpec, input_key
-from omni_lightning.models.adapters.hf_attention import PackedItems
+from omni_lightning.models.adapters.hf_attention import SplitItems, use_tower_attention
 from omni_lightning.models.adapters.hf_llm import HFCausalLMAdapter
 from omni_lightning.models.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair_flops, matmul_flops
 from omni_lightning.parallel.attention import cu_seqlens_from_lengths
 
 __all__ = ["Qwen25VLTextAdapter", "Qwen25VLVisionAdapter", "Qwen2VLTextAdapter", "Qwen2VLVisionAdapter",
-           "mrope_positions"]
+           "mrope_positions", "position_columns", "positions_from_columns"]
 
 _BASE = 256  # positions travel as (p // 256, p % 256): integers below 256 are exact in bf16
 _POSITION_COLUMNS = 4
 
 
-def _position_columns(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def position_columns(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Integer ``positions [n, k]`` as ``2 k`` columns of ``dtype`` that stay exact in bf16 and fp16 (each below
+    256), to travel with stem tokens; :func:`positions_from_columns` reads them back."""
     positions = positions.long()
     return torch.cat([positions // _BASE, positions % _BASE], dim=1).to(dtype)
 
 
-def _positions_from_columns(columns: torch.Tensor) -> torch.Tensor:
+def positions_from_columns(columns: torch.Tensor) -> torch.Tensor:
     high, low = columns.float().round().long().chunk(2, dim=1)
     return high * _BASE + low
+
+
+def _longest(cu_seqlens: torch.Tensor) -> int:
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
 
 
 class Qwen2VLVisionAdapter(nn.Module):
     """Qwen2-VL's vision tower (Conv3d patch stem, 2-D rotary blocks) and its patch merger, over packed items.
 
     Parameter names: ``patch_embed.*``, ``blocks.{i}.*`` and ``projector.*`` (the merger, so that
-    ``freeze=["projector"]`` finds it). Items attend within themselves through the tower's own ``cu_seqlens``.
-    Split items (``enc_sp > 1``) are not supported; whole-item encoder balancing is.
+    ``freeze=["projector"]`` finds it). Whole items attend within themselves (packed, through the tower's own
+    ``cu_seqlens``); an item split over an SP block (``enc_sp > 1``) attends with Ulysses sequence parallelism, its
+    rotary angles travelling with its tokens; chunks are cut at whole merge windows, so the merger sees its groups.
     """
 
-    supports_sequence_parallel = False
+    supports_sequence_parallel = True
 
     def __init__(self, visual: nn.Module) -> None:
         super().__init__()
@@ -66,6 +73,7 @@ class Qwen2VLVisionAdapter(nn.Module):
         self.merge = config.spatial_merge_size
         self.tokens_per_output = self.merge * self.merge
         self.n_heads = config.num_heads
+        use_tower_attention(config)  # one call over every row: whole items packed, split items with Ulysses
 
     @property
     def patch_width(self) -> int:
@@ -86,19 +94,18 @@ class Qwen2VLVisionAdapter(nn.Module):
                              f"{self.patch_width} (channels x temporal_patch_size={self.config.temporal_patch_size} "
                              f"x {self.config.patch_size}^2): pack the data with the model's patch sizes")
         x = self.patch_embed(patches)
-        return torch.cat([x, _position_columns(positions, x.dtype)], dim=1), self.item_tokens(patches, positions,
+        return torch.cat([x, position_columns(positions, x.dtype)], dim=1), self.item_tokens(patches, positions,
                                                                                                 grids)
 
     def encode(self, x: torch.Tensor, cu_seqlens: torch.Tensor, chunks: Sequence[SplitChunk] = (),
                sp_groups: Mapping[int, dist.ProcessGroup] | None = None) -> torch.Tensor:
-        if chunks:
-            raise ValueError("Qwen2VLVisionAdapter encodes whole items only: use enc_sp=1")
-        hidden, positions = x[:, :-_POSITION_COLUMNS], _positions_from_columns(x[:, -_POSITION_COLUMNS:])
+        hidden, positions = x[:, :-_POSITION_COLUMNS], positions_from_columns(x[:, -_POSITION_COLUMNS:])
         rotary = self.rotary_pos_emb(hidden, positions)
         cu = cu_seqlens.to(torch.int32)
-        max_seqlen = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+        split = SplitItems(chunks, sp_groups or {}) if chunks else None
         for block in self.blocks:
-            hidden = block(hidden, cu_seqlens=cu, max_seqlen=max_seqlen, position_embeddings=rotary)
+            hidden = block(hidden, cu_seqlens=cu, max_seqlen=_longest(cu), position_embeddings=rotary,
+                           split_items=split)
         return self.projector(hidden)
 
     def dummy_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -137,15 +144,9 @@ class Qwen2VLTextAdapter(HFCausalLMAdapter):
         return mrope_positions(batch["input_ids"], batch["cu_seqlens"], grids, image_id=self.image_token_id,
                                video_id=self.video_token_id, merge=self.spatial_merge)
 
-    def forward(self, embeddings: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """``embeddings [tokens, dim]`` and ``positions [3, tokens]`` (or 1-D text positions) -> logits."""
-        x = embeddings[None]
-        position_ids = (positions if positions.ndim == 2 else positions[None].expand(3, -1))[:, None, :].long()
-        rope = self.rotary_emb(x, position_ids)
-        items = PackedItems.of(cu_seqlens)
-        for layer in self.layers.values():
-            x = layer(x, attention_mask=items, position_embeddings=rope)
-        return self.output(self.norm(x[0]))
+    def position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[3, 1, tokens]`` M-RoPE position ids of ``[3, tokens]`` positions (1-D text positions on all axes)."""
+        return (positions if positions.ndim == 2 else positions[None].expand(3, -1))[:, None, :].long()
 
 
 def mrope_positions(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, grids: torch.Tensor, *, image_id: int,
@@ -209,34 +210,46 @@ class Qwen25VLVisionAdapter(Qwen2VLVisionAdapter):
 
     def encode(self, x: torch.Tensor, cu_seqlens: torch.Tensor, chunks: Sequence[SplitChunk] = (),
                sp_groups: Mapping[int, dist.ProcessGroup] | None = None) -> torch.Tensor:
+        """Whole items reordered window by window, as the model does, attend in windows (or whole in the
+        full-attention blocks); the rows of split items keep their order and attend within their windows by key
+        (after Ulysses' exchange each member holds the whole item)."""
         from transformers.vision_utils import get_vision_window_index
 
-        if chunks:
-            raise ValueError("Qwen25VLVisionAdapter encodes whole items only: use enc_sp=1")
         config, unit = self.config, self.tokens_per_output
-        hidden, positions = x[:, :-_POSITION_COLUMNS], _positions_from_columns(x[:, -_POSITION_COLUMNS:])
+        hidden, positions = x[:, :-_POSITION_COLUMNS], positions_from_columns(x[:, -_POSITION_COLUMNS:])
         cu = cu_seqlens.to(torch.int32)
+        whole = int(cu[-1])
         # Each item's grid from its own positions: one temporal patch, rows and columns counted from zero.
         grid_thw = torch.tensor([[1, int(positions[a:b, 0].max()) + 1, int(positions[a:b, 1].max()) + 1]
                                  for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True) if b > a],
                                 dtype=torch.long).reshape(-1, 3)
-        window_index, cu_windows = get_vision_window_index(grid_thw, spatial_merge_size=self.merge,
-                                                           window_size=config.window_size,
-                                                           patch_size=config.patch_size)
+        if whole:
+            window_index, cu_windows = get_vision_window_index(grid_thw, spatial_merge_size=self.merge,
+                                                               window_size=config.window_size,
+                                                               patch_size=config.patch_size)
+        else:  # split items only
+            window_index, cu_windows = torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.int32)
         window_index = window_index.to(hidden.device)
         cu_windows = cu_windows.to(hidden.device)
 
         def by_window(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(t.shape[0] // unit, unit, -1)[window_index].reshape(t.shape[0], -1)
+            head = t[:whole].reshape(whole // unit, unit, t.shape[1])[window_index].reshape(whole, t.shape[1])
+            return torch.cat([head, t[whole:]])
 
         rotary = tuple(by_window(r) for r in self.rotary_pos_emb(hidden, positions))
         hidden = by_window(hidden)
-        lengths = {id(cu): int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0,
-                   id(cu_windows): int((cu_windows[1:] - cu_windows[:-1]).max()) if cu_windows.numel() > 1 else 0}
+        full_split = SplitItems(chunks, sp_groups or {}) if chunks else None
+        side = config.window_size // config.patch_size  # a window's side in patches
+        keys = (positions[whole:, 0] // side) * (1 << 20) + positions[whole:, 1] // side
+        windowed_split = SplitItems(chunks, sp_groups or {}, keys) if chunks else None
         for index, block in enumerate(self.blocks):
-            bounds = cu if index in config.fullatt_block_indexes else cu_windows
-            hidden = block(hidden, cu_seqlens=bounds, max_seqlen=lengths[id(bounds)], position_embeddings=rotary)
-        return self.projector(hidden)[torch.argsort(window_index)]
+            full = index in config.fullatt_block_indexes
+            bounds = cu if full else cu_windows
+            hidden = block(hidden, cu_seqlens=bounds, max_seqlen=_longest(bounds), position_embeddings=rotary,
+                           split_items=full_split if full else windowed_split)
+        out = self.projector(hidden)
+        outputs = whole // unit
+        return torch.cat([out[:outputs][torch.argsort(window_index)], out[outputs:]])
 
     def cost(self) -> ModuleCost:
         """Per patch: the stem, every block (qkv, projection, gated MLP) and a quarter of the merger; per pair of

@@ -4,8 +4,8 @@ The reference modules (:class:`~omni_lightning.models.encoders.VisionEncoder`,
 :class:`~omni_lightning.models.encoders.AudioEncoder`, :class:`~omni_lightning.models.llm.Decoder`) implement them,
 and so do the Hugging Face adapters of this package. :class:`~omni_lightning.models.mllm.ReferenceMLLM` takes any of
 them in place of its own components, and :func:`~omni_lightning.models.parallelize.parallelize_reference`
-parallelises through these members only, except for pipeline, context and expert parallelism, which need the
-reference decoder.
+parallelises through these members only; the pipeline and context parallelism drive a decoder through
+:meth:`LLMAdapter.run_layers` and :meth:`LLMAdapter.head_logits`.
 
 Data format: encoders take their inputs as :mod:`omni_lightning.modalities` packs them (vision: ``patches
 [n_patches, 3 * 14 * 14]`` with each 2x2 merge window adjacent, ``positions [n_patches, 2]``, ``grids [n_items, 2]``;
@@ -15,7 +15,7 @@ of their modalities, in item order.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from omni_lightning.balance.cost import ModuleCost
 from omni_lightning.balance.reshard import SplitChunk
+from omni_lightning.parallel.context_parallel import ContextShard
 
 __all__ = ["EncoderAdapter", "LLMAdapter"]
 
@@ -90,9 +91,26 @@ class LLMAdapter(Protocol):
         """Token embeddings ``[tokens, dim]``, into which the model writes the encoders' outputs."""
         ...
 
-    def forward(self, embeddings: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def forward(self, embeddings: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                cp_shard: ContextShard | None = None) -> torch.Tensor:
         """``embeddings [tokens, dim]``, positions reset per packed sample -> logits ``[tokens, vocab]``; attention
-        never crosses the samples that ``cu_seqlens`` delimits."""
+        never crosses the samples that ``cu_seqlens`` delimits. With ``cp_shard`` (context parallelism) the tokens
+        and positions are this rank's share of the packed batch: :meth:`head_logits` of :meth:`run_layers` over
+        every layer."""
+        ...
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                   layers: Iterable[tuple[str, nn.Module]], cp_shard: ContextShard | None = None,
+                   deepstack: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states ``[tokens, dim]`` through ``layers`` (``(name, block)`` pairs of :attr:`layers`, in order: a
+        pipeline stage runs its own). ``positions`` are what :meth:`ReferenceMLLM.positions` computed (``[tokens]``,
+        or e.g. ``[3, tokens]`` for multimodal rotary positions), cut to the tokens given. ``deepstack``
+        ``[n, tokens, dim]`` (models that inject encoder features into their first ``n`` layers, as Qwen3-VL's
+        DeepStack does) is added to the output of layer ``i < n``; zero rows leave a token as it is."""
+        ...
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head: hidden states -> logits (vocabulary-sharded under TP)."""
         ...
 
     def check_tp(self, tp: int) -> None:
