@@ -167,3 +167,41 @@ def save_tiny_qwen_omni_thinker(path: Path, *, seed: int = 0, whole: bool = Fals
     else:
         transformers.Qwen2_5OmniThinkerForConditionalGeneration(config).save_pretrained(path)
     return path
+
+
+def save_tiny_qwen3_vl_moe(path: Path, *, seed: int = 0, hidden: int = 32, layers: int = 4, experts: int = 4,
+                           deepstack: tuple[int, ...] = (0, 1, 2), aux_loss: bool = True) -> Path:
+    """A Qwen3-VL-MoE checkpoint directory: the model (tiny: a 3-block tower with DeepStack mergers after the blocks
+    ``deepstack``, so the decoder's first ``len(deepstack)`` layers take its features; ``layers`` decoder layers,
+    every one but the first routed over ``experts`` experts, top 2), its tokenizer (the template above, Qwen's
+    vision tokens) and its PIL image processor (16-pixel patches, as Qwen3-VL's). ``aux_loss``: the config asks
+    for router logits, so the family's forward adds its load-balancing loss."""
+    import torch
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = save_tokenizer(path, train_bpe(), chatml(True), named=True)
+    Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                             size={"shortest_edge": 32 * 32, "longest_edge": 32 * 32 * 16}).save_pretrained(path)
+    token = tokenizer.convert_tokens_to_ids
+    half = hidden // 4 // 2
+    config = transformers.Qwen3VLMoeConfig(
+        text_config={"vocab_size": -(-len(tokenizer) // 8) * 8, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+                     "moe_intermediate_size": hidden, "num_hidden_layers": layers, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "head_dim": hidden // 4, "num_experts": experts,
+                     "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [0],
+                     "output_router_logits": aux_loss, "router_aux_loss_coef": 0.01, "tie_word_embeddings": False,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
+                                         "mrope_section": [half // 4, (half - half // 4) // 2,
+                                                           half - half // 4 - (half - half // 4) // 2]},
+                     "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id,
+                     "pad_token_id": tokenizer.pad_token_id},
+        vision_config={"depth": 3, "hidden_size": 32, "intermediate_size": 48, "num_heads": 4,
+                       "out_hidden_size": hidden, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                       "num_position_embeddings": 64, "deepstack_visual_indexes": list(deepstack)},
+        image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
+        vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"),
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    transformers.Qwen3VLMoeForConditionalGeneration(config).save_pretrained(path)
+    return path

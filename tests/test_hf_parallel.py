@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import soundfile
 import torch
-from hf_processors import save_tiny_qwen_omni_thinker, save_tiny_qwen_vl
+from hf_processors import save_tiny_qwen3_vl_moe, save_tiny_qwen_omni_thinker, save_tiny_qwen_vl
 from lightning_runs import RecordBatches, RecordRun, fit, merged_grads
-from test_hf_families import CAPTIONS, LEARNING_RATE, _hf_inputs, _hf_loss_sum, _hf_model, _image
+from test_hf_families import CAPTIONS, LEARNING_RATE, _hf_model, _image, hf_step_loss
 
 from omni_lightning import OmniDataModule, OmniModule
 from omni_lightning.data.jsonl import write_shard
@@ -72,10 +72,14 @@ def mixed_shards(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _checkpoint(family: str, path: Path) -> Path:
     """A tiny checkpoint of ``family`` whose image processor keeps large images large (up to 128 merged tokens), so
     that some items are long enough to be split."""
-    saved = save_tiny_qwen_omni_thinker(path) if family == "qwen2_5_omni_thinker" else save_tiny_qwen_vl(
-        path, family, layers=4)
+    if family == "qwen2_5_omni_thinker":
+        saved = save_tiny_qwen_omni_thinker(path)
+    elif family == "qwen3_vl_moe":
+        saved = save_tiny_qwen3_vl_moe(path)
+    else:
+        saved = save_tiny_qwen_vl(path, family, layers=4)
     config = json.loads((saved / "preprocessor_config.json").read_text())
-    config["size"]["longest_edge"] = 28 * 28 * 128
+    config["size"]["longest_edge"] = config["patch_size"] ** 2 * 4 * 128
     (saved / "preprocessor_config.json").write_text(json.dumps(config))
     return saved
 
@@ -103,6 +107,9 @@ MATRIX: dict[str, tuple[str, dict[str, Any], int, int]] = {
     "qwen2_5_vl-enc_sp": ("qwen2_5_vl", {"dp_shard": 2, "enc_sp": 2, "encoder_reshard": True}, 2, 2),
     "qwen2_5_omni_thinker-enc_sp": ("qwen2_5_omni_thinker", {"dp_shard": 2, "enc_sp": 2, "encoder_reshard": True},
                                     2, 2),
+    "qwen3_vl_moe-fsdp": ("qwen3_vl_moe", {"dp_shard": 2}, 2, 2),
+    "qwen3_vl_moe-ep": ("qwen3_vl_moe", {"dp_shard": 2, "ep": 2}, 2, 2),
+    "qwen3_vl_moe-pp-ep": ("qwen3_vl_moe", {"pp": 2, "dp_shard": 2, "ep": 2}, 4, 2),
 }
 
 
@@ -141,17 +148,15 @@ def run_against_hf(tmp_path: Path, checkpoint: Path, shards: str, layout: dict[s
     readers = _data_parallel_representatives(layout, ranks, dp)
     expected = []
     for step in range(steps):
-        total, count = torch.zeros(()), 0
-        for rank in readers:
-            for batch in _micro_batches(per_rank[rank][step]):
-                part, n = _hf_loss_sum(hf, _hf_inputs(batch, hf.config))
-                total, count = total + part, count + n
+        # The global batch of each micro-batch index: that micro-batch of every data-parallel rank.
+        micro = list(zip(*(_micro_batches(per_rank[rank][step]) for rank in readers), strict=True))
+        loss, ce = hf_step_loss(hf, micro)
         optimizer.zero_grad()
-        (total / count).backward()
+        loss.backward()
         if step == 0:
             first = {name: p.grad.clone() for name, p in hf.named_parameters() if p.grad is not None}
         optimizer.step()
-        expected.append(float(total / count))
+        expected.append(float(ce))
     got = torch.tensor([losses[str(s + 1)] for s in range(steps)])
     torch.testing.assert_close(got, torch.tensor(expected), rtol=1e-4, atol=0)
     ours = merged_grads(tmp_path)

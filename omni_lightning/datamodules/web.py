@@ -90,8 +90,10 @@ class WebDataModule(LightningDataModule):
             raise ValueError(f"on_bad_sample={on_bad_sample!r} must be 'skip' or 'error'")
         self.on_bad_sample = on_bad_sample
         self.data_processor: DataProcessor | None = load_processor(processor) if processor is not None else None
-        patch_size, vision_merge, frames_per_second = self._processor_sizes(
-            patch_size=patch_size, vision_merge=vision_merge, audio_frames_per_second=audio_frames_per_second)
+        # As given (None: the processor's), so that a processor adopted later (a checkpoint's) sets them too.
+        self._given_sizes = {"patch_size": patch_size, "vision_merge": vision_merge,
+                             "audio_frames_per_second": audio_frames_per_second}
+        patch_size, vision_merge, frames_per_second = self._processor_sizes(**self._given_sizes)
         self.audio_policy = self._audio_policy(frames_per_second)
         base_video = self.data_processor.video if self.data_processor is not None else VideoPolicy()
         chosen = {"fps": video_fps, "max_frames": video_max_frames}
@@ -189,7 +191,9 @@ class WebDataModule(LightningDataModule):
         self.data_processor = load_processor(path)
         self.audio_policy = self.data_processor.audio
         self.video_policy = self.data_processor.video
-        self.packing = self._with_processor(self.packing)
+        patch_size, vision_merge, _ = self._processor_sizes(**self._given_sizes)
+        self.packing = self._with_processor(packing_spec(patch_size=patch_size, vision_merge=vision_merge,
+                                                         audio_downsample=self.packing.audio_downsample))
 
     def _adopt_model_packing(self, module: Any) -> None:
         """Pack as the model's encoders expect (else shapes fail deep in a forward): its packing, when the layout

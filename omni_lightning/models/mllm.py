@@ -70,6 +70,8 @@ class ReferenceMLLM(nn.Module):
         for module in self.llm.modules():  # global routing statistics for the load-balance loss
             if isinstance(module, MoEFeedForward):
                 module.stats_group = groups.batch
+        if hasattr(self.llm, "stats_groups"):  # a decoder summing its routing statistics over all of its layers
+            self.llm.stats_groups = tuple(group for group in (groups.batch,) if group is not None)
 
     @property
     def encoders(self) -> dict[str, nn.Module]:
@@ -146,6 +148,11 @@ class ReferenceMLLM(nn.Module):
         # back. Row indices rather than masked_scatter, whose walk over every element of the mask cost as much as a
         # tenth of a decoder layer on CPU.
         return embeddings.index_copy(0, torch.cat(rows), torch.cat(values))
+
+    def output_width(self, name: str) -> int:
+        """The width of encoder ``name``'s output rows: the LLM's, once for its main output and once more per
+        DeepStack layer."""
+        return self.config.llm.dim * (1 + self.deepstack_depths[name])
 
     def deepstack_layers(self, name: str) -> int:
         """How many of the first decoder layers take features of encoder ``name`` (each a further ``dim`` columns of

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from omni_lightning.parallel.expert_parallel import ExpertCompute
 
-__all__ = ["GroupedExperts", "MoEFeedForward"]
+__all__ = ["GroupedExperts", "MoEFeedForward", "combine_experts"]
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -31,8 +31,11 @@ class GroupedExperts(nn.Module):
 
     ``forward(rows, counts)`` takes token rows sorted by expert and the number of rows per expert. ``dispatcher``
     (set by expert parallelism) moves rows to the ranks that hold their experts and back; without it every expert
-    is local.
+    is local. ``expert_parameter_names``: the stacked weights (experts along dimension 0) that expert parallelism
+    shards.
     """
+
+    expert_parameter_names = ("w1", "w3", "w2")
 
     def __init__(self, n_experts: int, dim: int, hidden: int) -> None:
         super().__init__()
@@ -87,12 +90,7 @@ class MoEFeedForward(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).type_as(x)
         self.aux_loss = self._load_balance_share(probs, chosen)
-        flat = chosen.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.experts.n_experts)
-        rows = self.experts(x[token], counts) * weights.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add(0, token, rows)
+        return combine_experts(x, chosen, weights, self.experts)
 
     def _load_balance_share(self, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         n_experts = probs.shape[1]
@@ -105,3 +103,14 @@ class MoEFeedForward(nn.Module):
         tokens = stats[-1].clamp(min=1.0)
         routed_fraction = stats[:-1] / (tokens * self.top_k)
         return n_experts * (routed_fraction * probs.sum(0)).sum() / tokens
+
+
+def combine_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+    """``sum_k weights[t, k] * expert_{chosen[t, k]}(x[t])`` for every token ``t``: rows sorted by expert (stably),
+    run by ``experts(rows, counts)`` (wherever expert parallelism puts them), weighted and added back per token."""
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // chosen.shape[1]
+    counts = torch.bincount(flat, minlength=experts.n_experts)
+    rows = experts(x[token], counts) * weights.reshape(-1)[order, None]
+    return torch.zeros_like(x).index_add(0, token, rows.to(x.dtype))

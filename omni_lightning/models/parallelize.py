@@ -20,7 +20,6 @@ from omni_lightning.models.adapters.protocol import LLMAdapter
 from omni_lightning.models.layers import GeluMLP
 from omni_lightning.models.llm import Decoder, FeedForward
 from omni_lightning.models.mllm import ReferenceMLLM
-from omni_lightning.models.moe import GroupedExperts
 from omni_lightning.parallel.activation_checkpoint import apply_ac, apply_compile
 from omni_lightning.parallel.dims import ParallelDims
 from omni_lightning.parallel.expert_parallel import apply_ep
@@ -92,7 +91,7 @@ def parallelize_reference(
         apply_tp(llm, tp_mesh)
     experts: list[nn.Parameter] = []
     if ep_mesh is not None and llm is not None:
-        experts = apply_ep([m for m in llm.modules() if isinstance(m, GroupedExperts)], ep_mesh, expert_replicas,
+        experts = apply_ep([m for m in llm.modules() if hasattr(m, "expert_parameter_names")], ep_mesh, expert_replicas,
                            gradient_divide=gradient_divide)
     encoders = model.encoders
     blocks = [*(llm.layers.values() if llm is not None else ()),

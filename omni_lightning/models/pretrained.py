@@ -41,8 +41,10 @@ class PretrainedModel:
 
 
 def _qwen_vl(hf_config: Any, roles: TokenRoles | None, *, hf_class: str, vision_adapter: Any, text_adapter: Any,
-             tower_width: str) -> tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]:
-    """Qwen2-VL and Qwen2.5-VL: the tower and merger, the M-RoPE decoder and its head."""
+             tower_width: str, llm_settings: Mapping[str, Any] | None = None
+             ) -> tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]:
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL-MoE: the tower and merger, the M-RoPE decoder and its head
+    (``llm_settings``: further :class:`LLMConfig` fields, e.g. the experts')."""
     import transformers
 
     text, vision = hf_config.text_config, hf_config.vision_config
@@ -58,7 +60,7 @@ def _qwen_vl(hf_config: Any, roles: TokenRoles | None, *, hf_class: str, vision_
         audio=AudioEncoderConfig(dim=16, n_layers=1, n_heads=2),
         llm=LLMConfig(vocab_size=text.vocab_size, dim=text.hidden_size, n_layers=text.num_hidden_layers,
                       n_heads=text.num_attention_heads, n_kv_heads=text.num_key_value_heads,
-                      ffn_hidden=text.intermediate_size),
+                      ffn_hidden=text.intermediate_size, **(llm_settings or {})),
         roles=roles,
     )
     # Images and video only: an audio sample is refused as a modality the model has no encoder for, never fed to
@@ -81,6 +83,20 @@ def _qwen2_5_vl(hf_config: Any, roles: TokenRoles | None) -> tuple[nn.Module, Re
 
     return _qwen_vl(hf_config, roles, hf_class=_HF_CLASSES["qwen2_5_vl"], vision_adapter=Qwen25VLVisionAdapter,
                     text_adapter=Qwen25VLTextAdapter, tower_width="hidden_size")
+
+
+def _qwen3_vl_moe(hf_config: Any, roles: TokenRoles | None) -> tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]:
+    """Qwen3-VL-MoE: the tower with its DeepStack mergers, the mixture-of-experts M-RoPE decoder. Its
+    load-balancing loss trains when its config asks the model for router logits (``output_router_logits``), at
+    ``router_aux_loss_coef``, as the family's own forward adds it."""
+    from omni_lightning.models.adapters.hf_qwen3_vl import Qwen3VLMoeTextAdapter, Qwen3VLVisionAdapter
+
+    text = hf_config.text_config
+    experts = {"moe_every": text.decoder_sparse_step, "n_experts": text.num_experts,
+               "moe_top_k": text.num_experts_per_tok,
+               "moe_aux_loss_coef": text.router_aux_loss_coef if text.output_router_logits else 0.0}
+    return _qwen_vl(hf_config, roles, hf_class=_HF_CLASSES["qwen3_vl_moe"], vision_adapter=Qwen3VLVisionAdapter,
+                    text_adapter=Qwen3VLMoeTextAdapter, tower_width="hidden_size", llm_settings=experts)
 
 
 def _qwen2_5_omni_thinker(hf_config: Any, roles: TokenRoles | None
@@ -114,8 +130,11 @@ def _qwen2_5_omni_thinker(hf_config: Any, roles: TokenRoles | None
 
 # Each family's transformers class, by name (transformers is imported on first use).
 _HF_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
                "qwen2_5_omni_thinker": "Qwen2_5OmniThinkerForConditionalGeneration",
                "qwen2_5_omni": "Qwen2_5OmniForConditionalGeneration"}
+
+
 def _qwen2_5_omni(hf_config: Any, roles: TokenRoles | None) -> tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]:
     """A whole Qwen2.5-Omni checkpoint: its thinker is what trains (and exports); the talker is left alone."""
     return _qwen2_5_omni_thinker(hf_config.thinker_config, roles)
@@ -124,6 +143,7 @@ def _qwen2_5_omni(hf_config: Any, roles: TokenRoles | None) -> tuple[nn.Module, 
 _FAMILIES: dict[str, Callable[[Any, TokenRoles | None], tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]]] = {
     "qwen2_vl": _qwen2_vl,
     "qwen2_5_vl": _qwen2_5_vl,
+    "qwen3_vl_moe": _qwen3_vl_moe,
     "qwen2_5_omni_thinker": _qwen2_5_omni_thinker,
     "qwen2_5_omni": _qwen2_5_omni,
 }

@@ -68,15 +68,15 @@ class ExpertDispatcher:
 
 def apply_ep(experts: Iterable[nn.Module], ep_mesh: DeviceMesh, replica_group: dist.ProcessGroup | None,
              gradient_divide: int) -> list[nn.Parameter]:
-    """Shard every stacked-experts module of ``experts`` over ``ep_mesh`` (in place): its ``w1``, ``w3`` and ``w2``
-    along the expert dimension, and its ``dispatcher`` set to move rows to their experts' rank. Returns their
-    parameters, which FSDP must leave alone."""
+    """Shard every stacked-experts module of ``experts`` over ``ep_mesh`` (in place): its weights named in
+    ``expert_parameter_names`` along the expert dimension, and its ``dispatcher`` set to move rows to their experts'
+    rank. Returns their parameters, which FSDP must leave alone."""
     ep = ep_mesh.size()
     sharded: list[nn.Parameter] = []
     for module in experts:
         if module.n_experts % ep:
             raise ValueError(f"llm.n_experts={module.n_experts} is not divisible by ep={ep}; pick ep dividing it")
-        for name in ("w1", "w3", "w2"):
+        for name in module.expert_parameter_names:
             param = nn.Parameter(distribute_tensor(getattr(module, name).data, ep_mesh, [Shard(0)]))
             module.register_parameter(name, param)
             sharded.append(param)

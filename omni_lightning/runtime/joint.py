@@ -326,9 +326,8 @@ class JointEncoders:
     def _post_receives(self, m: int) -> None:
         """Stage 0 receives every other rank's shares of ``m``; the others receive their shares' gradients."""
         posted = []
-        width = self.model.config.llm.dim
         for modality, items in enumerate(self._items[m]):
-            device = items.device
+            device, width = items.device, self.model.output_width(items.name)
             if self.rank == 0:
                 buffers = [torch.empty(items.rows_of(r), width, dtype=self.dtype, device=device)
                            for r in range(self.pp)]
@@ -402,7 +401,7 @@ class JointEncoders:
             assert out is not None  # the stage has a share, and this rank is all of the stage
             return out.detach().contiguous()
         rows = items.peer_rows(self.rank, self.tp)
-        width = self.model.config.llm.dim
+        width = self.model.output_width(items.name)
         mine = torch.zeros(max(rows), width, dtype=self.dtype, device=items.device)
         if out is not None:
             mine[: out.shape[0]] = out.detach()

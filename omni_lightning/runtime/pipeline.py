@@ -119,7 +119,10 @@ class _StageModule(nn.Module):
 
     ``deep_in`` / ``deep_out``: whether DeepStack features (encoder features added after the first decoder layers,
     Qwen3-VL's) arrive with the hidden states / leave with them, because this stage or a later one holds such a
-    layer.
+    layer. A decoder whose load-balancing loss couples all of its MoE layers (``router_stats_size`` > 0: the
+    family's loss over every layer's routing statistics together) gets them summed along the pipeline: each stage
+    adds its layers' to what it received, and the last computes the loss share from the whole model's; the
+    probabilities' part carries gradients back to every stage's routers.
     """
 
     def __init__(self, model: ReferenceMLLM, runner: PipelineRunner, layer_ids: list[int], *, stage_index: int,
@@ -139,6 +142,7 @@ class _StageModule(nn.Module):
         self._runner = (runner,)
         self._config = model.config.llm
         self._deep_layers = max(model.deepstack_depths.values(), default=0)
+        self._stats_size = int(getattr(model.llm, "router_stats_size", 0))
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         """First stage: ``(micro-batch number,)``; later stages: ``(hidden, number)`` from the previous one, hidden
@@ -178,8 +182,11 @@ class _StageModule(nn.Module):
             if self.deep_in:
                 deep = inputs[1][0, :, :tokens]
         x = model.llm.run_layers(x, positions, cu, self.layers.items(), shard, deep)
+        stats = self._router_stats(x, None if self.is_first else inputs[-2][0])
         aux = self._moe_aux_share()
         if self.is_last:
+            if stats is not None:  # the whole model's routing statistics: the family's load-balancing loss
+                aux = aux + model.llm.aux_share(stats)
             labels = batch["labels"] if local is None else batch["labels"][local]
             loss_sum, _ = next_token_loss_sum(model.llm.head_logits(x), labels)
             return torch.stack([loss_sum.reshape(()), aux.to(loss_sum.dtype)]).reshape(1, 2)
@@ -190,7 +197,20 @@ class _StageModule(nn.Module):
         if self.deep_out:
             assert deep is not None, "DeepStack features must reach the stages that hold their layers"
             out.append(_pad_rows(deep[None], runner.max_tokens, dim=2))
+        if stats is not None:
+            out.append(stats[None].clone())
         return (*out, number.clone())
+
+    def _router_stats(self, x: torch.Tensor, received: torch.Tensor | None) -> torch.Tensor | None:
+        """The routing statistics of this stage's layers added to those of the stages before (``received``);
+        ``None`` for a decoder without coupled statistics."""
+        if not self._stats_size:
+            return None
+        (model,) = self._model
+        own = model.llm.router_stats(self.layers.items())
+        if own is None:  # no routed layer here: zeros that still join the graph, so gradients pass through
+            own = torch.zeros(self._stats_size, device=x.device) + 0.0 * x.float().sum()
+        return own if received is None else received + own
 
     def _moe_aux_share(self) -> torch.Tensor:
         """The MoE load-balance shares of this stage's layers (any module of theirs holding an ``aux_loss``)."""
@@ -204,12 +224,13 @@ class _StageModule(nn.Module):
         number = torch.zeros(1, 1, dtype=torch.long, device=device)
 
         def between(deep: bool) -> tuple[torch.Tensor, ...]:
-            hidden = torch.zeros(1, max_tokens, self._config.dim, dtype=dtype, device=device, requires_grad=True)
-            if not deep:
-                return hidden, number
-            features = torch.zeros(1, self._deep_layers, max_tokens, self._config.dim, dtype=dtype, device=device,
-                                   requires_grad=True)
-            return hidden, features, number
+            tensors = [torch.zeros(1, max_tokens, self._config.dim, dtype=dtype, device=device, requires_grad=True)]
+            if deep:
+                tensors.append(torch.zeros(1, self._deep_layers, max_tokens, self._config.dim, dtype=dtype,
+                                           device=device, requires_grad=True))
+            if self._stats_size:
+                tensors.append(torch.zeros(1, self._stats_size, device=device, requires_grad=True))
+            return (*tensors, number)
 
         inputs = (number,) if self.is_first else between(self.deep_in)
         outputs = (torch.zeros(1, 2, device=device, requires_grad=True),) if self.is_last else between(self.deep_out)

@@ -95,19 +95,20 @@ class EncoderPoolLink:
         group: a process group over the whole world, for these transfers only.
         spec: how micro-batches are packed (the encoders, their inputs).
         costs: the encoders' cost models, to share a micro-batch's items among serving ranks.
-        width: the width of the encoder outputs (the LLM's embedding width).
+        widths: the width of each encoder's outputs (the LLM's embedding width, times one plus its DeepStack layers).
         dtype: dtype of the encoder outputs.
         cp_group: this rank's CP peers, whose output gradients are summed (``None`` without CP).
         gradient_scale: factor applied to the outputs' gradients before they travel (see :meth:`send_gradients`).
     """
 
     def __init__(self, layout: PoolLayout, streams: Mapping[str, dist.ProcessGroup], spec: PackingSpec,
-                 costs: dict[str, ModuleCost], *, width: int, dtype: torch.dtype, cp_group: dist.ProcessGroup | None,
-                 gradient_scale: float, peer_groups: Sequence[dist.ProcessGroup] = ()) -> None:
+                 costs: dict[str, ModuleCost], *, widths: Mapping[str, int], dtype: torch.dtype,
+                 cp_group: dist.ProcessGroup | None, gradient_scale: float,
+                 peer_groups: Sequence[dist.ProcessGroup] = ()) -> None:
         rank = dist.get_rank()
         self.layout, self.streams, self.spec, self.costs, self.dtype = layout, streams, spec, costs, dtype
         self.peer_groups = peer_groups  # the data-parallel rank's other consumers: they plan the owners too
-        self.width, self.cp_group, self.gradient_scale = width, cp_group, gradient_scale
+        self.widths, self.cp_group, self.gradient_scale = dict(widths), cp_group, gradient_scale
         self.tags = _Tags(spec)
         dp_rank = layout.dp_rank_of(rank)
         self.servers = layout.serving(dp_rank)
@@ -134,8 +135,8 @@ class EncoderPoolLink:
             device = batch["input_ids"].device
             incoming = []
             for e, fmt in enumerate(self.spec.encoders):
-                buffers = [torch.empty(int(rows[fmt.name][owners[fmt.name] == s].sum()), self.width, dtype=self.dtype,
-                                       device=device) for s in range(len(self.servers))]
+                buffers = [torch.empty(int(rows[fmt.name][owners[fmt.name] == s].sum()), self.widths[fmt.name],
+                                       dtype=self.dtype, device=device) for s in range(len(self.servers))]
                 works = [dist.irecv(buffer, src=server, group=self.streams["outputs"], tag=self.tags.of(m, e, "output"))
                          for buffer, server in zip(buffers, self.servers, strict=True) if buffer.shape[0]]
                 incoming.append((buffers, works))

@@ -476,9 +476,10 @@ def _pool_step(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, o
         # The encoder pool's FSDP averages over its ranks, the LLM's loss is scaled by its data-parallel size.
         scale = pool.layout.encoder_world_size / meshes.size("dp_cp")
         peers = [mesh.get_group() for mesh in (meshes.get("cp"), meshes.get("tp")) if mesh is not None]
-        link = EncoderPoolLink(pool.layout, pool.streams, model.packing, costs, width=model.config.llm.dim,
-                               dtype=dtype, cp_group=cp.get_group() if cp is not None else None,
-                               gradient_scale=scale, peer_groups=peers)
+        widths = {name: model.output_width(name) for name in model.encoder_names}
+        link = EncoderPoolLink(pool.layout, pool.streams, model.packing, costs, widths=widths, dtype=dtype,
+                               cp_group=cp.get_group() if cp is not None else None, gradient_scale=scale,
+                               peer_groups=peers)
     check_model_fits_layout(model, dims, reshard=False)
     if dims.pp == 1:
         _parallelize(model, meshes, options)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 from transformers import PreTrainedModel
 
 from omni_lightning.balance.cost import ModuleCost
@@ -18,11 +18,27 @@ from omni_lightning.models.lora import lora_layer_plan
 from omni_lightning.parallel.context_parallel import ContextShard
 from omni_lightning.parallel.tensor_parallel import ColwiseLinear, RowwiseLinear
 
-__all__ = ["HFCausalLMAdapter"]
+__all__ = ["TP_STYLES", "HFCausalLMAdapter"]
 
 # HF's per-layer TP plan vocabulary (``config.base_model_tp_plan``) -> DTensor styles. Only the two plain styles:
 # others (packed, local, gather) change activation layouts in ways this adapter's forward does not expect.
-_STYLES = {"colwise": ColwiseLinear, "rowwise": RowwiseLinear}
+TP_STYLES = {"colwise": ColwiseLinear, "rowwise": RowwiseLinear}
+
+
+def head_norm_plan(layer: nn.Module) -> dict[str, ParallelStyle]:
+    """Per-head norms of queries and keys (Qwen3's ``q_norm``, ``k_norm``): under tensor parallelism each rank
+    normalises its own heads with the one replicated weight, whose gradient is then a sum over the ranks' heads; as
+    a DTensor over the heads' dimension (2 of ``[batch, tokens, heads, head_dim]``) the sum is DTensor's."""
+    return {name: SequenceParallel(sequence_dim=2, use_local_output=True)
+            for name in ("self_attn.q_norm", "self_attn.k_norm") if _has_submodule(layer, name)}
+
+
+def _has_submodule(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 class HFCausalLMAdapter(nn.Module):
@@ -113,16 +129,17 @@ class HFCausalLMAdapter(nn.Module):
         }
 
     def layer_tp_plan(self, layer: nn.Module) -> dict[str, ParallelStyle]:
-        return lora_layer_plan(layer, self._layer_plan())  # LoRA-wrapped projections split with their base
+        plan = lora_layer_plan(layer, self._layer_plan())  # LoRA-wrapped projections split with their base
+        return plan | head_norm_plan(layer)
 
     def _layer_plan(self) -> dict[str, ParallelStyle]:
         plan = {}
         for pattern, style in (self.config.base_model_tp_plan or {}).items():
             prefix = "layers.*."
-            if not pattern.startswith(prefix) or style not in _STYLES:
+            if not pattern.startswith(prefix) or style not in TP_STYLES:
                 raise ValueError(f"tensor-parallel plan entry {pattern!r}: {style!r} is not supported (only "
-                                 f"'{prefix}<module>' entries with styles {sorted(_STYLES)})")
-            plan[pattern[len(prefix):]] = _STYLES[style]()
+                                 f"'{prefix}<module>' entries with styles {sorted(TP_STYLES)})")
+            plan[pattern[len(prefix):]] = TP_STYLES[style]()
         if not plan:
             raise ValueError(f"{type(self.config).__name__} has no base_model_tp_plan to split its layers by")
         return plan
