@@ -1,6 +1,9 @@
-"""Encoder work on every GPU: tensor-parallel peers hold the same samples, so they split the encoder items instead
-of each encoding all of them. On 2 gloo ranks: the gathered outputs equal one process encoding everything, each
-peer encodes only its share of the tokens, and after the gradient sync every peer holds the whole gradient."""
+"""Encoder work on every GPU: tensor- and context-parallel peers hold the same samples, so they split the encoder
+items instead of each encoding all of them. On 2 gloo ranks: the gathered outputs equal one process encoding
+everything, each peer encodes only its share of the tokens, and after the gradients' reduction every peer holds the
+whole gradient. Tensor-parallel peers hold the same gradient of the outputs (the encoders' weight gradients are summed
+over them); context-parallel peers each hold the part of their own token share (summed before each peer's backward,
+while FSDP sums the weight gradients over them, as the test does by hand)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from distributed import run_distributed
 from omni_lightning import ReferenceMLLM, ReferenceMLLMConfig
 from omni_lightning.data.packing import DecodedSample, pack_samples
 from omni_lightning.runtime.encoders import LocalEncoders
+from omni_lightning.runtime.peers import SamplePeers
 
 
 def _batch() -> dict:
@@ -38,7 +42,7 @@ def _encoded_tokens(model: ReferenceMLLM) -> list[int]:
     return seen
 
 
-def _world(rank: int, world_size: int) -> None:
+def _world(rank: int, world_size: int, kind: str) -> None:
     torch.manual_seed(0)
     model = ReferenceMLLM(ReferenceMLLMConfig.tiny())
     batch = _batch()
@@ -49,14 +53,22 @@ def _world(rank: int, world_size: int) -> None:
     model.zero_grad(set_to_none=True)
 
     seen = _encoded_tokens(model)
-    source = LocalEncoders(model, peers=dist.group.WORLD)
+    world = dist.group.WORLD
+    peers = SamplePeers(world, None, world) if kind == "tp" else SamplePeers(world, world, None)
+    source = LocalEncoders(model, peers=peers)
     source.start([batch], train=True)
     outputs = source.outputs(0)
     split = {name: outputs[name][0] for name in weights}
     for name, out in split.items():
         torch.testing.assert_close(out, reference[name], rtol=0, atol=1e-6)
+    if kind == "cp":  # each peer holds the gradient of its own rows only (its token share's placeholders)
+        weights = {name: w * (torch.arange(w.shape[0])[:, None] % world_size == rank) for name, w in weights.items()}
     sum((split[name] * w).sum() for name, w in weights.items()).backward()
     source.sync_gradients()
+    if kind == "cp":  # what FSDP does over the context-parallel ranks
+        for param in model.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad)
     for name, grad in whole.items():  # the same terms summed in another order (per peer, then over the peers)
         torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=0,
                                    atol=1e-5 * float(grad.abs().max()) + 1e-9)
@@ -69,5 +81,6 @@ def _world(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.distributed
-def test_tensor_parallel_peers_split_the_encoder_items() -> None:
-    run_distributed(_world, 2)
+@pytest.mark.parametrize("kind", ["tp", "cp"])
+def test_peers_holding_the_same_samples_split_the_encoder_items(kind: str) -> None:
+    run_distributed(_world, 2, kind)

@@ -18,7 +18,7 @@ from omni_lightning.parallel.tensor_parallel import ColwiseLinear, RowwiseLinear
 
 pytestmark = pytest.mark.distributed
 
-VIEWS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp")
+VIEWS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp", "cp_tp")
 
 
 def _check_groups(rank: int, world_size: int, degrees: dict[str, int]) -> None:

@@ -28,6 +28,7 @@ FLAT_DIMS: dict[str, tuple[str, ...]] = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    "cp_tp": ("cp", "tp"),
 }
 ALL_DIMS: tuple[str, ...] = (*BASIC_DIMS, *FLAT_DIMS, "ep", "efsdp", "encoder", "enc_sp")
 
@@ -158,6 +159,7 @@ def test_big_layout_sizes() -> None:
         "dp": 64,
         "dp_shard_cp": 32,
         "dp_cp": 128,
+        "cp_tp": 8,
         "ep": 8,
         "efsdp": 4,
         "encoder": 64,
@@ -229,6 +231,8 @@ HAND_A_GROUPS: dict[str, list[list[int]]] = {
     "dp": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
     "dp_shard_cp": [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]],
     "dp_cp": [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]],
+    # the ranks of one data-parallel rank of one stage: both cp, both tp
+    "cp_tp": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
     # consecutive pairs of each dp_shard_cp group: [0,2,4,6] -> [0,2],[4,6] (same dp_shard, both cp)
     "ep": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
     # stride 2 inside each dp_shard_cp group: [0,2,4,6] -> [0,4],[2,6] (same cp, both dp_shard)
@@ -249,6 +253,7 @@ HAND_B_GROUPS: dict[str, list[list[int]]] = {
     "dp": [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]],
     "dp_shard_cp": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
     "dp_cp": [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]],
+    "cp_tp": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
     "ep": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
     "efsdp": [[0], [1], [2], [3], [4], [5], [6], [7], [8], [9], [10], [11], [12], [13], [14], [15]],
     "encoder": [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]],

@@ -21,6 +21,7 @@ FLATTENED_DIMS: dict[str, tuple[str, ...]] = {
     "dp": ("dp_replicate", "dp_shard"),  # data loading: ranks that read different samples
     "dp_shard_cp": ("dp_shard", "cp"),  # FSDP parameter sharding
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),  # loss and token-count reduction
+    "cp_tp": ("cp", "tp"),  # ranks that hold the same samples: they split their encoder work
 }
 
 
@@ -188,7 +189,7 @@ class ParallelDims:
     def groups(self, name: str) -> list[list[int]]:
         """Every group of dimension ``name`` as sorted rank lists, ordered by the smallest rank they hold.
 
-        ``name`` is a mesh dimension, a flattened view (``dp``, ``dp_shard_cp``, ``dp_cp``), ``ep``/``efsdp``
+        ``name`` is a mesh dimension, a flattened view (``dp``, ``dp_shard_cp``, ``dp_cp``, ``cp_tp``), ``ep``/``efsdp``
         (expert parallel and its FSDP complement), ``encoder`` (the data-parallel ranks that plan encoder work
         together) or ``enc_sp`` (encoder sequence-parallel groups).
         """

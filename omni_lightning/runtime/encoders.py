@@ -17,19 +17,15 @@ replicates before the optimizer step.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.tensor import DTensor
 
-from omni_lightning.balance.reshard import plan_encoder_work
 from omni_lightning.batch import Encoded, EncoderOutputs, PackedBatch
 from omni_lightning.models.mllm import ReferenceMLLM
-from omni_lightning.parallel.attention import cu_seqlens_from_lengths
-from omni_lightning.parallel.compat import all_gather_single
+from omni_lightning.runtime.items import item_layout, select_items
+from omni_lightning.runtime.peers import SamplePeers, gather_peer_outputs, split_items, sum_over_tensor_parallel_peers
 from omni_lightning.runtime.reshard import Resharder
 
 __all__ = ["EncoderSource", "LocalEncoders"]
@@ -73,17 +69,15 @@ class LocalEncoders:
     rank of the group must then run the same micro-batches in the same order. Runs inside the model's
     :meth:`~omni_lightning.models.mllm.ReferenceMLLM.encoder_stage`, so the model's own FSDP unit is gathered.
 
-    With ``peers`` (the tensor-parallel peers, which hold the same samples), the peers split the items instead of
-    each encoding all of them: every peer plans the same split (longest first onto the least-loaded peer), runs the
-    stems of all items (cheap, per token), encodes its own items' tokens and all-gathers the outputs; in backward
-    each peer takes its own items' gradients (the peers' gradients of the LLM's input are the same), and
-    :meth:`sync_gradients` sums the encoders' gradients over the peers.
+    With ``peers`` (the context- and tensor-parallel peers, which hold the same samples), the peers split the items
+    instead of each encoding all of them (:mod:`omni_lightning.runtime.peers`): each encodes its own share
+    (resharded over its data-parallel peers' shares where there is a resharder), and the outputs are all-gathered.
     """
 
     def __init__(self, model: ReferenceMLLM, resharder: Resharder | None = None,
-                 peers: dist.ProcessGroup | None = None) -> None:
+                 peers: SamplePeers | None = None) -> None:
         self.model, self.resharder = model, resharder
-        self.peers = peers if peers is not None and resharder is None and dist.get_world_size(peers) > 1 else None
+        self.peers = peers if peers is not None and peers.size > 1 else None
         self._micro_batches: Sequence[PackedBatch] = ()
 
     @property
@@ -98,98 +92,67 @@ class LocalEncoders:
 
     def outputs(self, index: int) -> Encoded:
         batch = self._micro_batches[index]
-        if self.resharder is not None:
-            run = lambda: self._resharded(batch)  # noqa: E731
-        elif self.peers is not None:
-            run = lambda: self._split_over_peers(batch)  # noqa: E731
-        else:
+        if self.resharder is None and self.peers is None:
             run = lambda: self.model.encode(batch)  # noqa: E731
+        else:
+            run = lambda: self._encode(batch)  # noqa: E731
         return EncoderOutputs(self.model.encoder_stage(run))
 
     def finish(self) -> None:
         self._micro_batches = ()
 
     def sync_gradients(self) -> None:
-        """Sum the encoders' gradients over the peers that split their items (each holds its items' share); the
-        encoders' FSDP reduces them over the data-parallel ranks with the rest of the model's."""
-        if self.peers is None:
-            return
-        for encoder in self.model.encoders.values():
-            for param in encoder.parameters():
-                if param.requires_grad and param.grad is not None:
-                    local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-                    dist.all_reduce(local, group=self.peers)
+        """Sum the encoders' gradients over the tensor-parallel peers that split their items; the encoders' FSDP
+        reduces them over the data- and context-parallel ranks with the rest of the model's."""
+        sum_over_tensor_parallel_peers(self.model.encoders.values(), self.peers)
 
-    def _split_over_peers(self, batch: PackedBatch) -> dict[str, tuple[torch.Tensor, ...]]:
-        encoded = {}
-        for name, encoder in self.model.encoders.items():
-            inputs = self.model.encoder_inputs(batch, name)
-            tokens_per_item = encoder.item_tokens(*inputs)
-            if not tokens_per_item.numel():  # no items anywhere among the peers: a dummy one keeps FSDP aligned
-                encoded[name] = (encoder(*encoder.dummy_inputs(inputs[0].device))[:0],)
-                continue
-            encoded[name] = (_encode_share(encoder, inputs, tokens_per_item, self.peers),)
-        return encoded
-
-    def _resharded(self, batch: PackedBatch) -> dict[str, tuple[torch.Tensor, ...]]:
-        assert self.resharder is not None
-        encoders = self.model.encoders
-        inputs = {name: self.model.encoder_inputs(batch, name) for name in encoders}
-        steps = self.resharder.plan({name: encoder.item_tokens(*inputs[name]) for name, encoder in encoders.items()},
-                                    {name: encoder.tokens_per_output for name, encoder in encoders.items()})
+    def _encode(self, batch: PackedBatch) -> dict[str, tuple[torch.Tensor, ...]]:
+        """Every encoder's outputs of ``batch``: each peer's share of the items (all of them without peers),
+        resharded over the encoder group where there is a resharder, the peers' shares gathered."""
+        model = self.model
+        shares = {name: _Share(model, batch, name, self.peers) for name in model.encoders}
+        steps = None
+        if self.resharder is not None:
+            steps = self.resharder.plan({name: share.own_tokens for name, share in shares.items()},
+                                        {name: encoder.tokens_per_output for name, encoder in model.encoders.items()})
         encoded: dict[str, tuple[torch.Tensor, ...]] = {}
         previous: torch.Tensor | None = None  # one chain of data dependencies orders the collectives in backward
-        for name, encoder in encoders.items():
-            previous = self.resharder.encode(encoder, inputs[name], steps[name], dependency=previous)
-            encoded[name] = (previous,)
+        for name, encoder in model.encoders.items():
+            share = shares[name]
+            if steps is not None:
+                inputs = share.own_inputs if share.own_inputs is not None else encoder.dummy_inputs(share.device)
+                out = self.resharder.encode(encoder, inputs, steps[name], dependency=previous)  # type: ignore[union-attr]
+            else:
+                if share.own_inputs is not None:
+                    out = encoder(*share.own_inputs)
+                else:  # no item of ours: a dummy pass still gives every weight its (zero) gradient, FSDP in step
+                    out = encoder(*encoder.dummy_inputs(share.device))[:0]
+                if previous is not None:
+                    out = out + 0.0 * previous.sum()
+            if self.peers is not None and share.owner.size:
+                out = gather_peer_outputs(out, share.owner, share.outputs_per_item, self.peers)
+            previous = out
+            encoded[name] = (out,)
         return encoded
 
 
-def _encode_share(encoder: nn.Module, inputs: tuple[torch.Tensor, ...], tokens_per_item: torch.Tensor,
-                  peers: dist.ProcessGroup) -> torch.Tensor:
-    """This peer's share of the items encoded, every peer's outputs gathered in item order."""
-    rank, size = dist.get_rank(peers), dist.get_world_size(peers)
-    lengths = tokens_per_item.tolist()
-    cost = encoder.cost()
-    costs = np.array([cost.linear * n + cost.quadratic * n * n for n in lengths])
-    owner = plan_encoder_work(costs, np.zeros(len(lengths), dtype=np.int64), n_ranks=size, reshard=True).rank_of
-    tokens, _ = encoder.embed(*inputs)
-    bounds = np.concatenate([[0], np.cumsum(lengths)])
-    mine = np.flatnonzero(owner == rank)
-    if mine.size:
-        own = torch.cat([tokens[bounds[i] : bounds[i + 1]] for i in mine.tolist()])
-        out = encoder.encode(own, cu_seqlens_from_lengths(tokens_per_item[torch.as_tensor(mine)]))
-    else:  # no item of ours: a dummy pass still gives every weight its (zero) gradient and keeps FSDP aligned
-        out = encoder(*encoder.dummy_inputs(tokens.device))[:0]
-    outputs_per_item = [n // encoder.tokens_per_output for n in lengths]
-    return _GatherShares.apply(out, owner, outputs_per_item, rank, peers)
+class _Share:
+    """One encoder's items of a micro-batch and the part of them this peer encodes (all of them without peers)."""
 
-
-class _GatherShares(torch.autograd.Function):
-    """Forward: every peer's outputs, put back in item order. Backward: this peer's items' gradients, as they are
-    (every peer computes the same gradient of the LLM's input, so nothing is summed)."""
-
-    @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, owner: np.ndarray, outputs_per_item: list[int], rank: int,
-                peers: dist.ProcessGroup) -> torch.Tensor:
-        size = dist.get_world_size(peers)
-        rows = [sum(n for n, o in zip(outputs_per_item, owner, strict=True) if o == r) for r in range(size)]
-        padded = out.new_zeros(max(rows), out.shape[1])
-        padded[: out.shape[0]] = out
-        gathered = out.new_empty(size * max(rows), out.shape[1])
-        all_gather_single(gathered, padded, group=peers)
-        pieces = gathered.view(size, max(rows), out.shape[1])
-        taken, chunks = [0] * size, []
-        for n, o in zip(outputs_per_item, owner.tolist(), strict=True):
-            chunks.append(pieces[o, taken[o] : taken[o] + n])
-            taken[o] += n
-        ctx.mine = [(sum(outputs_per_item[:i]), n) for i, (n, o) in enumerate(zip(outputs_per_item, owner.tolist(),
-                                                                                  strict=True)) if o == rank]
-        ctx.own_rows = out.shape[0]
-        return torch.cat(chunks)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        own = [grad[start : start + n] for start, n in ctx.mine]
-        mine = torch.cat(own) if own else grad.new_zeros(ctx.own_rows, grad.shape[1])
-        return mine, None, None, None, None
+    def __init__(self, model: ReferenceMLLM, batch: PackedBatch, name: str, peers: SamplePeers | None) -> None:
+        encoder = model.encoders[name]
+        inputs = model.encoder_inputs(batch, name)
+        self.device = inputs[0].device
+        _, rows = item_layout(batch, model.packing, name)
+        tokens = encoder.item_tokens(*inputs).cpu().numpy().astype(np.int64)  # stem tokens, as the encoder counts them
+        self.outputs_per_item = (tokens // encoder.tokens_per_output).tolist()
+        if peers is None:
+            self.owner = np.zeros(tokens.size, dtype=np.int64)
+            mine = np.arange(tokens.size)
+        else:
+            cost = encoder.cost()
+            self.owner = split_items(cost.linear * tokens + cost.quadratic * tokens.astype(np.float64) ** 2,
+                                     peers.size)
+            mine = np.flatnonzero(self.owner == peers.rank)
+        self.own_inputs = select_items(inputs, rows, mine) if mine.size else None
+        self.own_tokens = torch.as_tensor(tokens[mine], dtype=torch.int64, device=self.device)

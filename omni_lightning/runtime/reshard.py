@@ -154,7 +154,8 @@ class Resharder:
         received = funcol.all_to_all_single_autograd(send, exchange.recv_counts, exchange.send_counts, self.group)
         local = received[torch.as_tensor(exchange.local_index, device=device)]
         lengths = torch.as_tensor(exchange.whole_lengths, dtype=torch.int64, device=device)
-        if exchange.local_tokens > 0:
+        # A member of an SP block whose chunk of a short item came out empty still joins the item's exchanges.
+        if exchange.local_tokens > 0 or exchange.chunks:
             outputs = encoder.encode(local, cu_seqlens_from_lengths(lengths), exchange.chunks, self.sp_groups)
         else:  # nothing to encode here: a dummy item keeps this rank's FSDP and autograd steps in line
             dummy, dummy_lengths = encoder.embed(*encoder.dummy_inputs(device))

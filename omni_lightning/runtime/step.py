@@ -36,6 +36,7 @@ from omni_lightning.runtime.encoders import EncoderSource, LocalEncoders
 from omni_lightning.runtime.items import split_micro_batches
 from omni_lightning.runtime.joint import JointEncoders
 from omni_lightning.runtime.loss import StepLoss, next_token_loss_sum, vocab_parallel_loss
+from omni_lightning.runtime.peers import SamplePeers
 from omni_lightning.runtime.pipeline import PipelineRunner
 from omni_lightning.runtime.pool import EncoderPoolLink, EncoderPoolWorker
 from omni_lightning.runtime.reshard import Resharder
@@ -376,10 +377,20 @@ def build_step(model: ReferenceMLLM, layout: OmniLayout | None, *, device: torch
     resharder = _resharder(model, layout) if layout.reshard and meshes.encoder_group is not None else None
     if meshes.get("pp") is None:
         _parallelize(model, meshes, options)
-        tp = meshes.get("tp")  # tensor-parallel peers hold the same samples: they split the encoder items
-        return PlainStep(model, LocalEncoders(model, resharder, tp.get_group() if tp is not None else None), meshes)
+        # Context- and tensor-parallel peers hold the same samples: they split the encoder items.
+        return PlainStep(model, LocalEncoders(model, resharder, sample_peers(meshes)), meshes)
     runner = _pipeline_runner(model, layout, device, options, resharder)
     return PipelineStep(model, runner, meshes)
+
+
+def sample_peers(meshes: OmniMeshes) -> SamplePeers | None:
+    """This rank's context- and tensor-parallel peers (``None`` without any)."""
+    peers = meshes.get("cp_tp")
+    if peers is None:
+        return None
+    cp, tp = meshes.get("cp"), meshes.get("tp")
+    return SamplePeers(peers.get_group(), cp.get_group() if cp is not None else None,
+                       tp.get_group() if tp is not None else None)
 
 
 def _parallelize(model: ReferenceMLLM, meshes: OmniMeshes, options: StepOptions,
