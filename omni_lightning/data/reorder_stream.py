@@ -295,8 +295,14 @@ class ReorderedStream:
             self.counters["samples_moved"] += plan.samples_moved
             self.counters["bytes_moved"] += plan.bytes_moved
             yielded = 0
+            # Skips while reading count in the group's first step (they happened while reading it).
+            read_skips = self.counters["skipped"] - group_start["counters"]["skipped"]
             decoded = self._decode_in_background(everything, plan.micro_batches[rank])
             for step, micro_batches in enumerate(plan.micro_batches[rank]):
+                trained = [[s for s in (self._take(decoded, i) for i in ids) if s is not None] for ids in micro_batches]
+                # A payload that did not decode as planned is skipped in the step that planned it.
+                decode_skips = sum(len(ids) for ids in micro_batches) - sum(len(s) for s in trained)
+                self.counters["skipped"] += decode_skips
                 step_mean = float(plan.step_cost[:, step].mean()) or 1.0
                 encoder, llm = self._module_costs(gathered, [i for ids in micro_batches for i in ids])
                 stats = {  # relative to the step's mean over the reorder group's ranks
@@ -307,13 +313,9 @@ class ReorderedStream:
                     "reorder_seconds": seconds,
                     **{k: float(v) for k, v in self.counters.items()},
                 }
-                trained = [[s for s in (self._take(decoded, i) for i in ids) if s is not None] for ids in micro_batches]
                 packed = [_pack(samples, self.packing) for samples in trained]
-                # The group's skips count in its first step (they happened while reading it).
-                skipped = self.counters["skipped"] - group_start["counters"]["skipped"] if step == 0 else 0
-                skipped += sum(len(ids) for ids in micro_batches) - sum(len(s) for s in trained)
                 counts = data_counts([s for samples in trained for s in samples], packed, self.packing,
-                                     skipped=skipped)
+                                     skipped=(read_skips if step == 0 else 0) + decode_skips)
                 # The module divides by the step's loss tokens (all micro-batches, all ranks), not each micro-batch's,
                 # so accumulated gradients equal one pass over the whole step however the samples were split.
                 step = {"loss_tokens": sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in packed),
