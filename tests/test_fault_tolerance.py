@@ -28,6 +28,7 @@ from lightning_runs import (
     Snapshot,
     assert_restored_exactly,
     fit,
+    record_worker_errors,
     recorded_keys,
 )
 from torch.distributed.checkpoint import FileSystemWriter
@@ -35,7 +36,6 @@ from torch.distributed.checkpoint import FileSystemWriter
 from omni_lightning.data.streaming import ShardStream
 from omni_lightning.data.synthetic import make_synthetic_shards
 from omni_lightning.strategies.checkpointing import partial_path, publish_checkpoint
-from omni_lightning.strategies.launcher import NoWeightsMultiProcessingLauncher
 
 pytestmark = pytest.mark.distributed
 
@@ -63,25 +63,6 @@ def sigkill_while_writing(name: str, rank: int) -> Iterator[None]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(FileSystemWriter, "write_data", write_then_die)
-        yield
-
-
-@contextmanager
-def record_worker_errors(out_dir: Path) -> Iterator[None]:
-    """Every fork-started worker that fails writes ``error_rank{r}.json``: seconds since the epoch, exception type and
-    message (the parent only reports the first worker to fail). Patched before the workers fork."""
-    wrapping_function = NoWeightsMultiProcessingLauncher._wrapping_function
-
-    def recording(self: Any, process_idx: int, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return wrapping_function(self, process_idx, *args, **kwargs)
-        except Exception as error:
-            (out_dir / f"error_rank{process_idx}.json").write_text(
-                json.dumps([time.time(), type(error).__name__, str(error)]))
-            raise
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(NoWeightsMultiProcessingLauncher, "_wrapping_function", recording)
         yield
 
 

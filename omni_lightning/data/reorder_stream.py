@@ -27,6 +27,7 @@ from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.digest import plan_digest
 from omni_lightning.balance.reorder import GroupPlan, PipelineOrder, ReorderConfig, plan_in_place, plan_reorder_group
 from omni_lightning.batch import IGNORE_INDEX, PackingSpec, PendingMedia
+from omni_lightning.data.failure_notice import FailureNotice
 from omni_lightning.data.packing import (
     DecodedSample,
     data_counts,
@@ -210,6 +211,9 @@ class ReorderedStream:
         settings: see :class:`ReorderSettings`.
         seed: seeds tie-breaking.
         packing: how samples pack into micro-batches (and whose encoders the cost model prices).
+        decode: decodes a planned sample's pending media (after the plan, by the rank that trains it).
+        notice: the job's failure notice: this rank posts its reading errors there, and waits for the others'
+            metadata only until one of them posts its own (``None`` in a one-process run).
 
     ``state_dict()`` is the position after the last micro-batch yielded: the loader state where the current
     group began, the samples carried into it, the counters then, and how many of its micro-batches were handed
@@ -228,9 +232,11 @@ class ReorderedStream:
         seed: int = 0,
         packing: PackingSpec = DEFAULT_PACKING,
         decode: Callable[[DecodedSample], DecodedSample] | None = None,
+        notice: FailureNotice | None = None,
     ) -> None:
         self.loader = loader
         self.decode = decode
+        self.notice = notice
         self._decoders: ThreadPoolExecutor | None = None
         self.group = group
         self.group_index = group_index
@@ -397,12 +403,15 @@ class ReorderedStream:
     def _all_gather(self, rows: np.ndarray, failure: BaseException | None = None) -> np.ndarray:
         """Every member's rows, rank-major. Only integers travel: a few dozen bytes per sample.
 
-        A member whose reading failed says so in the same collective, so the others stop with it, quoting its
-        error, instead of waiting for it in the next one until the process group times out.
+        A member whose reading failed posts its error in the job's failure notice and raises it; the others, which
+        wait for it here, raise quoting it as soon as it is posted (see :mod:`~omni_lightning.data.failure_notice`)
+        instead of waiting until the process group times out.
         """
+        if failure is not None:
+            if self.notice is not None:
+                self.notice.post(failure)
+            raise failure
         if self.group is None:
-            if failure is not None:
-                raise failure
             return rows
         size, columns = dist.get_world_size(self.group), rows.shape[1]
         # A buffer holds a group's worth of samples, more only when more were carried in. So one collective of that
@@ -411,13 +420,13 @@ class ReorderedStream:
         block = self.settings.samples_per_step * self.settings.group_steps
         first = torch.zeros(block + 1, columns, dtype=torch.int64)
         first[0, 0] = rows.shape[0]
-        first[0, 1] = failure is not None
         first[1 : 1 + min(rows.shape[0], block)] = torch.from_numpy(rows[:block])
         out = torch.empty(size * (block + 1), columns, dtype=torch.int64)
-        all_gather_single(out, first, group=self.group)
+        if self.notice is None:
+            all_gather_single(out, first, group=self.group)
+        else:  # the ranks wait here for the slowest reader: in slices, reading the failure notice between them
+            self.notice.wait(all_gather_single(out, first, group=self.group, async_op=True))
         heads = out.view(size, block + 1, columns).numpy()
-        if heads[:, 0, 1].any():
-            self._fail_together(failure)
         lengths = heads[:, 0, 0].tolist()
         parts = [heads[r, 1 : 1 + min(n, block)] for r, n in enumerate(lengths)]
         longest = max(lengths)
@@ -430,18 +439,6 @@ class ReorderedStream:
             tail = tails.view(size, longest - block, columns).numpy()
             parts = [np.concatenate([parts[r], tail[r, : max(n - block, 0)]]) for r, n in enumerate(lengths)]
         return np.concatenate(parts)
-
-    def _fail_together(self, failure: BaseException | None) -> None:
-        """Raise on every member once one failed to read: the failed ones their own error, the others one naming
-        each failed member of the group and its error (gathered as text, which every member then holds)."""
-        messages: list[str | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(messages, None if failure is None else f"{type(failure).__name__}: {failure}",
-                               group=self.group)
-        if failure is not None:
-            raise failure
-        failed = "; ".join(f"rank {r} of the reorder group: {m}" for r, m in enumerate(messages) if m is not None)
-        raise RuntimeError(f"reorder group {self.group_index} stops: another member failed reading its samples "
-                           f"({failed})")
 
     def _plan(self, gathered: np.ndarray, group_number: int) -> GroupPlan:
         valid = np.flatnonzero(gathered[:, 0])

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from omni_lightning.data.failure_notice import FailureNotice
+
 __all__ = ["ConsumedMarker", "ResumableLoader", "MARKER_KEY", "commit_consumed"]
 
 MARKER_KEY = "_consumed_marker"
@@ -38,10 +40,18 @@ def commit_consumed(batch: Any) -> None:
 
 
 class ResumableLoader:
-    """Wraps a stateful loader (``torchdata``'s ``StatefulDataLoader``) that yields dict batches."""
+    """Wraps a stateful loader (``torchdata``'s ``StatefulDataLoader``) that yields dict batches.
 
-    def __init__(self, loader: Any) -> None:
+    Args:
+        loader: the stateful loader.
+        notice: where an error of ``loader`` is posted as this rank's failure before it propagates, so that the other
+            ranks, which wait for this one in the model's collectives, stop quoting it. Only for a loader that reads
+            without collectives of its own (a rank's shard stream), whose every error is this rank's.
+    """
+
+    def __init__(self, loader: Any, *, notice: FailureNotice | None = None) -> None:
         self.loader = loader
+        self.notice = notice
         self._states_after: dict[int, dict[str, Any]] = {}
         self._committed_state: dict[str, Any] = loader.state_dict()
         self._next_sequence = 0
@@ -49,11 +59,16 @@ class ResumableLoader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self._states_after.clear()
         self._next_sequence = 0
-        for batch in self.loader:
-            sequence = self._next_sequence
-            self._next_sequence += 1
-            self._states_after[sequence] = self.loader.state_dict()
-            yield {**batch, MARKER_KEY: ConsumedMarker(self, sequence)}
+        try:
+            for batch in self.loader:
+                sequence = self._next_sequence
+                self._next_sequence += 1
+                self._states_after[sequence] = self.loader.state_dict()
+                yield {**batch, MARKER_KEY: ConsumedMarker(self, sequence)}
+        except Exception as error:
+            if self.notice is not None:
+                self.notice.post(error)
+            raise
 
     def _commit(self, sequence: int) -> None:
         self._committed_state = self._states_after[sequence]

@@ -12,11 +12,13 @@ import io
 import json
 import logging
 import tarfile
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import numpy as np
+import torch.distributed as dist
 from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 from typing_extensions import override
@@ -31,8 +33,10 @@ __all__ = [
     "SampleStream",
     "ByteTokenizer",
     "ShardStream",
+    "StalledRead",
     "Tokenizer",
     "assign_shards",
+    "check_read_timeout",
     "decode_sample",
     "open_shard",
 ]
@@ -157,24 +161,109 @@ def _check_against_meta(sample: DecodedSample, patch_size: int | None) -> None:
         raise ValueError(f"sample {key}: " + "; ".join(problems))
 
 
-def open_shard(url: str) -> Iterator[dict[str, Any]]:
-    """Raw samples of one shard: a local path, or any fsspec URL (``s3://``, ``gs://``, ``memory://``, ...).
+class StalledRead(RuntimeError):
+    """A shard read made no progress for ``read_timeout`` seconds (a hung network file system or object store)."""
 
-    A shard that breaks off (truncated, corrupt, a member repeated) still yields every sample completed before the
-    break; then ``tarfile.ReadError`` says what broke.
-    """
-    errors: list[Exception] = []
 
-    def stop(error: Exception) -> bool:
-        errors.append(error)
-        return False  # end the shard here; webdataset then hands out the sample it was holding back
+def check_read_timeout(read_timeout: float | None) -> None:
+    if read_timeout is not None and not read_timeout > 0:
+        raise ValueError(f"read_timeout={read_timeout} must be a positive number of seconds (or None: no limit)")
 
+
+# Bytes one timed read may ask for: a read this size that does not return within the timeout is a stall, however
+# large the member being read.
+_READ_CHUNK = 1 << 20
+
+
+class _TimedReads(io.RawIOBase):
+    """The bytes of the file ``open_file()`` returns, each call (the open, every read of at most ``_READ_CHUNK``) given
+    ``timeout`` seconds: it runs in a helper thread, and a call that does not return in time raises
+    :class:`StalledRead`. The helper stays stuck in the call, as a daemon; so does the file (closing it could block)."""
+
+    def __init__(self, open_file: Callable[[], Any], *, timeout: float, url: str) -> None:
+        super().__init__()
+        self._open, self.timeout, self.url = open_file, timeout, url
+        self._file: Any = None
+        self.stall: str | None = None  # the stall's message, once one happened
+
+    def _timed(self, call: Callable[[], Any]) -> Any:
+        if self.stall is not None:  # the helper of the stalled call is still stuck: no second one
+            raise StalledRead(self.stall)
+        outcome: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome["value"] = call()
+            except BaseException as error:  # handed to the reading thread
+                outcome["error"] = error
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="omni-shard-read", daemon=True).start()
+        if not done.wait(self.timeout):
+            self.stall = (f"reading shard {self.url} made no progress for {self.timeout:g} s "
+                          f"(read_timeout={self.timeout:g}): its storage stalls")
+            raise StalledRead(self.stall)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    def _handle(self) -> Any:
+        if self._file is None:
+            self._file = self._timed(self._open)
+        return self._file
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        file, size = self._handle(), min(len(buffer), _READ_CHUNK)
+        read = getattr(file, "read1", file.read)  # read1: what is there, as a socket or pipe returns it
+        data = self._timed(lambda: read(size))  # a copy: a stuck helper must not write into the buffer later
+        buffer[: len(data)] = data
+        return len(data)
+
+    def seekable(self) -> bool:
+        return bool(self._handle().seekable())
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return int(self._handle().seek(offset, whence))
+
+    def tell(self) -> int:
+        return 0 if self._file is None else int(self._file.tell())  # io asks on construction: no open for it
+
+    def close(self) -> None:
+        if self._file is not None and self.stall is None:
+            self._file.close()
+        super().close()
+
+
+def _opener(url: str) -> Callable[[], Any]:
     if "://" in url and not url.startswith("file://"):
         import fsspec
 
-        opened = fsspec.open(url, "rb").open()
-    else:
-        opened = open(url.removeprefix("file://"), "rb")  # noqa: SIM115 (closed below, after the generator ends)
+        return lambda: fsspec.open(url, "rb").open()
+    return lambda: open(url.removeprefix("file://"), "rb")  # noqa: SIM115 (closed by open_shard)
+
+
+def open_shard(url: str, *, read_timeout: float | None = None) -> Iterator[dict[str, Any]]:
+    """Raw samples of one shard: a local path, or any fsspec URL (``s3://``, ``gs://``, ``memory://``, ...).
+
+    A shard that breaks off (truncated, corrupt, a member repeated) still yields every sample completed before the
+    break; then ``tarfile.ReadError`` says what broke. With ``read_timeout``, opening the shard or any read that makes
+    no progress for that many seconds raises :class:`StalledRead` naming the shard.
+    """
+    errors: list[Exception] = []
+    timed = None if read_timeout is None else _TimedReads(_opener(url), timeout=read_timeout, url=url)
+
+    def stop(error: Exception) -> bool:
+        if timed is not None and timed.stall is not None:  # not a broken shard: its storage hangs
+            raise StalledRead(timed.stall) from None
+        errors.append(error)
+        return False  # end the shard here; webdataset then hands out the sample it was holding back
+
+    opened = _opener(url)() if timed is None else io.BufferedReader(timed, buffer_size=_READ_CHUNK)
     try:
         files = tar_file_expander([{"url": url, "stream": opened}], handler=stop)
         yield from group_by_keys(files, handler=stop)
@@ -222,10 +311,13 @@ class ShardStream(IterableDataset):
         on_bad_sample: Literal["skip", "error"] = "error",
         tokenizer: Tokenizer | None = None,
         reader: Callable[[dict[str, Any]], DecodedSample] | None = None,
+        read_timeout: float | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be at least 1")
+        check_read_timeout(read_timeout)
+        self.read_timeout = read_timeout
         if on_bad_sample not in ("skip", "error"):
             raise ValueError(f"on_bad_sample={on_bad_sample!r} must be 'skip' or 'error'")
         self.on_bad_sample = on_bad_sample
@@ -275,7 +367,7 @@ class ShardStream(IterableDataset):
             for url in self.epoch_shards(worker, self._epoch):
                 key = "(shard start)"
                 try:
-                    for raw in open_shard(url):
+                    for raw in self._open(url):
                         key = raw.get("__key__", "?")
                         index += 1
                         if index <= self._consumed:
@@ -299,6 +391,16 @@ class ShardStream(IterableDataset):
             if index == 0:
                 raise ValueError(f"the shards of data-parallel rank {self.dp_rank} hold no samples")
             self._epoch, self._consumed = self._epoch + 1, 0
+
+    def _open(self, url: str) -> Iterator[dict[str, Any]]:
+        """The shard's raw samples; a stalled read names this rank as well as the shard."""
+        try:
+            yield from open_shard(url, read_timeout=self.read_timeout)
+        except StalledRead as stall:
+            this = f"data-parallel rank {self.dp_rank} of {self.dp_size}"
+            if dist.is_available() and dist.is_initialized():  # also in a loader worker: it inherits the rank
+                this = f"rank {dist.get_rank()} ({this})"
+            raise StalledRead(f"{this}: {stall}") from None
 
     def _bad(self, shard: str, key: str, reason: str) -> BadSample:
         if self.on_bad_sample == "error":

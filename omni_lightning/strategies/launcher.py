@@ -64,6 +64,18 @@ class NoWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
         return worker_output.trainer_results
 
     @override
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        """Lightning's worker, except that a worker failing because another failed first (its collective broken by
+        that rank's exit) raises ``JobStopped`` quoting that rank's error, posted in the job's failure notice."""
+        try:
+            super()._wrapping_function(process_idx, *args, **kwargs)
+        except Exception as error:
+            notice = getattr(self._strategy, "failure_notice", None)
+            if notice is not None and (stopped := notice.stopped_by_another_rank(error)) is not None:
+                raise stopped from error
+            raise
+
+    @override
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> _WorkerOutput | None:
         if self._strategy.local_rank != 0:
             return None

@@ -24,8 +24,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from omni_lightning.data.failure_notice import FailureNotice
 from omni_lightning.data.resumable import commit_consumed
 from omni_lightning.datamodules.omni import OmniDataModule
+from omni_lightning.datamodules.web import WebDataModule
 from omni_lightning.deprecations import warn_renamed
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import ReferenceMLLM
@@ -187,6 +189,7 @@ class OmniStrategy(ModelParallelStrategy):
         self._parallel_dims: ParallelDims | None = None
         self._pool_layout: PoolLayout | None = None
         self._layout: OmniLayout | None = None
+        self.failure_notice: FailureNotice | None = None  # the job's, once the process group exists
 
     @classmethod
     @override
@@ -340,10 +343,32 @@ class OmniStrategy(ModelParallelStrategy):
             module.omni_layout = layout
         if isinstance(datamodule := getattr(module.trainer, "datamodule", None), OmniDataModule):
             datamodule.omni_layout = layout
+        # Every rank learns of another's failure through the rendezvous store (see data/failure_notice.py).
+        self.failure_notice = FailureNotice.for_job()
+        if self.failure_notice is not None:
+            self.failure_notice.watch()
+        if isinstance(datamodule, WebDataModule):
+            datamodule.failure_notice = self.failure_notice
         self._layout = layout
         self._device_mesh = layout.meshes.world
         module._device_mesh = layout.meshes.world
         log.info("rank %d: %s", self.global_rank, f"encoder pool of {pool}" if layout.is_encoder_rank else dims)
+
+    @override
+    def teardown(self) -> None:
+        if self.failure_notice is not None:
+            self.failure_notice.stop_watching()
+        super().teardown()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Under torchrun, SLURM or the subprocess launcher the error raised is this rank's own (the fork and spawn
+        # launchers raise JobStopped instead): say which rank failed first and why.
+        if self.failure_notice is not None and (stopped := self.failure_notice.stopped_by_another_rank(exception)):
+            log.error("%s", stopped)
+            if hasattr(exception, "add_note"):
+                exception.add_note(str(stopped))
+        super().on_exception(exception)
 
     @property
     @override
