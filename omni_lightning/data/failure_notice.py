@@ -83,6 +83,7 @@ class FailureNotice:
         self._failure: Failure | None = None
         self._lock = threading.Lock()
         self._settled = threading.Event()  # this rank raised, or is stopping, by itself: no hard stop
+        self._posted = False  # this rank failed by itself: its error is its own, whoever posted first
         self._watching: threading.Thread | None = None
 
     @classmethod
@@ -100,6 +101,7 @@ class FailureNotice:
         """Post this rank's ``error`` as the job's failure (unless another rank's came first), then wait briefly for
         the other ranks to read it. Call it right before raising ``error``."""
         self._settled.set()
+        self._posted = True
         message = f"{type(error).__name__}: {error}"
         try:
             standing = self.store.compare_set(self._key, "", f"{self.rank}\n{message}")
@@ -139,11 +141,11 @@ class FailureNotice:
                 store.add(self._acks, 1)
 
     def stopped_by_another_rank(self, error: BaseException | None = None) -> JobStopped | None:
-        """:class:`JobStopped` quoting another rank's posted failure, to raise instead of ``error`` (this rank's own,
-        e.g. a collective broken by that rank's exit); ``None`` if no other rank posted one, or ``error`` is itself
-        a :class:`JobStopped`."""
+        """:class:`JobStopped` quoting another rank's posted failure, to raise instead of ``error`` (e.g. a collective
+        broken by that rank's exit); ``None`` if no other rank posted one, if this rank posted a failure of its own
+        (it raises that), or if ``error`` is itself a :class:`JobStopped`."""
         failure = self.failure()
-        if failure is None or failure.rank == self.rank or isinstance(error, JobStopped):
+        if failure is None or failure.rank == self.rank or self._posted or isinstance(error, JobStopped):
             return None
         self._settled.set()
         return failure.stopping(self.rank)
