@@ -36,6 +36,7 @@ from omni_lightning.data.packing import (
     sample_features,
     sample_layout,
 )
+from omni_lightning.data.position import POSITION_DELTA_KEY, DataPosition, PositionDelta, PositionMismatch
 from omni_lightning.data.streaming import BadSample
 from omni_lightning.modalities import DEFAULT_PACKING
 from omni_lightning.parallel.agreement import check_plans_agree
@@ -151,8 +152,8 @@ def _arrays(sample: DecodedSample) -> list[np.ndarray]:
 
 class _Wire:
     """A sample as the payload exchange sends it: each array's raw bytes at an aligned offset, then a pickled
-    header (key, metadata, array layouts, a rendered sample's media order), then the header's length in the last 8
-    bytes. A rendered sample's targets travel as its last array.
+    header (key, metadata, array layouts, a rendered sample's media order, its source), then the header's length in
+    the last 8 bytes. A rendered sample's targets travel as its last array.
 
     Its size is known before the plan, so it travels with the gathered metadata and the receiver needs no separate
     size exchange; the receiver's arrays are views of the received bytes, not copies made by unpickling.
@@ -168,7 +169,7 @@ class _Wire:
         pending = [(item.shape, item.member) if isinstance(item, PendingMedia) else None
                    for items in sample.media.values() for item in items]
         self.header = pickle.dumps((sample.key, sample.meta, counts, layouts, pending, sample.media_order,
-                                    sample.targets is not None), protocol=pickle.HIGHEST_PROTOCOL)
+                                    sample.targets is not None, sample.source), protocol=pickle.HIGHEST_PROTOCOL)
         self.nbytes = offset + _aligned(len(self.header) + 8)
 
     def write(self, out: memoryview, start: int) -> None:
@@ -187,7 +188,8 @@ class _Wire:
         """The sample written at ``data[start : start + nbytes]``; its arrays are views of ``data``."""
         end = start + nbytes
         length = int.from_bytes(data[end - 8 : end], "little")
-        key, meta, counts, layouts, pending, media_order, rendered = pickle.loads(data[end - 8 - length : end - 8])
+        key, meta, counts, layouts, pending, media_order, rendered, source = pickle.loads(
+            data[end - 8 - length : end - 8])
         arrays: list[Any] = [np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=start + offset).reshape(
             shape) for dtype, shape, offset in layouts]
         for index, promise in enumerate(pending, start=1):  # still encoded: bytes and the shape planned for them
@@ -197,7 +199,7 @@ class _Wire:
         for name, count in counts:
             media[name], next_array = arrays[next_array : next_array + count], next_array + count
         return DecodedSample(key=key, tokens=arrays[0], meta=meta, media=media,
-                             targets=arrays[-1] if rendered else None, media_order=media_order)
+                             targets=arrays[-1] if rendered else None, media_order=media_order, source=source)
 
 
 class ReorderedStream:
@@ -263,6 +265,22 @@ class ReorderedStream:
         self._state = dict(state)
         self.counters.update(state["counters"])
 
+    def start_position(self) -> DataPosition | None:
+        """The rank-independent position of a stream that has read nothing (``None``: its samples carry none)."""
+        samples = getattr(self.loader, "dataset", None)
+        return samples.start_position() if callable(getattr(samples, "start_position", None)) else None
+
+    def resume_from(self, position: DataPosition) -> DataPosition:
+        """Start over from a position saved under another number of ranks: the sample stream reads this rank's
+        shards skipping what was trained; no group is under way, nothing carried."""
+        samples = getattr(self.loader, "dataset", None)
+        if not callable(getattr(samples, "resume_from", None)):
+            raise PositionMismatch("this rank's samples (a custom train_samples()) cannot start from a shard position")
+        mine = samples.resume_from(position)
+        self._state = {"loader": self.loader.state_dict(), "carry": [], "group": 0,
+                       "counters": dict(self.counters), "yielded": 0}
+        return mine
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._decoders is not None:  # a re-iteration abandons the group being decoded
             self._decoders.shutdown(wait=True, cancel_futures=True)
@@ -279,9 +297,10 @@ class ReorderedStream:
             }
             started = time.perf_counter()
             samples = [pickle.loads(b) for b in carry]
-            failure = None
+            failure, fresh = None, []
             try:
-                samples += [self._admit(next(records)) for _ in range(self._fresh_count(len(carry)))]
+                fresh = [next(records) for _ in range(self._fresh_count(len(carry)))]
+                samples += [self._admit(record) for record in fresh]
             except Exception as error:  # a setting the data contradicts: every member of the group must stop
                 failure, samples = error, []
             # Only a group of ranks that plans moves can send a payload; others skip serialising.
@@ -304,6 +323,7 @@ class ReorderedStream:
             # Skips while reading count in the group's first step (they happened while reading it).
             read_skips = self.counters["skipped"] - group_start["counters"]["skipped"]
             decoded = self._decode_in_background(everything, plan.micro_batches[rank])
+            deltas = self._position_deltas(fresh, samples[len(samples) - len(fresh):], local, plan)
             for step, micro_batches in enumerate(plan.micro_batches[rank]):
                 trained = [[s for s in (self._take(decoded, i) for i in ids) if s is not None] for ids in micro_batches]
                 # A payload that did not decode as planned is skipped in the step that planned it.
@@ -324,22 +344,38 @@ class ReorderedStream:
                                      skipped=(read_skips if step == 0 else 0) + decode_skips)
                 # The module divides by the step's loss tokens (all micro-batches, all ranks), not each micro-batch's,
                 # so accumulated gradients equal one pass over the whole step however the samples were split.
-                step = {"loss_tokens": sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in packed),
-                        "micro_batches": len(packed)}
+                totals = {"loss_tokens": sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in packed),
+                          "micro_batches": len(packed)}
+                delta = {POSITION_DELTA_KEY: deltas[step]}  # rides the step's first batch
                 if self.settings.pp > 1:  # a pipeline schedule takes the whole step at once, in 1F1B order
                     yielded += len(packed)
                     self._state = {**group_start, "yielded": yielded}
                     if yielded > skip:
                         yield {"micro_batches": packed, "num_samples": sum(b["num_samples"] for b in packed),
-                               "reorder": stats, "step": step, "data": counts}
+                               "reorder": stats, "step": totals, "data": counts, **delta}
                     continue
                 for batch in packed:
                     yielded += 1
                     self._state = {**group_start, "yielded": yielded}
-                    if yielded <= skip:
-                        continue
-                    yield {**batch, "reorder": stats, "step": step, "data": counts}
+                    if yielded > skip:
+                        yield {**batch, "reorder": stats, "step": totals, "data": counts, **delta}
+                    delta = {}
             group_number, skip = group_number + 1, 0
+
+    def _position_deltas(self, fresh: list[DecodedSample | BadSample], admitted: list[DecodedSample | None],
+                         local: dict[int, DecodedSample], plan: GroupPlan) -> list[PositionDelta]:
+        """What each step of the group moves this rank's position by (see :mod:`~omni_lightning.data.position`):
+        the records read for the group, and those skipped while reading, in the first step; in every step, this
+        rank's samples that train in it, on whichever rank. Its leftovers stay pending."""
+        skipped = [record.source for record, sample in zip(fresh, admitted, strict=True) if sample is None]
+        deltas = []
+        for step in range(self.settings.group_steps):
+            trained = [local[i].source for steps in plan.micro_batches for ids in steps[step] for i in ids
+                       if i in local]
+            first = step == 0
+            deltas.append(PositionDelta(read=[r.source for r in fresh] if first else (),
+                                        trained=trained + skipped if first else trained))
+        return deltas
 
     # ------------------------------------------------------------------------------------------------ decoding
     def _decode_in_background(self, samples: dict[int, DecodedSample], steps: list[list[list[int]]]

@@ -15,7 +15,7 @@ import tarfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import numpy as np
 import torch.distributed as dist
@@ -26,6 +26,14 @@ from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from omni_lightning.batch import BYTE_ROLES, PackingSpec
 from omni_lightning.data.packing import DecodedSample, check_packable, data_counts, pack_samples
+from omni_lightning.data.position import (
+    POSITION_DELTA_KEY,
+    DataPosition,
+    PositionDelta,
+    PositionMismatch,
+    SampleSource,
+    shard_list_digest,
+)
 from omni_lightning.modalities import DEFAULT_PACKING
 
 __all__ = [
@@ -43,8 +51,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 
-def assign_shards(shards: list[str], *, dp_rank: int, dp_size: int, num_workers: int = 1) -> list[list[str]]:
+
+def assign_shards(shards: list[T], *, dp_rank: int, dp_size: int, num_workers: int = 1) -> list[list[T]]:
     """The shard list of every loader worker of one data-parallel rank.
 
     Raises ``ValueError`` if some worker would get no shard: it would end its stream at once and its rank would
@@ -80,6 +90,27 @@ class BadSample:
     shard: str
     key: str
     reason: str
+    source: SampleSource | None = None
+
+
+def _with_last(items: Iterator[T]) -> Iterator[tuple[T, bool]]:
+    """``(item, is_last)`` for each item: one item of look-ahead. An error reading the next item comes after the item
+    in hand (which was whole), so it is not lost."""
+    try:
+        current = next(items)
+    except StopIteration:
+        return
+    while True:
+        try:
+            following = next(items)
+        except StopIteration:
+            yield current, True
+            return
+        except BaseException:
+            yield current, False  # the broken rest of the shard follows it
+            raise
+        yield current, False
+        current = following
 
 
 def decode_sample(
@@ -294,6 +325,11 @@ class ShardStream(IterableDataset):
     ``state_dict``/``load_state_dict``, which ``torchdata``'s ``StatefulDataLoader`` calls inside each worker, so a
     resumed run continues with exactly the samples that follow the checkpoint. With ``max_batches`` the stream is
     a bounded pass from the start instead (validation): every rank yields the same number of batches.
+
+    Every record carries its :class:`~omni_lightning.data.position.SampleSource` and every training batch the
+    :class:`~omni_lightning.data.position.PositionDelta` of what it consumed, from which the loader keeps a position
+    that does not depend on the number of ranks; :meth:`resume_from` starts over from such a position under another
+    number of ranks.
     """
 
     def __init__(
@@ -323,7 +359,12 @@ class ShardStream(IterableDataset):
         self.on_bad_sample = on_bad_sample
         self.tokenizer = tokenizer
         self.reader = reader
-        self.worker_shards = assign_shards(shards, dp_rank=dp_rank, dp_size=dp_size, num_workers=num_workers)
+        self.shards = list(shards)
+        self.shard_digest = shard_list_digest(self.shards)
+        # Shards by their index in the list: the identity a position records (the same name may appear twice).
+        self.worker_shard_ids = assign_shards(list(range(len(shards))), dp_rank=dp_rank, dp_size=dp_size,
+                                              num_workers=num_workers)
+        self.worker_shards = [[self.shards[i] for i in ids] for ids in self.worker_shard_ids]
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.batch_size = batch_size
@@ -333,8 +374,26 @@ class ShardStream(IterableDataset):
         self.max_batches = max_batches
         self._epoch = 0
         self._consumed = 0
+        self._resume: DataPosition | None = None  # what was trained before a resume under another number of ranks
 
     decodes_after_plan = False
+
+    def start_position(self) -> DataPosition:
+        """The position of a stream that has read nothing."""
+        return DataPosition(self.shard_digest)
+
+    def resume_from(self, position: DataPosition) -> DataPosition:
+        """Start over from a position saved under another number of ranks (:func:`~omni_lightning.data.position.
+        merge_positions` of every old rank's): read this rank's shards from the first epoch with a record left,
+        skipping each record trained before. Returns the part of ``position`` about this rank's shards;
+        :class:`~omni_lightning.data.position.PositionMismatch` if it was saved for another shard list."""
+        if position.digest != self.shard_digest:
+            raise PositionMismatch(f"the loader position was saved for another shard list (digest {position.digest}, "
+                                   f"this data module's {len(self.shards)} shards have {self.shard_digest})")
+        mine = [i for ids in self.worker_shard_ids for i in ids]
+        self._resume = position.restricted_to(mine)
+        self._epoch, self._consumed = self._resume.first_open_epoch(mine), 0
+        return self._resume.copy()
 
     def state_dict(self) -> dict[str, int]:
         return {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "epoch": self._epoch, "consumed": self._consumed}
@@ -349,48 +408,65 @@ class ShardStream(IterableDataset):
 
     def epoch_shards(self, worker: int, epoch: int) -> list[str]:
         """Shard order of one worker in one epoch: a permutation seeded by (seed, dp rank, worker, epoch)."""
-        shards = list(self.worker_shards[worker])
+        return [self.shards[i] for i in self._epoch_shard_ids(worker, epoch)]
+
+    def _epoch_shard_ids(self, worker: int, epoch: int) -> list[int]:
+        ids = list(self.worker_shard_ids[worker])
         if self.shuffle_shards:
-            order = np.random.default_rng([self.seed, self.dp_rank, worker, epoch]).permutation(len(shards))
-            shards = [shards[i] for i in order]
-        return shards
+            order = np.random.default_rng([self.seed, self.dp_rank, worker, epoch]).permutation(len(ids))
+            ids = [ids[i] for i in order]
+        return ids
 
     def iter_samples(self, worker: int = 0) -> Iterator[DecodedSample | BadSample]:
         """Decoded samples from the current position on, epoch after epoch; advances the position.
 
         Unusable input (a corrupt or truncated shard, a missing member, an undecodable image, a payload that
         contradicts its metadata) raises ``ValueError`` naming shard and key with ``on_bad_sample="error"``, and
-        comes out as a :class:`BadSample` with ``"skip"`` (the rest of a broken shard counts as one).
+        comes out as a :class:`BadSample` with ``"skip"`` (the rest of a broken shard counts as one). After
+        :meth:`resume_from`, records trained before the resume are passed over without decoding (and shards with
+        nothing left in an epoch not even opened).
         """
+        resume = self._resume
         while True:
-            index = 0
-            for url in self.epoch_shards(worker, self._epoch):
-                key = "(shard start)"
+            epoch, index, passed_over = self._epoch, 0, 0
+            for shard in self._epoch_shard_ids(worker, epoch):
+                url = self.shards[shard]
+                if resume is not None and resume.pass_done(shard, epoch):
+                    passed_over += 1
+                    continue
+                key, in_shard = "(shard start)", 0
                 try:
-                    for raw in self._open(url):
-                        key = raw.get("__key__", "?")
+                    for raw, last in _with_last(self._open(url)):
+                        key, source = raw.get("__key__", "?"), SampleSource(shard, epoch, in_shard, last)
+                        in_shard += 1
                         index += 1
                         if index <= self._consumed:
                             continue  # fast-forward to the resumed position without decoding
                         self._consumed += 1
-                        try:
-                            sample = (self.reader(raw) if self.reader is not None else
-                                      decode_sample(raw, patch_size=self.packing.patch_size, tokenizer=self.tokenizer))
-                            if not self.decodes_after_plan and self.reader is not None:
-                                sample = getattr(self.reader, "decode", lambda s: s)(sample)  # a plain stream packs it
-                            check_packable(sample, self.packing)
-                        except ValueError as error:
-                            yield self._bad(url, key, str(error))
-                        else:
-                            yield sample
+                        if resume is None or not resume.is_done(shard, epoch, source.index):
+                            yield self._record(raw, url, key, source)
                 except (tarfile.TarError, OSError, EOFError) as error:
                     index += 1
                     if index > self._consumed:
                         self._consumed += 1
-                        yield self._bad(url, key, f"unreadable shard after {key}: {error!r}")
-            if index == 0:
+                        if resume is None or not resume.is_done(shard, epoch, in_shard):
+                            yield self._bad(url, key, f"unreadable shard after {key}: {error!r}",
+                                            SampleSource(shard, epoch, in_shard, last=True))
+            if index == 0 and passed_over == 0:
                 raise ValueError(f"the shards of data-parallel rank {self.dp_rank} hold no samples")
-            self._epoch, self._consumed = self._epoch + 1, 0
+            self._epoch, self._consumed = epoch + 1, 0
+
+    def _record(self, raw: dict[str, Any], url: str, key: str, source: SampleSource) -> DecodedSample | BadSample:
+        try:
+            sample = (self.reader(raw) if self.reader is not None else
+                      decode_sample(raw, patch_size=self.packing.patch_size, tokenizer=self.tokenizer))
+            if not self.decodes_after_plan and self.reader is not None:
+                sample = getattr(self.reader, "decode", lambda s: s)(sample)  # a plain stream packs it
+            check_packable(sample, self.packing)
+        except ValueError as error:
+            return self._bad(url, key, str(error), source)
+        sample.source = source
+        return sample
 
     def _open(self, url: str) -> Iterator[dict[str, Any]]:
         """The shard's raw samples; a stalled read names this rank as well as the shard."""
@@ -402,10 +478,10 @@ class ShardStream(IterableDataset):
                 this = f"rank {dist.get_rank()} ({this})"
             raise StalledRead(f"{this}: {stall}") from None
 
-    def _bad(self, shard: str, key: str, reason: str) -> BadSample:
+    def _bad(self, shard: str, key: str, reason: str, source: SampleSource) -> BadSample:
         if self.on_bad_sample == "error":
             raise ValueError(f"shard {shard}, sample {key}: {reason}")
-        return BadSample(shard, key, reason)
+        return BadSample(shard, key, reason, source)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self.max_batches is not None:
@@ -415,16 +491,19 @@ class ShardStream(IterableDataset):
         records = self.iter_samples(info.id if info is not None else 0)
         produced = 0
         while self.max_batches is None or produced < self.max_batches:
-            samples, skipped = [], 0
+            samples, consumed = [], []
             while len(samples) < self.batch_size:
                 record = next(records)
+                consumed.append(record.source)
                 if isinstance(record, BadSample):  # counted in this batch's data/skipped
                     log.warning("skipping sample %s of shard %s: %s", record.key, record.shard, record.reason)
-                    skipped += 1
                 else:
                     samples.append(record)
             batch = pack_samples(samples, self.packing)
-            yield {**batch, "data": data_counts(samples, [batch], self.packing, skipped=skipped)}
+            counts = data_counts(samples, [batch], self.packing, skipped=len(consumed) - len(samples))
+            if self.max_batches is None:  # training: what the batch consumed, trained as soon as it is
+                batch[POSITION_DELTA_KEY] = PositionDelta(read=consumed, trained=consumed)
+            yield {**batch, "data": counts}
             produced += 1
 
 
