@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import glob
 import json
 from pathlib import Path
@@ -84,6 +85,12 @@ def test_loader_states_map_by_data_parallel_rank(runs: dict[str, Path]) -> None:
     (resized,) = loader_state_for_rank(saved, 1, 2)
     merged = DataPosition.from_state(resized["resume_from"])
     assert sorted(merged.frontier.values()) == [(0, 5 * BATCH_SIZE)] * 4 and not merged.pending
+    # Samples from a custom train_samples() record no shard positions: the old way, with a warning.
+    untracked = copy.deepcopy(saved)
+    for rank in untracked["ranks"]:
+        rank["loader"][0]["position"]["tracked"] = False
+    with pytest.warns(UserWarning, match="custom train_samples"):
+        assert loader_state_for_rank(untracked, 1, 2) is None
     # A checkpoint written before loader positions resumes the old way, with a warning.
     for rank in saved["ranks"]:
         rank["loader"] = [rank["loader"][0]["inner"]]

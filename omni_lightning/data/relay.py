@@ -62,7 +62,7 @@ class StageRelay:
         self.stream.load_state_dict(state)
         self._state = state
 
-    def start_position(self) -> DataPosition | None:
+    def start_position(self) -> DataPosition:
         return self.stream.start_position()
 
     def resume_from(self, position: DataPosition) -> DataPosition:

@@ -265,10 +265,13 @@ class ReorderedStream:
         self._state = dict(state)
         self.counters.update(state["counters"])
 
-    def start_position(self) -> DataPosition | None:
-        """The rank-independent position of a stream that has read nothing (``None``: its samples carry none)."""
+    def start_position(self) -> DataPosition:
+        """The rank-independent position of a stream that has read nothing (an untracked one where the samples come
+        from a custom ``train_samples()`` without shard positions)."""
         samples = getattr(self.loader, "dataset", None)
-        return samples.start_position() if callable(getattr(samples, "start_position", None)) else None
+        if callable(getattr(samples, "start_position", None)):
+            return samples.start_position()
+        return DataPosition(digest="", tracked=False)
 
     def resume_from(self, position: DataPosition) -> DataPosition:
         """Start over from a position saved under another number of ranks: the sample stream reads this rank's

@@ -136,7 +136,7 @@ def _resized_loader_state(saved: dict[str, Any], saved_dp: int, dp_size: int) ->
                  for state in states]
     why = None
     if any(p is None for ranks in positions for p in ranks) or len({len(ranks) for ranks in positions}) != 1:
-        why = "its loader states hold no shard positions (written before they did)"
+        why = "its loader states hold no shard positions (written before they did, or resumed from such a one)"
     else:
         try:
             merged = [merge_positions(DataPosition.from_state(ranks[i]) for ranks in positions)
