@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import AttributeDict, rank_zero_warn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from typing_extensions import override
 
@@ -239,6 +240,16 @@ class OmniModule(LightningModule):
         check = getattr(self._trainer.strategy, "check_model_fits", None)
         if check is not None:  # the pre-launch check ran with the sizes unresolved (tp must divide the vocabulary)
             check(self)
+
+    @property
+    @override
+    def hparams_initial(self) -> AttributeDict:
+        """What loggers record (``hparams.yaml``): the arguments as given, with ``model`` as :meth:`setup` resolved it
+        from the data's processor (as the checkpoint's hyper-parameters hold it), not the ``None`` it was given."""
+        initial = super().hparams_initial
+        if "model" in initial and "model" in self.hparams:
+            initial["model"] = copy.deepcopy(self.hparams["model"])
+        return initial
 
     @override
     def configure_model(self) -> None:

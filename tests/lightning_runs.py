@@ -6,11 +6,13 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from device_discipline import device_discipline
 from distributed import free_port
@@ -22,6 +24,7 @@ from omni_lightning.data.resumable import MARKER_KEY
 from omni_lightning.modalities import DEFAULT_PACKING
 from omni_lightning.runtime.items import split_micro_batches
 from omni_lightning.runtime.loss import next_token_loss_sum
+from omni_lightning.strategies.launcher import NoWeightsMultiProcessingLauncher
 
 LEARNING_RATE = 1e-3
 BATCH_SIZE = 2  # samples per micro-batch per data-parallel rank
@@ -310,3 +313,22 @@ class SigkillRankAtStep(pl.Callback):
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
             (self.out_dir / "killed_at").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextmanager
+def record_worker_errors(out_dir: Path) -> Iterator[None]:
+    """Every fork-started worker that fails writes ``error_rank{r}.json``: seconds since the epoch, exception type and
+    message (the parent only reports the first worker to fail). Patched before the workers fork."""
+    wrapping_function = NoWeightsMultiProcessingLauncher._wrapping_function
+
+    def recording(self: Any, process_idx: int, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return wrapping_function(self, process_idx, *args, **kwargs)
+        except Exception as error:
+            (out_dir / f"error_rank{process_idx}.json").write_text(
+                json.dumps([time.time(), type(error).__name__, str(error)]))
+            raise
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(NoWeightsMultiProcessingLauncher, "_wrapping_function", recording)
+        yield

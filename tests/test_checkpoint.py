@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import glob
 import json
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_runs import BATCH_SIZE, KillAtStep, RecordRun, Snapshot, assert_restored_exactly, fit
 
+from omni_lightning.data.position import DataPosition
 from omni_lightning.strategies.checkpointing import loader_state_for_rank
 
 pytestmark = pytest.mark.distributed
@@ -57,7 +59,7 @@ def test_every_rank_saves_its_own_loader_position(runs: dict[str, Path]) -> None
     ranks = meta["omni"]["ranks"]
     assert [r["dp_rank"] for r in ranks] == [0, 1, 2, 3]
     assert meta["omni"]["parallel_dims"]["dp"] == 4
-    datasets = [r["loader"][0]["dataset_state"] for r in ranks]
+    datasets = [r["loader"][0]["inner"]["dataset_state"] for r in ranks]
     assert [(d["dp_rank"], d["dp_size"]) for d in datasets] == [(0, 4), (1, 4), (2, 4), (3, 4)]
     # Checkpointed after step 5: each rank has consumed exactly five micro-batches, not the prefetched sixth.
     assert {(d["epoch"], d["consumed"]) for d in datasets} == {(0, 5 * BATCH_SIZE)}
@@ -77,6 +79,21 @@ def test_resume_under_another_layout(
 def test_loader_states_map_by_data_parallel_rank(runs: dict[str, Path]) -> None:
     saved = torch.load(runs["checkpoint"] / "meta.pt", weights_only=False)["omni"]
     # Same data-parallel size under another layout (e.g. dp_shard=4 -> dp_replicate=2 x dp_shard=2): exact.
-    assert loader_state_for_rank(saved, 2, 4)[0]["dataset_state"]["dp_rank"] == 2
-    with pytest.warns(UserWarning, match="written with 4 data-parallel ranks and this run has 2"):
+    assert loader_state_for_rank(saved, 2, 4)[0]["inner"]["dataset_state"]["dp_rank"] == 2
+    # Another size: every rank gets the merged rank-independent position. Each of the 4 ranks read 5 micro-batches
+    # of 2 from the first shard of its epoch: those 10 records are done, nothing is pending.
+    (resized,) = loader_state_for_rank(saved, 1, 2)
+    merged = DataPosition.from_state(resized["resume_from"])
+    assert sorted(merged.frontier.values()) == [(0, 5 * BATCH_SIZE)] * 4 and not merged.pending
+    # Samples from a custom train_samples() record no shard positions: the old way, with a warning.
+    untracked = copy.deepcopy(saved)
+    for rank in untracked["ranks"]:
+        rank["loader"][0]["position"]["tracked"] = False
+    with pytest.warns(UserWarning, match="custom train_samples"):
+        assert loader_state_for_rank(untracked, 1, 2) is None
+    # A checkpoint written before loader positions resumes the old way, with a warning.
+    for rank in saved["ranks"]:
+        rank["loader"] = [rank["loader"][0]["inner"]]
+    with pytest.warns(UserWarning, match="written with 4 data-parallel ranks and this run has 2, and its loader "
+                                         "states hold no shard positions .*: it resumes the old way"):
         assert loader_state_for_rank(saved, 1, 2) is None

@@ -1,6 +1,6 @@
 """Fault injection on a 4-rank run: one rank SIGKILLed at a random step; the resumed run, which must train on exactly
-the samples and losses of an uninterrupted run, has a rank killed while it writes a checkpoint; the checkpoint before
-that one, taken on 4 data-parallel ranks, resumes on 2."""
+the samples and losses of an uninterrupted run, has a rank killed while it writes a checkpoint; a checkpoint taken on 4
+data-parallel ranks mid-epoch resumes on 2, training what was left of the epoch exactly once."""
 
 from __future__ import annotations
 
@@ -25,17 +25,14 @@ from lightning_runs import (
     RecordKeys,
     RecordRun,
     SigkillRankAtStep,
-    Snapshot,
-    assert_restored_exactly,
     fit,
+    record_worker_errors,
     recorded_keys,
 )
 from torch.distributed.checkpoint import FileSystemWriter
 
-from omni_lightning.data.streaming import ShardStream
 from omni_lightning.data.synthetic import make_synthetic_shards
 from omni_lightning.strategies.checkpointing import partial_path, publish_checkpoint
-from omni_lightning.strategies.launcher import NoWeightsMultiProcessingLauncher
 
 pytestmark = pytest.mark.distributed
 
@@ -63,25 +60,6 @@ def sigkill_while_writing(name: str, rank: int) -> Iterator[None]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(FileSystemWriter, "write_data", write_then_die)
-        yield
-
-
-@contextmanager
-def record_worker_errors(out_dir: Path) -> Iterator[None]:
-    """Every fork-started worker that fails writes ``error_rank{r}.json``: seconds since the epoch, exception type and
-    message (the parent only reports the first worker to fail). Patched before the workers fork."""
-    wrapping_function = NoWeightsMultiProcessingLauncher._wrapping_function
-
-    def recording(self: Any, process_idx: int, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return wrapping_function(self, process_idx, *args, **kwargs)
-        except Exception as error:
-            (out_dir / f"error_rank{process_idx}.json").write_text(
-                json.dumps([time.time(), type(error).__name__, str(error)]))
-            raise
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(NoWeightsMultiProcessingLauncher, "_wrapping_function", recording)
         yield
 
 
@@ -145,12 +123,11 @@ def chain(tmp_path_factory: pytest.TempPathFactory, shards: tuple[str, list[str]
 
     b = runs["b"]
     with sigkill_while_writing(f"step={SAVE_KILL_STEP}.", SAVE_KILL_RANK):
-        _killed_fit(SAVE_KILL_RANK, **common(b), callbacks=[saving(), RecordRun(b), RecordKeys(b),
-                                                           Snapshot(b, step=6)],
+        _killed_fit(SAVE_KILL_RANK, **common(b), callbacks=[saving(), RecordRun(b), RecordKeys(b)],
                     ckpt_path=str(checkpoints(ckpt)[resume_a]))
     leftovers = sorted(p.name for p in ckpt.iterdir())
-    return {**runs, "ckpt": ckpt, "error_a": error_a, "stopped_after_s": stopped_after_s, "resume_a": resume_a,
-            "leftovers": leftovers,
+    return {**runs, "ckpt": ckpt, "pattern": pattern, "error_a": error_a, "stopped_after_s": stopped_after_s,
+            "resume_a": resume_a, "leftovers": leftovers,
             "survivors": {r: (at - killed_at, kind, message) for r, (at, kind, message) in survivors.items()}}
 
 
@@ -207,22 +184,20 @@ def test_every_sample_once_per_epoch_across_the_resumed_runs(chain: dict[str, An
         assert seen == Counter(all_keys), f"epoch {epoch}"
 
 
-def test_resume_on_fewer_data_parallel_ranks(chain: dict[str, Any], shards: tuple[str, list[str]],
-                                             seed_checkpoint: Path, tmp_path: Path) -> None:
-    """Saved on 4 ranks (dp_shard=4) at step 6, resumed on 2 (dp_shard=2): weights, optimizer moments and the step
-    are restored exactly; each rank's data stream restarts from the beginning of the data, dealt for 2 ranks."""
-    pattern, _ = shards
-    checkpoint = checkpoints(chain["ckpt"])[6]
-    steps = 3
-    fit(tmp_path, pattern, seed_checkpoint, layout={"dp_shard": 2}, devices=2, max_steps=6 + steps,
-        callbacks=[Snapshot(tmp_path), RecordKeys(tmp_path)], ckpt_path=str(checkpoint))
-    assert_restored_exactly(chain["b"] / "snapshot_step6.pt", tmp_path / "snapshot_start.pt", step=6)
-    keys = recorded_keys(tmp_path, 2)
-    paths = sorted(str(p) for p in Path(pattern).parent.glob("train-*.tar"))
-    for rank in range(2):
-        fresh = ShardStream(paths, dp_rank=rank, dp_size=2, batch_size=BATCH_SIZE).iter_samples()
-        expected = [next(fresh).key for _ in range(steps * BATCH_SIZE)]
-        assert [k for s in range(7, 7 + steps) for k in keys[rank][s]] == expected, f"rank {rank}"
+def test_resume_on_fewer_data_parallel_ranks(chain: dict[str, Any], seed_checkpoint: Path, tmp_path: Path) -> None:
+    """Saved on 4 ranks (dp_shard=4) at step 4, a third into the second epoch, resumed on 2 (dp_shard=2): the 2 ranks
+    deal the 4 shards anew and train what the 4 had left of that epoch, each sample once, then start the next."""
+    checkpoint = checkpoints(chain["ckpt"])[4]
+    left_samples = RANKS * SAMPLES_PER_SHARD - RANKS * BATCH_SIZE * (4 - EPOCH_STEPS)  # 16 of the epoch's 24
+    steps = left_samples // (2 * BATCH_SIZE)  # 2 ranks of 2 samples a step, each with 2 shards of 4 left
+    fit(tmp_path, chain["pattern"], seed_checkpoint, layout={"dp_shard": 2}, devices=2, max_steps=4 + steps + 1,
+        callbacks=[RecordKeys(tmp_path)], ckpt_path=str(checkpoint))
+    uninterrupted = recorded_keys(chain["uninterrupted"], RANKS)
+    left = Counter(k for rank in uninterrupted for s in (5, 6) for k in rank[s])  # the epoch after step 4
+    resumed = recorded_keys(tmp_path, 2)
+    assert sorted(resumed[0]) == list(range(5, 5 + steps + 1))
+    assert Counter(k for rank in resumed for s in range(5, 5 + steps) for k in rank[s]) == left
+    assert not {k for rank in resumed for k in rank[5 + steps]} & set(left)  # the next epoch
 
 
 @pytest.mark.parametrize("kind", ["directory", "file"])

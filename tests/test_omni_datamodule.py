@@ -528,8 +528,9 @@ def test_exact_resume(shards: list[str], num_workers: int, k: int) -> None:
     for batch in trained[:k]:
         commit_consumed(batch)
     state = pickle.loads(pickle.dumps(interrupted.state_dict()))  # as a checkpoint would store it
-    assert (state["group"], state["yielded"]) == (((k - 1) // 4, (k - 1) % 4 + 1) if k else (0, 0))
-    assert bool(state["carry"]) == (k in (14, 38)), "the data should carry a sample into these groups only"
+    group = state["inner"]
+    assert (group["group"], group["yielded"]) == (((k - 1) // 4, (k - 1) % 4 + 1) if k else (0, 0))
+    assert bool(group["carry"]) == (k in (14, 38)), "the data should carry a sample into these groups only"
     assert [b["keys"] for b in trained] == [b["keys"] for b in reference[: k + 1]]
     resumed = run()
     resumed.load_state_dict(state)
@@ -844,4 +845,4 @@ def test_checkpoint_holds_the_consumed_position_of_every_rank(omni_runs: dict[st
     for record in ranks:
         (state,) = record["loader"]
         # Step 4 is the first micro-batch of the second group (group_steps=3): not the prefetched second one.
-        assert (state["group"], state["yielded"]) == (1, 1)
+        assert (state["inner"]["group"], state["inner"]["yielded"]) == (1, 1)

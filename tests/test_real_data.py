@@ -24,7 +24,8 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from distributed import free_port
+import torch.distributed as dist
+from distributed import free_port, run_distributed
 from hf_processors import chatml, save_processor, save_tokenizer, train_bpe
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -365,6 +366,21 @@ def test_resume_is_exact_on_the_new_layouts(tmp_path: Path, processor_dir: Path,
     assert (saved.llm.vocab_size, saved.roles) == (processor.vocab_size, processor.roles)
 
 
+def test_the_loggers_record_the_model_resolved_from_the_processor(tmp_path: Path, processor_dir: Path,
+                                                                 pair_shards: str) -> None:
+    """hparams.yaml names the model that trains (the vocabulary and token roles taken from the processor), not the
+    ``model: null`` it was given."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=CSVLogger(tmp_path, name="csv"),
+                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+    trainer.fit(_module(), datamodule=OmniDataModule(pair_shards, processor=str(processor_dir), samples_per_step=1,
+                                                     group_steps=1))
+    written = (tmp_path / "csv" / "version_0" / "hparams.yaml").read_text()
+    processor = load_processor(processor_dir)
+    assert "model: null" not in written and f"vocab_size: {processor.vocab_size}" in written, written
+
+
 def test_an_explicit_model_too_small_for_the_vocabulary_is_refused(processor_dir: Path, pair_shards: str) -> None:
     module = OmniModule(ReferenceMLLMConfig.tiny())  # vocab 256 < len(tokenizer)
     module._trainer = type("T", (), {"datamodule": OmniDataModule(pair_shards, processor=str(processor_dir)),
@@ -512,6 +528,86 @@ def test_each_trained_sample_is_decoded_once_after_the_plan(processor_dir: Path,
     trained = [key for batch in batches for key in batch["keys"]]
     assert sorted(key for key, _ in calls) == sorted(trained) and len(set(trained)) == len(trained) == 8
     assert all(name.startswith("omni-decode") for _, name in calls)
+
+
+def _reordered(paths: list[str], processor: Path, *, dp_rank: int = 0, dp_size: int = 1,
+               group: dist.ProcessGroup | None = None) -> ReorderedStream:
+    """What OmniDataModule.train_dataloader assembles for the processor, built by hand."""
+    data = OmniDataModule(None, processor=str(processor))
+    samples = SampleStream(paths, dp_rank=dp_rank, dp_size=dp_size, batch_size=1, packing=data.packing,
+                           reader=data.reader(), on_bad_sample="skip")
+    loader = StatefulDataLoader(samples, batch_size=None, collate_fn=lambda item: item)
+    return ReorderedStream(loader, group=group, group_index=0,
+                           cost_model=reference_cost_model(ReferenceMLLMConfig.tiny()),
+                           settings=ReorderSettings(samples_per_step=2, group_steps=2), packing=data.packing,
+                           decode=data.reader().decode)
+
+
+def _undecodable_after_the_plan(shard: int) -> list[dict[str, Any]]:
+    """A pair and a dialogue whose JPEG is cut in half (its header still gives the size, so the plan takes it; its
+    pixels do not decode), among good pairs: four samples, two of them to skip after the plan."""
+    dialogue = {"messages": [{"role": "user", "content": "<image> ?"}, {"role": "assistant", "content": "A."}],
+                "images": ["0.jpg"]}
+    cut = _image(60, 60, shard)[: len(_image(60, 60, shard)) // 2]
+    return [{"__key__": f"cutpair{shard}", "jpg": cut, "txt": b"A cat."},
+            {"__key__": f"good{shard}a", "jpg": _image(40, 48, shard), "txt": CAPTIONS[0].encode()},
+            {"__key__": f"cutchat{shard}", "json": json.dumps(dialogue).encode(), "0.jpg": cut},
+            {"__key__": f"good{shard}b", "jpg": _image(48, 40, shard), "txt": CAPTIONS[1].encode()}]
+
+
+def test_a_skip_after_the_plan_counts_in_reorder_and_data_skipped(tmp_path: Path, processor_dir: Path) -> None:
+    write_shard(tmp_path / "cut-000000.tar", _undecodable_after_the_plan(0))
+    first, second = itertools.islice(iter(_reordered([str(tmp_path / "cut-000000.tar")], processor_dir)), 2)
+    keys = first["keys"] + second["keys"]
+    assert sorted(keys) == ["good0a", "good0b"]
+    skipped = [first["data"]["skipped"], second["data"]["skipped"]]
+    assert sum(skipped) == 2  # each in the step that planned it
+    assert second["reorder"]["skipped"] == 2 and first["reorder"]["skipped"] == skipped[0]
+
+
+def _world_skips_after_the_plan(rank: int, world_size: int, paths: list[str], processor: Path, out: Path) -> None:
+    group, _ = dist.new_subgroups_by_enumeration([list(range(world_size))])
+    batches = list(itertools.islice(iter(_reordered(paths, processor, dp_rank=rank, dp_size=world_size,
+                                                    group=group)), 4))
+    steps = [{"keys": b["keys"], "data_skipped": b["data"]["skipped"], "reorder_skipped": b["reorder"]["skipped"]}
+             for b in batches]
+    (out / f"rank{rank}.json").write_text(json.dumps(steps))
+
+
+@pytest.mark.distributed
+def test_a_skip_after_the_plan_keeps_every_rank_aligned(tmp_path: Path, processor_dir: Path) -> None:
+    """Both ranks' shards hold a pair and a dialogue whose JPEG fails to decode after the plan, wherever the plan
+    sends them: both ranks run the same steps, train every good sample once, and count each skip once."""
+    paths = [str(tmp_path / f"cut-{r:06d}.tar") for r in range(2)]
+    for rank, path in enumerate(paths):
+        write_shard(Path(path), _undecodable_after_the_plan(rank))
+    run_distributed(_world_skips_after_the_plan, 2, paths, processor_dir, tmp_path)
+    world = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [len(steps) for steps in world] == [4, 4]  # two epochs of two steps, in lockstep
+    for epoch in range(2):
+        trained = [k for steps in world for step in steps[2 * epoch: 2 * epoch + 2] for k in step["keys"]]
+        assert sorted(trained) == ["good0a", "good0b", "good1a", "good1b"]
+        assert sum(step["data_skipped"] for steps in world for step in steps[2 * epoch: 2 * epoch + 2]) == 4
+    assert sum(steps[-1]["reorder_skipped"] for steps in world) == 8  # both epochs, counted where decoded
+
+
+def test_caption_key_picks_the_caption_of_a_pair(processor_dir: Path) -> None:
+    """With caption_key the pair's caption is that json key (not txt, not the json's caption); a pair without it
+    is a bad sample naming the key."""
+    raw = {"__key__": "p", "jpg": _image(40, 40, 0), "txt": b"from txt",
+           "json": json.dumps({"caption": "from caption", "alt": "from alt"}).encode()}
+    tokenizer = load_processor(processor_dir).tokenizer
+
+    def text(sample: Any) -> str:
+        return tokenizer.decode(sample.tokens[sample.targets].tolist())
+
+    chosen = OmniDataModule(None, processor=str(processor_dir), caption_key="alt").reader()
+    assert "from alt" in text(chosen(raw))
+    assert "from txt" in text(OmniDataModule(None, processor=str(processor_dir)).reader()(raw))
+    without_txt = {k: v for k, v in raw.items() if k != "txt"}
+    assert "from caption" in text(OmniDataModule(None, processor=str(processor_dir)).reader()(without_txt))
+    with pytest.raises(ValueError, match="sample p: its json has no caption key 'title'"):
+        OmniDataModule(None, processor=str(processor_dir), caption_key="title").reader()(raw)
 
 
 @pytest.mark.parametrize(("records", "problem"), [

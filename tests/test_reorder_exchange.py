@@ -3,6 +3,7 @@ buffer outgrows a group), one payload exchange per group, none when nothing move
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from distributed import run_distributed
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from omni_lightning.data.failure_notice import FailureNotice, JobStopped
 from omni_lightning.data.layouts import LayoutNeedsProcessor
 from omni_lightning.data.packing import DecodedSample
 from omni_lightning.data.reorder_stream import ReorderedStream, ReorderSettings, _Wire
@@ -151,16 +153,20 @@ class _FailingLoader:
 
 
 def _world_failure(rank: int, world_size: int) -> None:
+    notice = FailureNotice.for_job()
+    assert notice is not None
+    notice.watch()
     stream = ReorderedStream(_FailingLoader(rank, failing_rank=1), group=dist.group.WORLD, group_index=3,
-                             cost_model=COST, settings=ReorderSettings(samples_per_step=2, group_steps=2))
+                             cost_model=COST, settings=ReorderSettings(samples_per_step=2, group_steps=2),
+                             notice=notice)
     started = time.monotonic()
-    expected = LayoutNeedsProcessor if rank == 1 else RuntimeError
+    expected = LayoutNeedsProcessor if rank == 1 else JobStopped
     with pytest.raises(expected, match=r"chat7 of shard s\.tar .*processor=PATH") as raised:
         next(iter(stream))
     assert time.monotonic() - started < 10, "the other members stop at once, not at the process-group timeout"
     if rank != 1:
-        assert "rank 1 of the reorder group: LayoutNeedsProcessor" in str(raised.value)
-    dist.barrier()  # every member left the failed collective and the group still works
+        assert str(raised.value).startswith("rank 0 stops because rank 1 failed: LayoutNeedsProcessor: sample chat7")
+        os._exit(0)  # its gather waits for rank 1 for good: the group is not torn down cleanly
 
 
 @pytest.mark.distributed

@@ -10,6 +10,7 @@ import pytest
 import torch.distributed as dist
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 import omni_lightning
 from omni_lightning import OmniStrategy
@@ -71,7 +72,7 @@ def test_launcher_choice() -> None:
     assert isinstance(fork.strategy.launcher, _MultiProcessingLauncher)
     assert fork.strategy.launcher._start_method == "fork"
     script = pl.Trainer(accelerator="cpu", devices=2, strategy=OmniStrategy(), logger=False)
-    assert type(script.strategy.launcher).__name__ == "_SubprocessScriptLauncher"
+    assert isinstance(script.strategy.launcher, _SubprocessScriptLauncher)  # resolving ckpt_path="last" first
 
 
 def test_timeout_reaches_init_process_group() -> None:

@@ -23,6 +23,7 @@ import torch
 
 from omni_lightning.balance.cost import work_features
 from omni_lightning.batch import IGNORE_INDEX, MediaShape, Modality, PackedBatch, PackingSpec, input_key
+from omni_lightning.data.position import SampleSource
 from omni_lightning.modalities import DEFAULT_PACKING
 
 __all__ = ["DATA_COUNTS", "DecodedSample", "SampleLayout", "check_packable", "data_counts", "empty_batch",
@@ -41,6 +42,7 @@ class DecodedSample:
     are shorthands: given, they fill ``media["image"]`` and ``media["audio"]``; read, they are those entries.
     With ``targets`` (bool, one per token) the sample is rendered: ``tokens`` is its whole sequence and
     ``media_order`` lists ``(modality, index)`` in the order of the placeholder runs (see the module's docstring).
+    ``source`` is where a shard stream read it (what a rank-independent loader position records).
     """
 
     key: str
@@ -49,11 +51,13 @@ class DecodedSample:
     media: dict[str, list[Any]]
     targets: np.ndarray | None = None
     media_order: tuple[tuple[str, int], ...] | None = None
+    source: SampleSource | None = None
 
     def __init__(self, key: str, tokens: np.ndarray, images: Sequence[np.ndarray] = (), mel: np.ndarray | None = None,
                  meta: dict[str, Any] | None = None, *, media: dict[str, Sequence[Any]] | None = None,
-                 targets: np.ndarray | None = None, media_order: Sequence[tuple[str, int]] | None = None) -> None:
-        self.key, self.tokens, self.meta = key, tokens, dict(meta or {})
+                 targets: np.ndarray | None = None, media_order: Sequence[tuple[str, int]] | None = None,
+                 source: SampleSource | None = None) -> None:
+        self.key, self.tokens, self.meta, self.source = key, tokens, dict(meta or {}), source
         self.targets = None if targets is None else np.asarray(targets, dtype=bool)
         self.media_order = None if media_order is None else tuple((m, int(i)) for m, i in media_order)
         self.media = {name: list(items) for name, items in (media or {}).items() if len(items)}
@@ -168,8 +172,8 @@ def _check_rendered(sample: DecodedSample, layout: SampleLayout, spec: PackingSp
 
 
 def pack_samples(samples: list[DecodedSample], spec: PackingSpec = DEFAULT_PACKING) -> PackedBatch:
-    """Pack ``samples`` into one micro-batch (layout: :mod:`omni_lightning.batch`); also ``keys`` (sample keys) and
-    ``num_samples``."""
+    """Pack ``samples`` into one micro-batch (layout: :mod:`omni_lightning.batch`); also ``keys`` (sample keys),
+    ``sources`` (where each was read, :class:`~omni_lightning.data.position.SampleSource`) and ``num_samples``."""
     if not samples:
         raise ValueError("cannot pack an empty list of samples")
     roles = spec.roles
@@ -207,7 +211,7 @@ def pack_samples(samples: list[DecodedSample], spec: PackingSpec = DEFAULT_PACKI
     for fmt in spec.encoders:
         for name, rows, empty in zip(fmt.input_names, inputs[fmt.name], fmt.empty(spec), strict=True):
             batch[input_key(fmt.name, name)] = torch.from_numpy(np.concatenate(rows) if rows else empty)
-    batch.update(keys=[s.key for s in samples], num_samples=len(samples))
+    batch.update(keys=[s.key for s in samples], sources=[s.source for s in samples], num_samples=len(samples))
     return batch
 
 
@@ -216,7 +220,8 @@ def empty_batch(spec: PackingSpec = DEFAULT_PACKING) -> PackedBatch:
     same collectives) but adds nothing to the step."""
     batch: PackedBatch = {"input_ids": torch.tensor([spec.roles.filler]), "labels": torch.tensor([IGNORE_INDEX]),
                           "position_ids": torch.zeros(1, dtype=torch.long),
-                          "cu_seqlens": torch.tensor([0, 1], dtype=torch.int32), "keys": [], "num_samples": 0}
+                          "cu_seqlens": torch.tensor([0, 1], dtype=torch.int32), "keys": [], "sources": [],
+                          "num_samples": 0}
     for fmt in spec.encoders:
         for name, empty in zip(fmt.input_names, fmt.empty(spec), strict=True):
             batch[input_key(fmt.name, name)] = torch.from_numpy(empty)

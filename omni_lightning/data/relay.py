@@ -16,6 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from omni_lightning.batch import PackingSpec, input_key
+from omni_lightning.data.position import DataPosition
 
 __all__ = ["StageRelay", "payload_keys", "without_payloads"]
 
@@ -60,6 +61,15 @@ class StageRelay:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stream.load_state_dict(state)
         self._state = state
+
+    def start_position(self) -> DataPosition:
+        return self.stream.start_position()
+
+    def resume_from(self, position: DataPosition) -> DataPosition:
+        """Every stage starts its stream over from ``position`` (stage 0 reads it; the others restore from it)."""
+        mine = self.stream.resume_from(position)
+        self._state = self.stream.state_dict()
+        return mine
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self._send() if self.is_source else self._receive()

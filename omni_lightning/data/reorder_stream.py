@@ -27,6 +27,7 @@ from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.digest import plan_digest
 from omni_lightning.balance.reorder import GroupPlan, PipelineOrder, ReorderConfig, plan_in_place, plan_reorder_group
 from omni_lightning.batch import IGNORE_INDEX, PackingSpec, PendingMedia
+from omni_lightning.data.failure_notice import FailureNotice
 from omni_lightning.data.packing import (
     DecodedSample,
     data_counts,
@@ -35,6 +36,7 @@ from omni_lightning.data.packing import (
     sample_features,
     sample_layout,
 )
+from omni_lightning.data.position import POSITION_DELTA_KEY, DataPosition, PositionDelta, PositionMismatch
 from omni_lightning.data.streaming import BadSample
 from omni_lightning.modalities import DEFAULT_PACKING
 from omni_lightning.parallel.agreement import check_plans_agree
@@ -150,8 +152,8 @@ def _arrays(sample: DecodedSample) -> list[np.ndarray]:
 
 class _Wire:
     """A sample as the payload exchange sends it: each array's raw bytes at an aligned offset, then a pickled
-    header (key, metadata, array layouts, a rendered sample's media order), then the header's length in the last 8
-    bytes. A rendered sample's targets travel as its last array.
+    header (key, metadata, array layouts, a rendered sample's media order, its source), then the header's length in
+    the last 8 bytes. A rendered sample's targets travel as its last array.
 
     Its size is known before the plan, so it travels with the gathered metadata and the receiver needs no separate
     size exchange; the receiver's arrays are views of the received bytes, not copies made by unpickling.
@@ -167,7 +169,7 @@ class _Wire:
         pending = [(item.shape, item.member) if isinstance(item, PendingMedia) else None
                    for items in sample.media.values() for item in items]
         self.header = pickle.dumps((sample.key, sample.meta, counts, layouts, pending, sample.media_order,
-                                    sample.targets is not None), protocol=pickle.HIGHEST_PROTOCOL)
+                                    sample.targets is not None, sample.source), protocol=pickle.HIGHEST_PROTOCOL)
         self.nbytes = offset + _aligned(len(self.header) + 8)
 
     def write(self, out: memoryview, start: int) -> None:
@@ -186,7 +188,8 @@ class _Wire:
         """The sample written at ``data[start : start + nbytes]``; its arrays are views of ``data``."""
         end = start + nbytes
         length = int.from_bytes(data[end - 8 : end], "little")
-        key, meta, counts, layouts, pending, media_order, rendered = pickle.loads(data[end - 8 - length : end - 8])
+        key, meta, counts, layouts, pending, media_order, rendered, source = pickle.loads(
+            data[end - 8 - length : end - 8])
         arrays: list[Any] = [np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=start + offset).reshape(
             shape) for dtype, shape, offset in layouts]
         for index, promise in enumerate(pending, start=1):  # still encoded: bytes and the shape planned for them
@@ -196,7 +199,7 @@ class _Wire:
         for name, count in counts:
             media[name], next_array = arrays[next_array : next_array + count], next_array + count
         return DecodedSample(key=key, tokens=arrays[0], meta=meta, media=media,
-                             targets=arrays[-1] if rendered else None, media_order=media_order)
+                             targets=arrays[-1] if rendered else None, media_order=media_order, source=source)
 
 
 class ReorderedStream:
@@ -210,6 +213,9 @@ class ReorderedStream:
         settings: see :class:`ReorderSettings`.
         seed: seeds tie-breaking.
         packing: how samples pack into micro-batches (and whose encoders the cost model prices).
+        decode: decodes a planned sample's pending media (after the plan, by the rank that trains it).
+        notice: the job's failure notice: this rank posts its reading errors there, and waits for the others'
+            metadata only until one of them posts its own (``None`` in a one-process run).
 
     ``state_dict()`` is the position after the last micro-batch yielded: the loader state where the current
     group began, the samples carried into it, the counters then, and how many of its micro-batches were handed
@@ -228,9 +234,11 @@ class ReorderedStream:
         seed: int = 0,
         packing: PackingSpec = DEFAULT_PACKING,
         decode: Callable[[DecodedSample], DecodedSample] | None = None,
+        notice: FailureNotice | None = None,
     ) -> None:
         self.loader = loader
         self.decode = decode
+        self.notice = notice
         self._decoders: ThreadPoolExecutor | None = None
         self.group = group
         self.group_index = group_index
@@ -257,6 +265,25 @@ class ReorderedStream:
         self._state = dict(state)
         self.counters.update(state["counters"])
 
+    def start_position(self) -> DataPosition:
+        """The rank-independent position of a stream that has read nothing (an untracked one where the samples come
+        from a custom ``train_samples()`` without shard positions)."""
+        samples = getattr(self.loader, "dataset", None)
+        if callable(getattr(samples, "start_position", None)):
+            return samples.start_position()
+        return DataPosition(digest="", tracked=False)
+
+    def resume_from(self, position: DataPosition) -> DataPosition:
+        """Start over from a position saved under another number of ranks: the sample stream reads this rank's
+        shards skipping what was trained; no group is under way, nothing carried."""
+        samples = getattr(self.loader, "dataset", None)
+        if not callable(getattr(samples, "resume_from", None)):
+            raise PositionMismatch("this rank's samples (a custom train_samples()) cannot start from a shard position")
+        mine = samples.resume_from(position)
+        self._state = {"loader": self.loader.state_dict(), "carry": [], "group": 0,
+                       "counters": dict(self.counters), "yielded": 0}
+        return mine
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._decoders is not None:  # a re-iteration abandons the group being decoded
             self._decoders.shutdown(wait=True, cancel_futures=True)
@@ -273,9 +300,10 @@ class ReorderedStream:
             }
             started = time.perf_counter()
             samples = [pickle.loads(b) for b in carry]
-            failure = None
+            failure, fresh = None, []
             try:
-                samples += [self._admit(next(records)) for _ in range(self._fresh_count(len(carry)))]
+                fresh = [next(records) for _ in range(self._fresh_count(len(carry)))]
+                samples += [self._admit(record) for record in fresh]
             except Exception as error:  # a setting the data contradicts: every member of the group must stop
                 failure, samples = error, []
             # Only a group of ranks that plans moves can send a payload; others skip serialising.
@@ -295,8 +323,15 @@ class ReorderedStream:
             self.counters["samples_moved"] += plan.samples_moved
             self.counters["bytes_moved"] += plan.bytes_moved
             yielded = 0
+            # Skips while reading count in the group's first step (they happened while reading it).
+            read_skips = self.counters["skipped"] - group_start["counters"]["skipped"]
             decoded = self._decode_in_background(everything, plan.micro_batches[rank])
+            deltas = self._position_deltas(fresh, samples[len(samples) - len(fresh):], local, plan)
             for step, micro_batches in enumerate(plan.micro_batches[rank]):
+                trained = [[s for s in (self._take(decoded, i) for i in ids) if s is not None] for ids in micro_batches]
+                # A payload that did not decode as planned is skipped in the step that planned it.
+                decode_skips = sum(len(ids) for ids in micro_batches) - sum(len(s) for s in trained)
+                self.counters["skipped"] += decode_skips
                 step_mean = float(plan.step_cost[:, step].mean()) or 1.0
                 encoder, llm = self._module_costs(gathered, [i for ids in micro_batches for i in ids])
                 stats = {  # relative to the step's mean over the reorder group's ranks
@@ -307,31 +342,43 @@ class ReorderedStream:
                     "reorder_seconds": seconds,
                     **{k: float(v) for k, v in self.counters.items()},
                 }
-                trained = [[s for s in (self._take(decoded, i) for i in ids) if s is not None] for ids in micro_batches]
                 packed = [_pack(samples, self.packing) for samples in trained]
-                # The group's skips count in its first step (they happened while reading it).
-                skipped = self.counters["skipped"] - group_start["counters"]["skipped"] if step == 0 else 0
-                skipped += sum(len(ids) for ids in micro_batches) - sum(len(s) for s in trained)
                 counts = data_counts([s for samples in trained for s in samples], packed, self.packing,
-                                     skipped=skipped)
+                                     skipped=(read_skips if step == 0 else 0) + decode_skips)
                 # The module divides by the step's loss tokens (all micro-batches, all ranks), not each micro-batch's,
                 # so accumulated gradients equal one pass over the whole step however the samples were split.
-                step = {"loss_tokens": sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in packed),
-                        "micro_batches": len(packed)}
+                totals = {"loss_tokens": sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in packed),
+                          "micro_batches": len(packed)}
+                delta = {POSITION_DELTA_KEY: deltas[step]}  # rides the step's first batch
                 if self.settings.pp > 1:  # a pipeline schedule takes the whole step at once, in 1F1B order
                     yielded += len(packed)
                     self._state = {**group_start, "yielded": yielded}
                     if yielded > skip:
                         yield {"micro_batches": packed, "num_samples": sum(b["num_samples"] for b in packed),
-                               "reorder": stats, "step": step, "data": counts}
+                               "reorder": stats, "step": totals, "data": counts, **delta}
                     continue
                 for batch in packed:
                     yielded += 1
                     self._state = {**group_start, "yielded": yielded}
-                    if yielded <= skip:
-                        continue
-                    yield {**batch, "reorder": stats, "step": step, "data": counts}
+                    if yielded > skip:
+                        yield {**batch, "reorder": stats, "step": totals, "data": counts, **delta}
+                    delta = {}
             group_number, skip = group_number + 1, 0
+
+    def _position_deltas(self, fresh: list[DecodedSample | BadSample], admitted: list[DecodedSample | None],
+                         local: dict[int, DecodedSample], plan: GroupPlan) -> list[PositionDelta]:
+        """What each step of the group moves this rank's position by (see :mod:`~omni_lightning.data.position`):
+        the records read for the group, and those skipped while reading, in the first step; in every step, this
+        rank's samples that train in it, on whichever rank. Its leftovers stay pending."""
+        skipped = [record.source for record, sample in zip(fresh, admitted, strict=True) if sample is None]
+        deltas = []
+        for step in range(self.settings.group_steps):
+            trained = [local[i].source for steps in plan.micro_batches for ids in steps[step] for i in ids
+                       if i in local]
+            first = step == 0
+            deltas.append(PositionDelta(read=[r.source for r in fresh] if first else (),
+                                        trained=trained + skipped if first else trained))
+        return deltas
 
     # ------------------------------------------------------------------------------------------------ decoding
     def _decode_in_background(self, samples: dict[int, DecodedSample], steps: list[list[list[int]]]
@@ -395,12 +442,15 @@ class ReorderedStream:
     def _all_gather(self, rows: np.ndarray, failure: BaseException | None = None) -> np.ndarray:
         """Every member's rows, rank-major. Only integers travel: a few dozen bytes per sample.
 
-        A member whose reading failed says so in the same collective, so the others stop with it, quoting its
-        error, instead of waiting for it in the next one until the process group times out.
+        A member whose reading failed posts its error in the job's failure notice and raises it; the others, which
+        wait for it here, raise quoting it as soon as it is posted (see :mod:`~omni_lightning.data.failure_notice`)
+        instead of waiting until the process group times out.
         """
+        if failure is not None:
+            if self.notice is not None:
+                self.notice.post(failure)
+            raise failure
         if self.group is None:
-            if failure is not None:
-                raise failure
             return rows
         size, columns = dist.get_world_size(self.group), rows.shape[1]
         # A buffer holds a group's worth of samples, more only when more were carried in. So one collective of that
@@ -409,13 +459,13 @@ class ReorderedStream:
         block = self.settings.samples_per_step * self.settings.group_steps
         first = torch.zeros(block + 1, columns, dtype=torch.int64)
         first[0, 0] = rows.shape[0]
-        first[0, 1] = failure is not None
         first[1 : 1 + min(rows.shape[0], block)] = torch.from_numpy(rows[:block])
         out = torch.empty(size * (block + 1), columns, dtype=torch.int64)
-        all_gather_single(out, first, group=self.group)
+        if self.notice is None:
+            all_gather_single(out, first, group=self.group)
+        else:  # the ranks wait here for the slowest reader: in slices, reading the failure notice between them
+            self.notice.wait(all_gather_single(out, first, group=self.group, async_op=True))
         heads = out.view(size, block + 1, columns).numpy()
-        if heads[:, 0, 1].any():
-            self._fail_together(failure)
         lengths = heads[:, 0, 0].tolist()
         parts = [heads[r, 1 : 1 + min(n, block)] for r, n in enumerate(lengths)]
         longest = max(lengths)
@@ -428,18 +478,6 @@ class ReorderedStream:
             tail = tails.view(size, longest - block, columns).numpy()
             parts = [np.concatenate([parts[r], tail[r, : max(n - block, 0)]]) for r, n in enumerate(lengths)]
         return np.concatenate(parts)
-
-    def _fail_together(self, failure: BaseException | None) -> None:
-        """Raise on every member once one failed to read: the failed ones their own error, the others one naming
-        each failed member of the group and its error (gathered as text, which every member then holds)."""
-        messages: list[str | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(messages, None if failure is None else f"{type(failure).__name__}: {failure}",
-                               group=self.group)
-        if failure is not None:
-            raise failure
-        failed = "; ".join(f"rank {r} of the reorder group: {m}" for r, m in enumerate(messages) if m is not None)
-        raise RuntimeError(f"reorder group {self.group_index} stops: another member failed reading its samples "
-                           f"({failed})")
 
     def _plan(self, gathered: np.ndarray, group_number: int) -> GroupPlan:
         valid = np.flatnonzero(gathered[:, 0])

@@ -103,6 +103,8 @@ class OmniDataModule(WebDataModule):
             else 100); a value that contradicts the processor is an error.
         video_fps: frames per second sampled from video files (default: the processor's, else 2).
         video_max_frames: most frames sampled from one video (default: the processor's, else 32).
+        read_timeout: seconds a shard read may make no progress before the job fails, every rank quoting the
+            stalled rank's error (``None``: no limit). See :class:`~omni_lightning.datamodules.WebDataModule`.
         workload_balance: deprecated name of ``reorder`` (warns once).
         balance_group_size: deprecated name of ``reorder_group_size`` (warns once); a value other than its default
             (8) is the one used.
@@ -138,6 +140,7 @@ class OmniDataModule(WebDataModule):
         audio_frames_per_second: int | None = None,
         video_fps: float | None = None,
         video_max_frames: int | None = None,
+        read_timeout: float | None = 300.0,
         workload_balance: Literal["grouped", "none"] | None = None,
         balance_group_size: int | None = _DEFAULT_GROUP,
     ) -> None:
@@ -146,7 +149,7 @@ class OmniDataModule(WebDataModule):
             val_shards=val_shards, val_batches=val_batches, patch_size=patch_size, vision_merge=vision_merge,
             audio_downsample=audio_downsample, processor=processor, layout=layout, caption_key=caption_key,
             audio_frames_per_second=audio_frames_per_second, video_fps=video_fps, video_max_frames=video_max_frames,
-            on_bad_sample=on_bad_sample,
+            on_bad_sample=on_bad_sample, read_timeout=read_timeout,
         )
         reorder = _renamed("workload_balance", workload_balance, None, "reorder", reorder, "grouped")
         reorder_group_size = _renamed("balance_group_size", balance_group_size, _DEFAULT_GROUP, "reorder_group_size",
@@ -274,6 +277,7 @@ class OmniDataModule(WebDataModule):
             existing_shards(self.shards), dp_rank=self.dp_rank, dp_size=self.dp_size, batch_size=1,
             num_workers=self.num_workers, seed=self.seed, packing=self.packing,
             on_bad_sample=self.on_bad_sample, tokenizer=self.tokenizer, reader=self.reader(),
+            read_timeout=self.read_timeout,
         )
 
     @override
@@ -295,6 +299,7 @@ class OmniDataModule(WebDataModule):
             seed=self.seed,
             packing=self.packing,
             decode=self.reader().decode,  # media the reader planned from headers, decoded after the plan
+            notice=self.failure_notice,
         )
         if self.relay_group is not None:  # encoders on stage 0 only: the other stages take shapes from it
             return ResumableLoader(StageRelay(stream, group=self.relay_group, spec=self.packing))

@@ -13,12 +13,13 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from typing_extensions import override
 
 from omni_lightning.batch import PackingSpec
+from omni_lightning.data.failure_notice import FailureNotice
 from omni_lightning.data.layouts import Layout, SampleReader
 from omni_lightning.data.media import AudioPolicy, ImagePolicy, VideoPolicy
 from omni_lightning.data.processor import DataProcessor, byte_processor, load_processor
 from omni_lightning.data.resumable import ResumableLoader
 from omni_lightning.data.shards import SyntheticShards, existing_shards, expand_shards, synthetic_target
-from omni_lightning.data.streaming import ShardStream, assign_shards
+from omni_lightning.data.streaming import ShardStream, assign_shards, check_read_timeout
 from omni_lightning.data.synthetic import make_synthetic_shards
 from omni_lightning.modalities import packing_spec
 from omni_lightning.models.config import ReferenceMLLMConfig
@@ -59,6 +60,14 @@ class WebDataModule(LightningDataModule):
         video_max_frames: most frames sampled from one video (the processor's where it has one, else 32).
         on_bad_sample: ``"skip"`` counts and logs a sample that cannot be used (``data/skipped``) and goes on,
             ``"error"`` stops at it, naming shard and sample.
+        read_timeout: seconds a shard read (its open, or any read) may make no progress before the job fails: the
+            rank raises ``StalledRead`` naming itself, the shard and the time waited, and every other rank stops
+            within seconds quoting it (through the rendezvous store), long before the process-group timeout.
+            ``None``: wait as long as the storage does.
+
+    Errors that stop this rank's reading (a stalled read, a setting the data contradicts, ``on_bad_sample="error"``)
+    stop every rank of the job: the failing rank posts its error in the rendezvous store before it raises, and the
+    others raise ``JobStopped`` quoting it (see :mod:`omni_lightning.data.failure_notice`).
 
     The data-parallel rank and size come from ``trainer.strategy.distributed_sampler_kwargs``, so TP/CP/PP peers
     of OmniStrategy read the same samples and any other strategy works too.
@@ -84,11 +93,14 @@ class WebDataModule(LightningDataModule):
         video_fps: float | None = None,
         video_max_frames: int | None = None,
         on_bad_sample: Literal["skip", "error"] = "skip",
+        read_timeout: float | None = 300.0,
     ) -> None:
         super().__init__()
         if on_bad_sample not in ("skip", "error"):
             raise ValueError(f"on_bad_sample={on_bad_sample!r} must be 'skip' or 'error'")
+        check_read_timeout(read_timeout)
         self.on_bad_sample = on_bad_sample
+        self.read_timeout = read_timeout
         self.data_processor: DataProcessor | None = load_processor(processor) if processor is not None else None
         # As given (None: the processor's), so that a processor adopted later (a checkpoint's) sets them too.
         self._given_sizes = {"patch_size": patch_size, "vision_merge": vision_merge,
@@ -113,6 +125,9 @@ class WebDataModule(LightningDataModule):
         self.dp_rank, self.dp_size = 0, 1
         # OmniStrategy hands its layout over before setup: the ranks, the pipeline, the model's packing and costs.
         self.omni_layout: OmniLayout | None = None
+        # The job's failure notice: OmniStrategy hands its own over; under another strategy setup makes one.
+        self.failure_notice: FailureNotice | None = None
+        self._owns_notice = False
 
     def _processor_sizes(self, **given: int | None) -> tuple[int, ...]:
         """``patch_size``, ``vision_merge`` and ``audio_frames_per_second``: as given, else the processor's, else 14,
@@ -177,12 +192,30 @@ class WebDataModule(LightningDataModule):
             if self.data_processor is None and source is not None:
                 self.use_processor(source)
             self._adopt_model_packing(module)
+        if self.failure_notice is None and (notice := FailureNotice.for_job()) is not None:
+            self.failure_notice, self._owns_notice = notice, True
+            notice.watch()
         # Settings that starve a rank's loader fail here, on every rank alike, rather than once the loop has started.
         if stage == "fit" and self.shards is not None:
             assign_shards(existing_shards(self.shards), dp_rank=self.dp_rank, dp_size=self.dp_size,
                           num_workers=self.num_workers)
         if self.val_shards is not None and stage in ("fit", "validate"):
             assign_shards(existing_shards(self.val_shards), dp_rank=self.dp_rank, dp_size=self.dp_size)
+
+    @override
+    def teardown(self, stage: str) -> None:
+        if self._owns_notice and self.failure_notice is not None:
+            self.failure_notice.stop_watching()
+            self.failure_notice, self._owns_notice = None, False
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Under a launcher that is not OmniStrategy's (which raises JobStopped itself), say which rank failed first.
+        notice = self.failure_notice if self._owns_notice else None
+        if notice is not None and (stopped := notice.stopped_by_another_rank(exception)) is not None:
+            log.error("%s", stopped)
+            if hasattr(exception, "add_note"):
+                exception.add_note(str(stopped))
 
     def use_processor(self, path: str) -> None:
         """Read text and media as the processor at ``path`` does (a checkpoint's own, when none was given): its
@@ -245,12 +278,14 @@ class WebDataModule(LightningDataModule):
             max_batches=max_batches,
             reader=self.reader(),
             on_bad_sample=self.on_bad_sample,
+            read_timeout=self.read_timeout,
         )
 
     @override
     def train_dataloader(self) -> ResumableLoader:
         return ResumableLoader(
-            StatefulDataLoader(self.stream(self.shards), batch_size=None, num_workers=self.num_workers)
+            StatefulDataLoader(self.stream(self.shards), batch_size=None, num_workers=self.num_workers),
+            notice=self.failure_notice,
         )
 
     @override

@@ -16,6 +16,7 @@ stays the latest.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from dataclasses import asdict
@@ -35,10 +36,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from omni_lightning.data.position import DataPosition, merge_positions
 from omni_lightning.parallel.dims import ParallelDims
 
 __all__ = ["LOADER_STATE_PATH", "dims_record", "get_path", "load_sharded_checkpoint", "loader_state_for_rank",
            "optimizer_state_by_name", "partial_path", "publish_checkpoint", "remove_path"]
+
+log = logging.getLogger(__name__)
 
 # Where Lightning keeps the train loader state inside a checkpoint (written from rank 0 only).
 LOADER_STATE_PATH = ("loops", "fit_loop", "state_dict", "combined_loader")
@@ -102,25 +106,19 @@ def remove_path(path: Path) -> None:
 def loader_state_for_rank(saved: dict[str, Any], dp_rank: int, dp_size: int, *, encoder_pool: bool = False) -> Any:
     """The loader state a resuming data-parallel rank continues from, or ``None`` to restart its stream.
 
-    Ranks are matched by data-parallel rank (TP/CP/PP peers share a stream), so any layout with the same
-    data-parallel size resumes exactly: the same samples in the same order as an uninterrupted run.
+    With the same data-parallel size, ranks are matched by data-parallel rank (TP/CP/PP peers share a stream), so any
+    layout resumes exactly: the same samples in the same order as an uninterrupted run.
 
-    With another data-parallel size (another world size, or the same one with other degrees) each rank reads other
-    shards (``shards[dp_rank::dp_size]``) and no saved position applies: every rank restarts its stream from the
-    beginning of the data (epoch 0), as a fresh run under the new layout would, with a warning; model, optimizer and
-    step count are still restored. What that guarantees: no sample is lost (the first epoch after the resume trains
-    every sample once), and the samples the interrupted epoch had trained before the checkpoint are trained once
-    more (none when the checkpoint fell on an epoch boundary of every rank). Mapping positions exactly would need a
-    new rank to finish the streams of the old ranks it inherits, whose epochs, shuffles and reorder groups differ.
+    With another data-parallel size (another world size, or the same one with other degrees) every rank gets the
+    merged rank-independent position of all the saved ranks (:mod:`omni_lightning.data.position`): each reads its new
+    share of the shards from it, skipping what was trained, so the rest of the epoch trains every sample the
+    interrupted run had not trained exactly once. A checkpoint whose loader states hold no such position (written
+    before they did, or from a custom ``train_samples()``) resumes the old way, with a warning: every rank restarts its
+    stream from the beginning of the data; model, optimizer and step count are still restored.
     """
     saved_dp = saved["parallel_dims"]["dp"]
     if saved_dp != dp_size:
-        rank_zero_warn(
-            f"the checkpoint was written with {saved_dp} data-parallel ranks and this run has {dp_size}: loader "
-            "positions cannot be mapped, so every data-parallel rank restarts its shard stream from the beginning "
-            "(model, optimizer and step count are restored)"
-        )
-        return None
+        return _resized_loader_state(saved, saved_dp, dp_size)
     # An LLM rank resumes from an LLM rank's stream; an encoder-pool rank, which reads a copy of a stream to keep the
     # pools' epochs in step, from that stream (a checkpoint of the other placement holds no encoder-pool ranks).
     saved_ranks = [rank for rank in saved["ranks"] if rank["dp_rank"] == dp_rank]
@@ -129,6 +127,35 @@ def loader_state_for_rank(saved: dict[str, Any], dp_rank: int, dp_size: int, *, 
     if state is None:
         raise ValueError(f"the checkpoint holds no loader state for data-parallel rank {dp_rank} of {dp_size}")
     return state["loader"]
+
+
+def _resized_loader_state(saved: dict[str, Any], saved_dp: int, dp_size: int) -> Any:
+    """Every train loader's merged position (one per loader of Lightning's combined loader), or ``None`` (warned)."""
+    states = [rank["loader"] for rank in saved["ranks"]]
+    positions = [[loader.get("position") if isinstance(loader, dict) else None for loader in state or [None]]
+                 for state in states]
+    why = None
+    if any(p is None for ranks in positions for p in ranks) or len({len(ranks) for ranks in positions}) != 1:
+        why = "its loader states hold no shard positions (written before they did, or resumed from such a one)"
+    else:
+        try:
+            merged = [merge_positions(DataPosition.from_state(ranks[i]) for ranks in positions)
+                      for i in range(len(positions[0]))]
+        except ValueError as error:
+            why = str(error)
+        else:
+            if not all(m.tracked for m in merged):
+                why = "its samples came from a custom train_samples() that records no shard positions"
+    if why is not None:
+        rank_zero_warn(
+            f"the checkpoint was written with {saved_dp} data-parallel ranks and this run has {dp_size}, and {why}: "
+            "it resumes the old way, every data-parallel rank restarting its shard stream from the beginning (model, "
+            "optimizer and step count are restored)"
+        )
+        return None
+    log.info("resized: %d -> %d data-parallel ranks; each rank resumes its new share of the shards from the positions "
+             "the %d saved ranks recorded", saved_dp, dp_size, saved_dp)
+    return [{"resume_from": m.to_state()} for m in merged]
 
 
 def dims_record(dims: ParallelDims) -> dict[str, int]:

@@ -19,13 +19,15 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from omni_lightning.data.failure_notice import FailureNotice
 from omni_lightning.data.resumable import commit_consumed
 from omni_lightning.datamodules.omni import OmniDataModule
+from omni_lightning.datamodules.web import WebDataModule
 from omni_lightning.deprecations import warn_renamed
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import ReferenceMLLM
@@ -50,7 +52,9 @@ from omni_lightning.strategies.checkpointing import (
     publish_checkpoint,
     remove_path,
 )
-from omni_lightning.strategies.launcher import NoWeightsMultiProcessingLauncher
+from omni_lightning.strategies.integrity import newest_verified, refuse_if_damaged, write_manifest_together
+from omni_lightning.strategies.launcher import InPlaceLauncher, NoWeightsMultiProcessingLauncher, SubprocessLauncher
+from omni_lightning.strategies.manifest import CheckpointNotSaved, LastVerified
 from omni_lightning.strategies.nonfinite import NonFiniteGuard, NonFinitePolicy
 from omni_lightning.strategies.pool_size import size_encoder_pool
 
@@ -187,6 +191,7 @@ class OmniStrategy(ModelParallelStrategy):
         self._parallel_dims: ParallelDims | None = None
         self._pool_layout: PoolLayout | None = None
         self._layout: OmniLayout | None = None
+        self.failure_notice: FailureNotice | None = None  # the job's, once the process group exists
 
     @classmethod
     @override
@@ -314,9 +319,9 @@ class OmniStrategy(ModelParallelStrategy):
         if not self.placement_settings.disaggregated or self.placement_settings.encoder_world_size is not None:
             _ = self.parallel_dims
         if self.cluster_environment.creates_processes_externally:
-            self._launcher = None
+            self._launcher = InPlaceLauncher()
         elif self._launcher_name == "subprocess":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = SubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = NoWeightsMultiProcessingLauncher(self, start_method=self._launcher_name)
 
@@ -340,10 +345,32 @@ class OmniStrategy(ModelParallelStrategy):
             module.omni_layout = layout
         if isinstance(datamodule := getattr(module.trainer, "datamodule", None), OmniDataModule):
             datamodule.omni_layout = layout
+        # Every rank learns of another's failure through the rendezvous store (see data/failure_notice.py).
+        self.failure_notice = FailureNotice.for_job()
+        if self.failure_notice is not None:
+            self.failure_notice.watch()
+        if isinstance(datamodule, WebDataModule):
+            datamodule.failure_notice = self.failure_notice
         self._layout = layout
         self._device_mesh = layout.meshes.world
         module._device_mesh = layout.meshes.world
         log.info("rank %d: %s", self.global_rank, f"encoder pool of {pool}" if layout.is_encoder_rank else dims)
+
+    @override
+    def teardown(self) -> None:
+        if self.failure_notice is not None:
+            self.failure_notice.stop_watching()
+        super().teardown()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Under torchrun, SLURM or the subprocess launcher the error raised is this rank's own (the fork and spawn
+        # launchers raise JobStopped instead): say which rank failed first and why.
+        if self.failure_notice is not None and (stopped := self.failure_notice.stopped_by_another_rank(exception)):
+            log.error("%s", stopped)
+            if hasattr(exception, "add_note"):
+                exception.add_note(str(stopped))
+        super().on_exception(exception)
 
     @property
     @override
@@ -437,8 +464,20 @@ class OmniStrategy(ModelParallelStrategy):
         if self.global_rank == 0:
             remove_path(partial)  # left by a save that was killed
         self.barrier("omni_checkpoint_start")
-        super().save_checkpoint(checkpoint, partial, storage_options)
-        self.barrier("omni_checkpoint_written")  # every rank's shards and rank 0's meta.pt are complete
+        try:
+            super().save_checkpoint(checkpoint, partial, storage_options)
+            self.barrier("omni_checkpoint_written")  # every rank's shards and rank 0's meta.pt are complete
+            if self._save_distributed_checkpoint:  # the manifest comes last: it vouches for every other file
+                write_manifest_together(self, partial, int(checkpoint.get("global_step", 0)))
+        except (Exception, CheckpointException) as error:  # a full disk, a write refused (DCP's exception is a
+            # BaseException): the job stops, the published checkpoints stay
+            failed = CheckpointNotSaved(
+                f"checkpoint {path} could not be saved ({type(error).__name__}: {error}); the checkpoints saved "
+                f"before it are intact (this one stays under the hidden name {partial.name} until a save replaces it)")
+            if self.failure_notice is not None:
+                self.failure_notice.post(failed)
+            raise failed from error
+        self.barrier("omni_checkpoint_complete")
         if self.global_rank == 0:
             publish_checkpoint(partial, path)
         self.barrier("omni_checkpoint_published")
@@ -452,7 +491,14 @@ class OmniStrategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(checkpoint_path))
+        """Verify the checkpoint against its manifest (refusing a damaged one, naming its files), or for
+        ``ckpt_path="last"`` pick the newest that verifies, then load it."""
+        requested = self.broadcast(checkpoint_path)
+        if isinstance(requested, LastVerified):
+            path = newest_verified(self, Path(requested))
+        else:
+            path = Path(requested)
+            refuse_if_damaged(self, path)
         if path.is_dir():  # sharded: optimizer state keyed by parameter name (see strategies/checkpointing.py)
             assert self.model is not None and self.lightning_module is not None
             checkpoint = load_sharded_checkpoint(path, self.model, self.optimizers,
