@@ -11,6 +11,12 @@ encoders), the items of all samples back to back in placeholder order. A pipelin
 A sample's sequence is ``[BOS]``, then for every modality in the spec's order each of its media items as that
 modality's placeholder token, once per encoder output (an image of ``h x w`` patches merged 2x2 gives ``h * w / 4``),
 then the text. Labels are the next token where that token is text, :data:`IGNORE_INDEX` elsewhere.
+
+Where a model *assembles* an encoder's outputs media item by media item before they fill the placeholders
+(LLaVA-OneVision unpads an image's tiles into one map with a newline per row, and pools a video's frames; a
+modality with :attr:`Modality.assembled_tokens`), a media item has that many placeholders instead, and the batch
+also carries, under :func:`media_key` ``(e)``, the list of encoder ``e``'s media items in placeholder order, each as
+``(modality name, MediaShape)``: what the model's assembly reads to lay their outputs out.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ __all__ = [
     "PackingSpec",
     "TokenRoles",
     "input_key",
+    "media_key",
     "media_shape",
 ]
 
@@ -94,6 +101,12 @@ def media_shape(item: Any) -> tuple[int, ...]:
 def input_key(encoder: str, name: str) -> str:
     """The key of encoder ``encoder``'s input ``name`` in a packed batch (``vision_patches``)."""
     return f"{encoder}_{name}"
+
+
+def media_key(encoder: str) -> str:
+    """The key of the list of encoder ``encoder``'s media items in a packed batch (``vision_media``), present where
+    the model assembles that encoder's outputs (see the module's docstring)."""
+    return f"{encoder}_media"
 
 
 @dataclass(frozen=True)
@@ -217,6 +230,9 @@ class Modality:
         item_tokens: the stem tokens of each encoder item a media item of that size becomes (a video of ``F``
             frames is ``ceil(F / temporal patch)`` items); the planners read sizes from metadata through it.
         build: the media item as encoder inputs, one array per input of its encoder's format, in that order.
+        assembled_tokens: where the model assembles a media item's encoder outputs into another sequence before
+            they fill its placeholders (LLaVA-OneVision's unpadded tiles with a newline per row, its pooled video
+            frames): that sequence's length, from the size alone. ``None``: one placeholder per encoder output.
     """
 
     name: str
@@ -224,6 +240,7 @@ class Modality:
     shape: Callable[[Any, PackingSpec], MediaShape]
     item_tokens: Callable[[MediaShape, PackingSpec], list[int]]
     build: Callable[[Any, PackingSpec], tuple[np.ndarray, ...]]
+    assembled_tokens: Callable[[MediaShape, PackingSpec], int] | None = None
 
 
 @dataclass(frozen=True)
@@ -287,7 +304,15 @@ class PackingSpec:
         """The placeholder ids whose positions take ``encoder``'s outputs (in sequence order, whichever the id)."""
         return tuple(sorted({self.roles.placeholder(m.name) for m in self.modalities if m.encoder == encoder}))
 
-    def placeholders(self, modality: Modality, shape: MediaShape) -> list[int]:
-        """Placeholder tokens (encoder outputs) of each encoder item of a media item of ``shape``."""
+    @property
+    def assembled_encoders(self) -> tuple[str, ...]:
+        """The encoders whose outputs the model assembles per media item (a packed batch lists their media)."""
+        return tuple(dict.fromkeys(m.encoder for m in self.modalities if m.assembled_tokens is not None))
+
+    def media_placeholders(self, modality: Modality, shape: MediaShape) -> int:
+        """Placeholder tokens of a media item of ``shape``: its encoder outputs, or as many as the model assembles
+        them into (:attr:`Modality.assembled_tokens`)."""
+        if modality.assembled_tokens is not None:
+            return modality.assembled_tokens(shape, self)
         merge = self.encoder(modality.encoder).tokens_per_output(self)
-        return [tokens // merge for tokens in modality.item_tokens(shape, self)]
+        return sum(tokens // merge for tokens in modality.item_tokens(shape, self))

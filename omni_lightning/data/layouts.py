@@ -280,7 +280,7 @@ class SampleReader:
         for ref in refs:
             index = seen[ref.modality] = seen.get(ref.modality, -1) + 1
             modality = by_name[ref.modality]
-            counts.append(sum(self.spec.placeholders(modality, modality.shape(media[ref.modality][index], self.spec))))
+            counts.append(self.spec.media_placeholders(modality, modality.shape(media[ref.modality][index], self.spec)))
         return counts
 
     def _rendered(self, key: str, rendered: RenderedDialogue, media: dict[str, list[Any]]) -> DecodedSample:
