@@ -26,17 +26,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "AnyResolution",
     "BYTE_ROLES",
     "Encoded",
     "EncoderOutputs",
     "IGNORE_INDEX",
     "MediaShape",
     "PendingMedia",
+    "SizedMedia",
     "EncoderFormat",
     "EncoderInput",
     "Modality",
@@ -46,6 +49,7 @@ __all__ = [
     "input_key",
     "media_key",
     "media_shape",
+    "media_source_size",
 ]
 
 IGNORE_INDEX = -100
@@ -86,16 +90,41 @@ MediaShape = tuple[int, ...]
 class PendingMedia:
     """A media item not decoded yet: its bytes and the array shape its header promises. Plans price it by that
     shape, so only the rank that trains it decodes it, after the plan
-    (:meth:`omni_lightning.data.layouts.SampleReader.decode`)."""
+    (:meth:`omni_lightning.data.layouts.SampleReader.decode`). ``source_size`` is its own size before the processor
+    resized it (an any-resolution image's ``(height, width)``), where its placeholders depend on it."""
 
     data: bytes
     shape: tuple[int, ...]
     member: str = ""
+    source_size: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class SizedMedia:
+    """A decoded media item with the size it had before the processor resized it: an any-resolution image's tiles
+    ``[n, h, w, 3]`` with the image's own ``(height, width)``, from which LLaVA-OneVision lays out their outputs.
+    Reads as its array (``np.asarray``)."""
+
+    array: np.ndarray
+    source_size: tuple[int, ...]
+
+    def __array__(self, dtype: npt.DTypeLike = None, copy: bool | None = None) -> np.ndarray:
+        array = self.array if dtype is None else self.array.astype(dtype, copy=False)
+        return array.copy() if copy else array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
 
 
 def media_shape(item: Any) -> tuple[int, ...]:
     """The array shape of a media item, decoded or pending."""
-    return tuple(item.shape) if isinstance(item, PendingMedia) else tuple(np.shape(item))
+    return tuple(item.shape) if isinstance(item, PendingMedia | SizedMedia) else tuple(np.shape(item))
+
+
+def media_source_size(item: Any) -> tuple[int, ...]:
+    """A media item's size before the processor resized it, where it carries one (else ``()``)."""
+    return tuple(item.source_size) if isinstance(item, PendingMedia | SizedMedia) else ()
 
 
 def input_key(encoder: str, name: str) -> str:
@@ -244,6 +273,27 @@ class Modality:
 
 
 @dataclass(frozen=True)
+class AnyResolution:
+    """LLaVA-OneVision's any-resolution layout (LLaVA-NeXT's, with its ``anyres_max`` bound): an image alone in its
+    sample is encoded whole at ``tile`` pixels, then fitted into the best of the ``pinpoints`` canvases
+    (``(height, width)``, whole tiles) and encoded tile by tile; the tiles' outputs are unpadded back to the image's
+    aspect, scaled down to about ``max_tiles`` tiles' worth and given a newline embedding per row. An image sharing
+    its sample is one tile with one newline; a video's frames are pooled 2x2 with one newline per video."""
+
+    tile: int
+    pinpoints: tuple[tuple[int, int], ...]
+    max_tiles: int
+
+    def __post_init__(self) -> None:
+        if self.tile < 1 or self.max_tiles < 1:
+            raise ValueError(f"tile={self.tile} and max_tiles={self.max_tiles} must be positive")
+        if not self.pinpoints or any(h < self.tile or w < self.tile or h % self.tile or w % self.tile
+                                     for h, w in self.pinpoints):
+            raise ValueError(f"image_grid_pinpoints {[list(p) for p in self.pinpoints]} must be whole multiples of "
+                             f"the tile side {self.tile}")
+
+
+@dataclass(frozen=True)
 class PackingSpec:
     """How samples pack into micro-batches: token roles, the modalities in sequence order, their encoders' formats,
     and the sizes the encoders cut media by (pixels per patch side, vision tokens merged into one, frames per
@@ -260,6 +310,8 @@ class PackingSpec:
     # How pixels are normalised into patches: the processor's mean and std (0.5 and 0.5: to [-1, 1]).
     pixel_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     pixel_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    # The model's any-resolution layout of images (LLaVA-OneVision), which its image and video modalities follow.
+    any_resolution: AnyResolution | None = None
 
     def __post_init__(self) -> None:
         for name in ("patch_size", "vision_merge", "temporal_patch_size", "audio_downsample"):
