@@ -634,6 +634,19 @@ def test_lora_trains_the_adapters_as_peft_does_under_fsdp_and_tp(name: str, tmp_
 
 
 @pytest.mark.distributed
+def test_lora_resumes_exactly_under_another_layout(tmp_path: Path, qwen2_5_vl: Path, pair_shards: str) -> None:
+    """Adapters trained sharded over 2 FSDP ranks x 2 TP ranks (their B matrices split with their projections),
+    resumed from step 3 replicated over 2 ranks x 2 TP ranks: their weights and AdamW moments come back, so steps
+    4-6 lose what the uninterrupted run lost."""
+    from lightning_runs import assert_resumes_under
+
+    assert_resumes_under(
+        tmp_path, pair_shards, Path("unused"), saved={"dp_shard": 2, "tp": 2}, resumed={"dp_replicate": 2, "tp": 2},
+        module=lambda: OmniModule(pretrained=str(qwen2_5_vl), lora=LORA, learning_rate=LEARNING_RATE),
+        datamodule=lambda: OmniDataModule(pair_shards, samples_per_step=2, group_steps=2))
+
+
+@pytest.mark.distributed
 def test_lora_exports_merged_or_as_a_peft_adapter(tmp_path: Path, qwen2_5_vl: Path, pair_shards: str) -> None:
     """Adapters trained on a frozen tower: --merge-lora writes the family's format with them folded in, and
     --adapter-only a peft adapter that PeftModel puts on the original checkpoint; both give the trained module's
