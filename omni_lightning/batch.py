@@ -11,6 +11,12 @@ encoders), the items of all samples back to back in placeholder order. A pipelin
 A sample's sequence is ``[BOS]``, then for every modality in the spec's order each of its media items as that
 modality's placeholder token, once per encoder output (an image of ``h x w`` patches merged 2x2 gives ``h * w / 4``),
 then the text. Labels are the next token where that token is text, :data:`IGNORE_INDEX` elsewhere.
+
+Where a model *assembles* an encoder's outputs media item by media item before they fill the placeholders
+(LLaVA-OneVision unpads an image's tiles into one map with a newline per row, and pools a video's frames; a
+modality with :attr:`Modality.assembled_tokens`), a media item has that many placeholders instead, and the batch
+also carries, under :func:`media_key` ``(e)``, the list of encoder ``e``'s media items in placeholder order, each as
+``(modality name, MediaShape)``: what the model's assembly reads to lay their outputs out.
 """
 
 from __future__ import annotations
@@ -20,17 +26,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "AnyResolution",
     "BYTE_ROLES",
     "Encoded",
     "EncoderOutputs",
     "IGNORE_INDEX",
     "MediaShape",
     "PendingMedia",
+    "SizedMedia",
     "EncoderFormat",
     "EncoderInput",
     "Modality",
@@ -38,7 +47,9 @@ __all__ = [
     "PackingSpec",
     "TokenRoles",
     "input_key",
+    "media_key",
     "media_shape",
+    "media_source_size",
 ]
 
 IGNORE_INDEX = -100
@@ -79,21 +90,52 @@ MediaShape = tuple[int, ...]
 class PendingMedia:
     """A media item not decoded yet: its bytes and the array shape its header promises. Plans price it by that
     shape, so only the rank that trains it decodes it, after the plan
-    (:meth:`omni_lightning.data.layouts.SampleReader.decode`)."""
+    (:meth:`omni_lightning.data.layouts.SampleReader.decode`). ``source_size`` is its own size before the processor
+    resized it (an any-resolution image's ``(height, width)``), where its placeholders depend on it."""
 
     data: bytes
     shape: tuple[int, ...]
     member: str = ""
+    source_size: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class SizedMedia:
+    """A decoded media item with the size it had before the processor resized it: an any-resolution image's tiles
+    ``[n, h, w, 3]`` with the image's own ``(height, width)``, from which LLaVA-OneVision lays out their outputs.
+    Reads as its array (``np.asarray``)."""
+
+    array: np.ndarray
+    source_size: tuple[int, ...]
+
+    def __array__(self, dtype: npt.DTypeLike = None, copy: bool | None = None) -> np.ndarray:
+        array = self.array if dtype is None else self.array.astype(dtype, copy=False)
+        return array.copy() if copy else array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
 
 
 def media_shape(item: Any) -> tuple[int, ...]:
     """The array shape of a media item, decoded or pending."""
-    return tuple(item.shape) if isinstance(item, PendingMedia) else tuple(np.shape(item))
+    return tuple(item.shape) if isinstance(item, PendingMedia | SizedMedia) else tuple(np.shape(item))
+
+
+def media_source_size(item: Any) -> tuple[int, ...]:
+    """A media item's size before the processor resized it, where it carries one (else ``()``)."""
+    return tuple(item.source_size) if isinstance(item, PendingMedia | SizedMedia) else ()
 
 
 def input_key(encoder: str, name: str) -> str:
     """The key of encoder ``encoder``'s input ``name`` in a packed batch (``vision_patches``)."""
     return f"{encoder}_{name}"
+
+
+def media_key(encoder: str) -> str:
+    """The key of the list of encoder ``encoder``'s media items in a packed batch (``vision_media``), present where
+    the model assembles that encoder's outputs (see the module's docstring)."""
+    return f"{encoder}_media"
 
 
 @dataclass(frozen=True)
@@ -217,6 +259,9 @@ class Modality:
         item_tokens: the stem tokens of each encoder item a media item of that size becomes (a video of ``F``
             frames is ``ceil(F / temporal patch)`` items); the planners read sizes from metadata through it.
         build: the media item as encoder inputs, one array per input of its encoder's format, in that order.
+        assembled_tokens: where the model assembles a media item's encoder outputs into another sequence before
+            they fill its placeholders (LLaVA-OneVision's unpadded tiles with a newline per row, its pooled video
+            frames): that sequence's length, from the size alone. ``None``: one placeholder per encoder output.
     """
 
     name: str
@@ -224,6 +269,28 @@ class Modality:
     shape: Callable[[Any, PackingSpec], MediaShape]
     item_tokens: Callable[[MediaShape, PackingSpec], list[int]]
     build: Callable[[Any, PackingSpec], tuple[np.ndarray, ...]]
+    assembled_tokens: Callable[[MediaShape, PackingSpec], int] | None = None
+
+
+@dataclass(frozen=True)
+class AnyResolution:
+    """LLaVA-OneVision's any-resolution layout (LLaVA-NeXT's, with its ``anyres_max`` bound): an image alone in its
+    sample is encoded whole at ``tile`` pixels, then fitted into the best of the ``pinpoints`` canvases
+    (``(height, width)``, whole tiles) and encoded tile by tile; the tiles' outputs are unpadded back to the image's
+    aspect, scaled down to about ``max_tiles`` tiles' worth and given a newline embedding per row. An image sharing
+    its sample is one tile with one newline; a video's frames are pooled 2x2 with one newline per video."""
+
+    tile: int
+    pinpoints: tuple[tuple[int, int], ...]
+    max_tiles: int
+
+    def __post_init__(self) -> None:
+        if self.tile < 1 or self.max_tiles < 1:
+            raise ValueError(f"tile={self.tile} and max_tiles={self.max_tiles} must be positive")
+        if not self.pinpoints or any(h < self.tile or w < self.tile or h % self.tile or w % self.tile
+                                     for h, w in self.pinpoints):
+            raise ValueError(f"image_grid_pinpoints {[list(p) for p in self.pinpoints]} must be whole multiples of "
+                             f"the tile side {self.tile}")
 
 
 @dataclass(frozen=True)
@@ -243,6 +310,8 @@ class PackingSpec:
     # How pixels are normalised into patches: the processor's mean and std (0.5 and 0.5: to [-1, 1]).
     pixel_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     pixel_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    # The model's any-resolution layout of images (LLaVA-OneVision), which its image and video modalities follow.
+    any_resolution: AnyResolution | None = None
 
     def __post_init__(self) -> None:
         for name in ("patch_size", "vision_merge", "temporal_patch_size", "audio_downsample"):
@@ -287,7 +356,15 @@ class PackingSpec:
         """The placeholder ids whose positions take ``encoder``'s outputs (in sequence order, whichever the id)."""
         return tuple(sorted({self.roles.placeholder(m.name) for m in self.modalities if m.encoder == encoder}))
 
-    def placeholders(self, modality: Modality, shape: MediaShape) -> list[int]:
-        """Placeholder tokens (encoder outputs) of each encoder item of a media item of ``shape``."""
+    @property
+    def assembled_encoders(self) -> tuple[str, ...]:
+        """The encoders whose outputs the model assembles per media item (a packed batch lists their media)."""
+        return tuple(dict.fromkeys(m.encoder for m in self.modalities if m.assembled_tokens is not None))
+
+    def media_placeholders(self, modality: Modality, shape: MediaShape) -> int:
+        """Placeholder tokens of a media item of ``shape``: its encoder outputs, or as many as the model assembles
+        them into (:attr:`Modality.assembled_tokens`)."""
+        if modality.assembled_tokens is not None:
+            return modality.assembled_tokens(shape, self)
         merge = self.encoder(modality.encoder).tokens_per_output(self)
-        return [tokens // merge for tokens in modality.item_tokens(shape, self)]
+        return sum(tokens // merge for tokens in modality.item_tokens(shape, self))

@@ -107,8 +107,16 @@ def _write_model(model: nn.Module, built: Any, config: Any, out: Path) -> None:
 
     hf = getattr(transformers, hf_class_of(built.family))._from_config(config)
     state = model.state_dict()
-    hf.load_state_dict({hf_name: state[name] for name, hf_name in built.checkpoint_names.items() if hf_name},
-                       strict=True)
+    hf_state = {hf_name: state[name] for name, hf_name in built.checkpoint_names.items() if hf_name}
+    # A tied weight is stored under its first name (build_pretrained), but the family's state dict names it under
+    # each of its names (an embedding tied to the LM head): every name takes it.
+    aliases: dict[int, list[str]] = {}
+    for hf_name, tensor in hf.state_dict(keep_vars=True).items():
+        aliases.setdefault(id(tensor), []).append(hf_name)
+    for names in aliases.values():
+        if given := [hf_state[n] for n in names if n in hf_state]:
+            hf_state.update(dict.fromkeys(names, given[0]))
+    hf.load_state_dict(hf_state, strict=True)
     dtype = getattr(config, "dtype", None)
     if isinstance(dtype, torch.dtype) or isinstance(dtype, str) and dtype != "auto":
         hf.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)

@@ -8,10 +8,17 @@ attention item, so with a temporal patch of 1 every frame is encoded as an image
 patch with copies of itself, as Qwen2-VL does. A clip is a log-mel spectrogram ``[frames, n_mels]`` whose frames are
 a multiple of the audio downsampling. :func:`packing_spec` builds a :class:`~omni_lightning.batch.PackingSpec` of
 these, plus any further modalities and encoders a user adds.
+
+Under LLaVA-OneVision's any-resolution layout (:class:`~omni_lightning.batch.AnyResolution`), an image comes as its
+tiles with its own size (:class:`~omni_lightning.batch.SizedMedia`, as the data module's reader decodes it), each
+tile an encoder item of one tower-sized patch grid, and its placeholders are as many as the model assembles the
+tiles' outputs into (:data:`ANY_RESOLUTION_IMAGE`); a video's frames are items of the same grid, pooled 2x2 with
+one newline (:data:`POOLED_VIDEO`). The counts are those of ``LlavaOnevisionProcessor``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,6 +26,7 @@ import numpy as np
 
 from omni_lightning.batch import (
     BYTE_ROLES,
+    AnyResolution,
     EncoderFormat,
     EncoderInput,
     MediaShape,
@@ -27,9 +35,11 @@ from omni_lightning.batch import (
     PendingMedia,
     TokenRoles,
     media_shape,
+    media_source_size,
 )
 
-__all__ = ["AUDIO", "AUDIO_ENCODER", "DEFAULT_PACKING", "IMAGE", "VIDEO", "VISION_ENCODER", "packing_spec", "patchify"]
+__all__ = ["ANY_RESOLUTION_IMAGE", "AUDIO", "AUDIO_ENCODER", "DEFAULT_PACKING", "IMAGE", "POOLED_VIDEO", "VIDEO",
+           "VISION_ENCODER", "best_canvas", "packing_spec", "patchify"]
 
 _CHANNELS = 3
 
@@ -190,21 +200,115 @@ def _clip_inputs(mel: Any, spec: PackingSpec) -> tuple[np.ndarray, ...]:
     return np.asarray(mel, dtype=np.float32), np.array([mel.shape[0]], dtype=np.int64)
 
 
+# ------------------------------------------------------------------------ LLaVA-OneVision's any-resolution layout
+
+
+def best_canvas(height: int, width: int, pinpoints: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """The any-resolution canvas ``(height, width)`` for an image: the pinpoint keeping the most of its pixels once
+    fitted inside, then the one wasting least (transformers' ``select_best_resolution``, same arithmetic)."""
+    best, most_kept, least_wasted = pinpoints[0], 0, math.inf
+    for canvas_h, canvas_w in pinpoints:
+        scale = min(canvas_w / width, canvas_h / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        wasted = canvas_w * canvas_h - kept
+        if kept > most_kept or (kept == most_kept and wasted < least_wasted):
+            best, most_kept, least_wasted = (canvas_h, canvas_w), kept, wasted
+    return best
+
+
+def _layout(spec: PackingSpec) -> AnyResolution:
+    if spec.any_resolution is None:
+        raise ValueError("this modality follows an any-resolution layout, which the packing does not have "
+                         "(PackingSpec.any_resolution)")
+    return spec.any_resolution
+
+
+def _tower_grid(rows: int, cols: int, spec: PackingSpec, what: str) -> None:
+    side = _layout(spec).tile // spec.patch_size
+    if (rows, cols) != (side, side):
+        raise ValueError(f"{what} of {rows}x{cols} patches, but the model's vision tower sees {side}x{side} "
+                         f"({_layout(spec).tile}-pixel tiles in {spec.patch_size}-pixel patches): read the data with "
+                         "the checkpoint's own processor")
+
+
+def _tiled_image_shape(image: Any, spec: PackingSpec) -> MediaShape:
+    """``(tiles, rows, cols, height, width)``: the tiles' patch grid and the image's own size."""
+    shape, source = media_shape(image), media_source_size(image)
+    if len(shape) != 4 or shape[3] != _CHANNELS or shape[0] < 1 or len(source) != 2 or min(source) < 1:
+        raise ValueError(f"an any-resolution image must be its tiles [tiles >= 1, height, width, 3] with its own "
+                         f"(height, width), as the data module's reader decodes it; got shape {list(shape)} and "
+                         f"size {list(source)}")
+    tiles, (rows, cols), (height, width) = shape[0], _grid(shape[1], shape[2], spec, "an image tile"), source
+    _tower_grid(rows, cols, spec, "an image tile")
+    layout = _layout(spec)
+    canvas_h, canvas_w = best_canvas(height, width, layout.pinpoints)
+    alone = 1 + (canvas_h // layout.tile) * (canvas_w // layout.tile)
+    if tiles not in (1, alone):
+        raise ValueError(f"a {height}x{width} image has {tiles} tiles, but the model's image_grid_pinpoints give it "
+                         f"1 (sharing its sample) or {alone} (alone): read the data with the checkpoint's processor")
+    return tiles, rows, cols, height, width
+
+
+def _tiled_image_tokens(shape: MediaShape, spec: PackingSpec) -> int:
+    """LLaVA-OneVision's image features (``pack_image_features``; ``LlavaOnevisionProcessor`` counts the same): the
+    whole image's tile, then the canvas' tiles as one map unpadded to the image's aspect, scaled down where it
+    exceeds ``max_tiles`` tiles by more than 10%, a newline after each row. A tile sharing its sample: one newline."""
+    tiles, rows, cols, height, width = shape
+    if tiles == 1:
+        return rows * cols + 1
+    layout = _layout(spec)
+    canvas_h, canvas_w = best_canvas(height, width, layout.pinpoints)
+    current_h, current_w = rows * (canvas_h // layout.tile), cols * (canvas_w // layout.tile)
+    if width / height > current_w / current_h:  # padded above and below
+        current_h -= 2 * ((current_h - int(round(height * (current_w / width), 7))) // 2)
+    else:
+        current_w -= 2 * ((current_w - int(round(width * (current_h / height), 7))) // 2)
+    ratio = math.sqrt(current_h * current_w / (layout.max_tiles * rows * cols))
+    if ratio > 1.1:
+        current_h, current_w = int(current_h // ratio), int(current_w // ratio)
+    return rows * cols + current_h * (current_w + 1)
+
+
+def _tower_video_shape(video: Any, spec: PackingSpec) -> MediaShape:
+    frames, rows, cols = _video_shape(video, spec)
+    if spec.temporal_patch_size != 1:
+        raise ValueError(f"pooled video frames are encoded one by one, not in temporal patches of "
+                         f"{spec.temporal_patch_size}")
+    _tower_grid(rows, cols, spec, "a video frame")
+    return frames, rows, cols
+
+
+def _pooled_video_tokens(shape: MediaShape, spec: PackingSpec) -> int:
+    """Each frame's features pooled 2x2 (bilinear, sides rounded up), then one newline for the whole video."""
+    frames, rows, cols = shape
+    return frames * -(-rows // 2) * -(-cols // 2) + 1
+
+
 IMAGE = Modality(name="image", encoder="vision", shape=_image_shape, item_tokens=_image_items, build=_image_inputs)
 VIDEO = Modality(name="video", encoder="vision", shape=_video_shape, item_tokens=_video_items, build=_video_inputs)
 AUDIO = Modality(name="audio", encoder="audio", shape=_audio_shape, item_tokens=_clip_items, build=_clip_inputs)
+ANY_RESOLUTION_IMAGE = Modality(name="image", encoder="vision", shape=_tiled_image_shape, item_tokens=_image_items,
+                                build=_image_inputs, assembled_tokens=_tiled_image_tokens)
+POOLED_VIDEO = Modality(name="video", encoder="vision", shape=_tower_video_shape, item_tokens=_video_items,
+                        build=_video_inputs, assembled_tokens=_pooled_video_tokens)
 
 
 def packing_spec(*, patch_size: int = 14, vision_merge: int = 4, temporal_patch_size: int = 1,
                  audio_downsample: int = 4, roles: TokenRoles = BYTE_ROLES, extra_modalities: Sequence[Modality] = (),
-                 extra_encoders: Sequence[EncoderFormat] = ()) -> PackingSpec:
+                 extra_encoders: Sequence[EncoderFormat] = (), any_resolution: AnyResolution | None = None
+                 ) -> PackingSpec:
     """The packing of images, video and audio (in that order in a sequence), then ``extra_modalities``; a built-in
-    modality the roles have no placeholder for (a tokenizer without audio tokens) is left out."""
-    builtin = tuple(m for m in (IMAGE, VIDEO, AUDIO) if roles.has_placeholder(m.name))
+    modality the roles have no placeholder for (a tokenizer without audio tokens) is left out. With
+    ``any_resolution`` images and video follow LLaVA-OneVision's layout (:data:`ANY_RESOLUTION_IMAGE`,
+    :data:`POOLED_VIDEO`), which encodes every patch (``vision_merge=1``)."""
+    if any_resolution is not None and vision_merge != 1:
+        raise ValueError(f"vision_merge={vision_merge}: the any-resolution layout encodes every patch (merge 1)")
+    image, video = (IMAGE, VIDEO) if any_resolution is None else (ANY_RESOLUTION_IMAGE, POOLED_VIDEO)
+    builtin = tuple(m for m in (image, video, AUDIO) if roles.has_placeholder(m.name))
     return PackingSpec(modalities=(*builtin, *extra_modalities),
                        encoders=(VISION_ENCODER, AUDIO_ENCODER, *extra_encoders), roles=roles, patch_size=patch_size,
                        vision_merge=vision_merge, temporal_patch_size=temporal_patch_size,
-                       audio_downsample=audio_downsample)
+                       audio_downsample=audio_downsample, any_resolution=any_resolution)
 
 
 DEFAULT_PACKING = packing_spec()

@@ -72,8 +72,9 @@ class OmniModule(LightningModule):
             decoder in place of ``vision``/``audio``/``llm`` through :mod:`omni_lightning.models.adapters`.
         pretrained: a local Hugging Face checkpoint directory of a supported family
             (:data:`~omni_lightning.models.pretrained.SUPPORTED_FAMILIES`: Qwen2-VL, Qwen2.5-VL, the Qwen2.5-Omni
-            thinker), trained whole with the family's own modules and numerics: its vision (and audio) towers and
-            merger, its decoder with M-RoPE, its LM head. Built on the
+            thinker, LLaVA-OneVision), trained whole with the family's own modules and numerics: its vision (and
+            audio) towers and merger or projector (with LLaVA-OneVision's layout of tiles and newline), its decoder
+            (with M-RoPE where it has it), its LM head. Built on the
             meta device; rank 0 reads the weights and every rank receives its shards. Its tokenizer gives the token
             roles, and a data module given no processor reads with the checkpoint's.
         lora: LoRA adapters on the decoder's projections, as ``peft.LoraConfig`` arguments (e.g. ``{"r": 8,

@@ -204,4 +204,48 @@ def save_tiny_qwen3_vl_moe(path: Path, *, seed: int = 0, hidden: int = 32, layer
         tie_word_embeddings=False)
     torch.manual_seed(seed)
     transformers.Qwen3VLMoeForConditionalGeneration(config).save_pretrained(path)
+
+
+# Canvases of one to three 44-pixel tiles a side: wide, tall and square images each pick another one.
+LLAVA_PINPOINTS = [[44, 44], [44, 88], [88, 44], [88, 88], [44, 132], [132, 44]]
+
+
+def save_tiny_llava_onevision(path: Path, *, seed: int = 0, tied: bool = True, vision_feature_layer: Any = (-3, -2),
+                              vision_aspect_ratio: str = "anyres_max_2") -> Path:
+    """A LLaVA-OneVision checkpoint directory as a user keeps one: the model (tiny: a 3-layer SigLIP tower at
+    44-pixel tiles, so 3x3 patches of 14 with the last 2 pixels unread, as 384 is 27x27 patches of 14; a 2-layer
+    Qwen2 decoder, its head tied to its embedding unless ``tied=False``), its tokenizer (the template above, Qwen's
+    vision tokens), its PIL image processor (any-resolution tiling on small canvases) and the combined processor's
+    ``processor_config.json`` as LLaVA-OneVision's checkpoints keep it (written as JSON: the processor class needs
+    torchvision for its video processor). ``vision_aspect_ratio`` bounds the tiles' features low enough that images
+    of a few canvases are scaled down; the default features are two layers' hidden states, the last layer unused."""
+    import json
+
+    import torch
+    import transformers
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
+
+    tokenizer = save_tokenizer(path, train_bpe(), chatml(True), named=True)
+    LlavaOnevisionImageProcessorPil(size={"height": 44, "width": 44}, image_grid_pinpoints=LLAVA_PINPOINTS,
+                                    image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(path)
+    (path / "processor_config.json").write_text(json.dumps({
+        "processor_class": "LlavaOnevisionProcessor", "num_image_tokens": 9, "vision_feature_select_strategy": "full",
+        "vision_aspect_ratio": vision_aspect_ratio, "image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}))
+    token = tokenizer.convert_tokens_to_ids
+    layers = list(vision_feature_layer) if isinstance(vision_feature_layer, tuple) else vision_feature_layer
+    config = transformers.LlavaOnevisionConfig(
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 48,
+                       "num_hidden_layers": 3, "num_attention_heads": 4, "image_size": 44, "patch_size": 14,
+                       "vision_use_head": False},
+        text_config={"model_type": "qwen2", "vocab_size": -(-len(tokenizer) // 8) * 8, "hidden_size": 32,
+                     "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "tie_word_embeddings": tied, "eos_token_id": tokenizer.eos_token_id,
+                     "pad_token_id": tokenizer.pad_token_id},
+        image_grid_pinpoints=LLAVA_PINPOINTS, vision_feature_layer=layers, vision_feature_select_strategy="full",
+        vision_aspect_ratio=vision_aspect_ratio, image_token_index=token("<|image_pad|>"),
+        video_token_index=token("<|video_pad|>"), tie_word_embeddings=tied)
+    torch.manual_seed(seed)
+    transformers.LlavaOnevisionForConditionalGeneration(config).save_pretrained(path)
     return path

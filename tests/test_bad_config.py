@@ -13,7 +13,7 @@ from unittest import mock
 import lightning.pytorch as pl
 import pytest
 import torch.distributed as dist
-from hf_processors import save_processor
+from hf_processors import save_processor, save_tiny_llava_onevision
 
 from omni_lightning import OmniDataModule, OmniModule, OmniStrategy, ReferenceMLLMConfig, WebDataModule
 from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, VisionEncoderConfig
@@ -30,6 +30,25 @@ def _unsupported_family(shards: str) -> None:
     with tempfile.TemporaryDirectory() as path:
         (Path(path) / "config.json").write_text(json.dumps({"model_type": "blip-2"}))
         OmniModule(pretrained=path)
+
+
+def _llava_onevision(shards: str, name: str, file: str = "config.json", **changes: Any) -> Path:
+    """A tiny LLaVA-OneVision checkpoint beside the shards, ``changes`` written into one of its JSON files."""
+    import json
+
+    path = save_tiny_llava_onevision(Path(shards.split("{")[0]).parent / name)
+    settings = json.loads((path / file).read_text())
+    (path / file).write_text(json.dumps({**settings, **changes}))
+    return path
+
+
+def _tiles_otherwise(shards: str) -> None:
+    """A data module reading with a processor whose canvases are not the model's."""
+    model = OmniModule(pretrained=str(_llava_onevision(shards, "llava")))
+    data = OmniDataModule(shards, processor=str(_llava_onevision(shards, "other", "preprocessor_config.json",
+                                                                 image_grid_pinpoints=[[44, 44]])))
+    data._adopt_model_packing(model)
+    data.reader()
 
 
 def _model(**llm: Any) -> ReferenceMLLMConfig:
@@ -194,6 +213,10 @@ CASES: dict[str, Case] = {
                                         r"has no config.json: give a Hugging Face checkpoint directory"),
     "pretrained-family-unsupported": Case(_unsupported_family,
                                           r"is a 'blip-2' checkpoint; the supported families are \['qwen2_vl'"),
+    "pretrained-features-unplaceable": Case(
+        lambda s: OmniModule(pretrained=str(_llava_onevision(s, "default", vision_feature_select_strategy="default"))),
+        r"vision_feature_select_strategy='default' drops the first patch of every tile, which LLaVA-OneVision's own "
+        r"layout of tiles cannot arrange: its checkpoints use 'full'"),
     "pretrained-and-model": Case(lambda s: OmniModule(TINY, pretrained=s),
                                  r"give OmniModule either model or pretrained, not both"),
     "lora-without-pretrained": Case(lambda _: OmniModule(lora={"r": 4}),
@@ -209,6 +232,10 @@ CASES: dict[str, Case] = {
                                       r"processor='no/such/processor' is not a directory"),
     "size-contradicts-processor": Case(_with_processor(patch_size=16),
                                        r"patch_size=16 but the processor at .* has patch_size=14: leave patch_size"),
+    "processor-tiles-otherwise": Case(_tiles_otherwise,
+                                      r"the model tiles images into 44-pixel tiles on the canvases \[\[44, 44\], .*\], "
+                                      r"but the processor at .* has tile=44 and canvases \[\[44, 44\]\]: read the "
+                                      r"data with the checkpoint's own processor"),
     "audio-rate-not-a-divisor": Case(lambda s: OmniDataModule(s, audio_frames_per_second=7),
                                      r"audio_frames_per_second=7 must divide the audio sampling rate 16000"),
     "layout-unknown": Case(lambda s: OmniDataModule(s, layout="tfrecord"), r"layout='tfrecord' must be one of"),

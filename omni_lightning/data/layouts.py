@@ -32,7 +32,7 @@ from typing import Any, Literal
 import numpy as np
 from jinja2 import TemplateError
 
-from omni_lightning.batch import PackingSpec, PendingMedia
+from omni_lightning.batch import PackingSpec, PendingMedia, SizedMedia
 from omni_lightning.data.conversations import (
     MediaRef,
     RenderedDialogue,
@@ -130,6 +130,12 @@ class SampleReader:
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} must be one of {LAYOUTS}")
+        layout, image = self.spec.any_resolution, self.processor.image
+        if layout is not None and (image.tile, image.pinpoints) != (layout.tile, layout.pinpoints):
+            raise ValueError(f"the model tiles images into {layout.tile}-pixel tiles on the canvases "
+                             f"{[list(p) for p in layout.pinpoints]}, but the processor at {self.processor.source} has "
+                             f"tile={image.tile} and canvases {[list(p) for p in image.pinpoints]}: read the data with "
+                             "the checkpoint's own processor")
 
     def __call__(self, raw: Mapping[str, Any]) -> DecodedSample:
         layout = detect_layout(raw) if self.layout == "auto" else self.layout
@@ -207,9 +213,10 @@ class SampleReader:
                              f"encodes {list(self.spec.modality_names)})")
         processor = self.processor
         try:
+            source: tuple[int, ...] = ()
             if modality == "image" and processor.image.tiled:
-                crop = processor.image.tile_crop
-                shape: tuple[int, ...] = (tile_count(*image_size(data), processor.image, alone=alone), crop, crop, 3)
+                crop, source = processor.image.tile_crop, image_size(data)
+                shape: tuple[int, ...] = (tile_count(*source, processor.image, alone=alone), crop, crop, 3)
             elif modality == "image":
                 shape = (*self._grid(*image_size(data)), 3)
             elif modality == "video":
@@ -224,7 +231,7 @@ class SampleReader:
             raise ValueError(f"sample {key}: {member} cannot be read ({error})") from None
         if shape[0] == 0:
             raise ValueError(f"sample {key}: {member} is shorter than one {modality} token ({shape})")
-        return PendingMedia(data, shape, member)
+        return PendingMedia(data, shape, member, source)
 
     def _grid(self, height: int, width: int) -> tuple[int, int]:
         image = self.processor.image
@@ -241,7 +248,7 @@ class SampleReader:
                         for item in items] for name, items in sample.media.items()}
         return replace(sample, media=media)
 
-    def _decoded(self, item: PendingMedia, modality: str, key: str) -> np.ndarray:
+    def _decoded(self, item: PendingMedia, modality: str, key: str) -> np.ndarray | SizedMedia:
         processor = self.processor
         try:
             if modality == "image" and processor.image.tiled:
@@ -259,6 +266,10 @@ class SampleReader:
         if array.shape[1:] != planned[1:] or (modality == "image" and array.shape != planned):
             raise ValueError(f"sample {key}: {item.member} decodes to shape {list(array.shape)}, its header "
                              f"promised {list(planned)}")
+        if modality == "image" and processor.image.tiled:
+            # The tiles keep the image's own size, which the model's layout of their outputs needs: from the bytes'
+            # header, as the payload exchange moves a pending item's bytes and shape only.
+            return SizedMedia(array, image_size(item.data))
         if modality == "image" or len(array) == planned[0]:
             return array
         unit = self.spec.temporal_patch_size if modality == "video" else self.spec.audio_downsample
@@ -280,7 +291,7 @@ class SampleReader:
         for ref in refs:
             index = seen[ref.modality] = seen.get(ref.modality, -1) + 1
             modality = by_name[ref.modality]
-            counts.append(sum(self.spec.placeholders(modality, modality.shape(media[ref.modality][index], self.spec))))
+            counts.append(self.spec.media_placeholders(modality, modality.shape(media[ref.modality][index], self.spec)))
         return counts
 
     def _rendered(self, key: str, rendered: RenderedDialogue, media: dict[str, list[Any]]) -> DecodedSample:

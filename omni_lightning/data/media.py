@@ -23,12 +23,14 @@ import contextlib
 import functools
 import io
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from PIL import Image
+
+from omni_lightning.modalities import best_canvas
 
 __all__ = [
     "AudioPolicy",
@@ -204,19 +206,6 @@ def smart_resize(height: int, width: int, *, factor: int, min_pixels: int, max_p
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
-
-
-def best_canvas(height: int, width: int, pinpoints: Sequence[tuple[int, int]]) -> tuple[int, int]:
-    """The any-resolution canvas ``(height, width)`` for an image: the pinpoint keeping the most of its pixels once
-    fitted inside, then the one wasting least (transformers' ``select_best_resolution``, same arithmetic)."""
-    best, most_kept, least_wasted = pinpoints[0], 0, math.inf
-    for canvas_h, canvas_w in pinpoints:
-        scale = min(canvas_w / width, canvas_h / height)
-        kept = min(int(width * scale) * int(height * scale), width * height)
-        wasted = canvas_w * canvas_h - kept
-        if kept > most_kept or (kept == most_kept and wasted < least_wasted):
-            best, most_kept, least_wasted = (canvas_h, canvas_w), kept, wasted
-    return best
 
 
 def fit_inside(height: int, width: int, canvas: tuple[int, int]) -> tuple[int, int]:

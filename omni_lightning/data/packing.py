@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from omni_lightning.balance.cost import work_features
-from omni_lightning.batch import IGNORE_INDEX, MediaShape, Modality, PackedBatch, PackingSpec, input_key
+from omni_lightning.batch import IGNORE_INDEX, MediaShape, Modality, PackedBatch, PackingSpec, input_key, media_key
 from omni_lightning.data.position import SampleSource
 from omni_lightning.modalities import DEFAULT_PACKING
 
@@ -128,7 +128,7 @@ def _layout(sample: DecodedSample, spec: PackingSpec) -> SampleLayout:
             raise ValueError(f"{name} {index}: {error}") from None
         media.append((modality, sample.media[name][index], shape))
         items.setdefault(modality.encoder, []).extend(modality.item_tokens(shape, spec))
-        placeholders += sum(spec.placeholders(modality, shape))
+        placeholders += spec.media_placeholders(modality, shape)
     llm_tokens = len(sample.tokens) if sample.targets is not None else 1 + placeholders + len(sample.tokens)
     return SampleLayout(media, items, llm_tokens)
 
@@ -160,7 +160,7 @@ def _check_rendered(sample: DecodedSample, layout: SampleLayout, spec: PackingSp
                          f"flag per token ({len(tokens)} ids, {len(targets)} flags)")
     if not targets.any():
         raise ValueError(f"sample {sample.key}: no token to train on (no assistant turn or an empty caption)")
-    expected = np.concatenate([np.full(sum(spec.placeholders(m, shape)), spec.roles.placeholder(m.name))
+    expected = np.concatenate([np.full(spec.media_placeholders(m, shape), spec.roles.placeholder(m.name))
                                for m, _, shape in layout.media] or [np.zeros(0, dtype=np.int64)])
     ids = np.unique([i for _, i in spec.roles.placeholders])
     found = tokens[np.isin(tokens, ids)]
@@ -173,26 +173,30 @@ def _check_rendered(sample: DecodedSample, layout: SampleLayout, spec: PackingSp
 
 def pack_samples(samples: list[DecodedSample], spec: PackingSpec = DEFAULT_PACKING) -> PackedBatch:
     """Pack ``samples`` into one micro-batch (layout: :mod:`omni_lightning.batch`); also ``keys`` (sample keys),
-    ``sources`` (where each was read, :class:`~omni_lightning.data.position.SampleSource`) and ``num_samples``."""
+    ``sources`` (where each was read, :class:`~omni_lightning.data.position.SampleSource`), ``num_samples``, and
+    the media lists of the encoders whose outputs the model assembles."""
     if not samples:
         raise ValueError("cannot pack an empty list of samples")
     roles = spec.roles
     ids: list[torch.Tensor] = []
     inputs: dict[str, list[list[np.ndarray]]] = {fmt.name: [[] for _ in fmt.inputs] for fmt in spec.encoders}
+    media: dict[str, list[tuple[str, MediaShape]]] = {name: [] for name in spec.assembled_encoders}
     trained: list[torch.Tensor] = []
     for sample in samples:
         check_packable(sample, spec)
         layout = sample_layout(sample, spec)
-        for modality, item, _shape in layout.media:
+        for modality, item, shape in layout.media:
             for rows, built in zip(inputs[modality.encoder], modality.build(item, spec), strict=True):
                 rows.append(built)
+            if modality.encoder in media:
+                media[modality.encoder].append((modality.name, shape))
         if sample.targets is not None:
             ids.append(torch.from_numpy(sample.tokens.astype(np.int64)))
             trained.append(torch.from_numpy(sample.targets))
             continue
         sequence = [torch.tensor([roles.bos])] if roles.bos is not None else []
         for modality, _item, shape in layout.media:
-            sequence.append(torch.full((sum(spec.placeholders(modality, shape)),), roles.placeholder(modality.name)))
+            sequence.append(torch.full((spec.media_placeholders(modality, shape),), roles.placeholder(modality.name)))
         sequence.append(torch.from_numpy(sample.tokens.astype(np.int64)))
         ids.append(torch.cat(sequence))
         # The text trains; placeholders, BOS and padding never do.
@@ -211,6 +215,7 @@ def pack_samples(samples: list[DecodedSample], spec: PackingSpec = DEFAULT_PACKI
     for fmt in spec.encoders:
         for name, rows, empty in zip(fmt.input_names, inputs[fmt.name], fmt.empty(spec), strict=True):
             batch[input_key(fmt.name, name)] = torch.from_numpy(np.concatenate(rows) if rows else empty)
+    batch.update({media_key(name): listed for name, listed in media.items()})
     batch.update(keys=[s.key for s in samples], sources=[s.source for s in samples], num_samples=len(samples))
     return batch
 
@@ -225,6 +230,7 @@ def empty_batch(spec: PackingSpec = DEFAULT_PACKING) -> PackedBatch:
     for fmt in spec.encoders:
         for name, empty in zip(fmt.input_names, fmt.empty(spec), strict=True):
             batch[input_key(fmt.name, name)] = torch.from_numpy(empty)
+    batch.update({media_key(name): [] for name in spec.assembled_encoders})
     return batch
 
 

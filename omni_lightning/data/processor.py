@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,8 +122,9 @@ def load_processor(path: str | Path) -> DataProcessor:
     explicit: list[tuple[str, int]] = []
     image = ImagePolicy()
     if image_processor is not None and getattr(image_processor, "image_grid_pinpoints", None):
-        # Any-resolution tiling (LLaVA-OneVision): the patch size is the vision tower's, not the processor's.
+        # Any-resolution tiling (LLaVA-OneVision): the patch size is the vision tower's, not the image processor's.
         image = ImagePolicy.from_image_processor(image_processor)
+        explicit += _tile_tokens(Path(path), image)
     elif image_processor is not None and hasattr(image_processor, "patch_size"):
         image = ImagePolicy.from_image_processor(image_processor)
         explicit += [("patch_size", image.patch_size), ("vision_merge", image.merge * image.merge)]
@@ -132,6 +134,21 @@ def load_processor(path: str | Path) -> DataProcessor:
         explicit.append(("audio_frames_per_second", audio.sampling_rate // audio.hop_length))
     return DataProcessor(path, roles, len(tokenizer), tokenizer, image, audio, _video_policy(Path(path)),
                          tuple(missing), tuple(explicit))
+
+
+def _tile_tokens(path: Path, image: ImagePolicy) -> list[tuple[str, int]]:
+    """The sizes a LLaVA-OneVision processor fixes: ``num_image_tokens`` of its ``processor_config.json`` are one per
+    patch of a tile (no merge), so the patch is the tile side over the patches per side. Read from the JSON: the
+    combined processor needs ``torchvision`` (its video processor), which a CPU install may not load."""
+    config = path / "processor_config.json"
+    tokens = json.loads(config.read_text()).get("num_image_tokens") if config.exists() else None
+    if tokens is None or image.tile is None:
+        return []
+    side = math.isqrt(int(tokens))
+    if not 0 < side <= image.tile or side * side != tokens or image.tile // (image.tile // side) != side:
+        raise ValueError(f"{config}: num_image_tokens={tokens} is not a square grid of whole patches of a "
+                         f"{image.tile}-pixel tile")
+    return [("patch_size", image.tile // side), ("vision_merge", 1)]
 
 
 def _video_policy(path: Path) -> VideoPolicy:

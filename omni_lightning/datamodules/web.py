@@ -45,7 +45,7 @@ class WebDataModule(LightningDataModule):
         val_batches: micro-batches per validation pass on every rank (equal counts keep FSDP collectives aligned).
         patch_size, vision_merge, audio_downsample: must match the model's vision/audio configuration; with a
             ``processor`` the first two default to its values (14 and 4 without one), and a value that contradicts
-            it is an error.
+            it is an error. Left unset (and not fixed by the processor), they follow the model's.
         processor: a local Hugging Face processor or tokenizer directory (read offline): the tokenizer, its token
             roles and vocabulary (which a reference model built without explicit sizes adopts), the image, video
             and audio policy. ``None``: UTF-8 bytes with ids 0-3 reserved, as the synthetic demo.
@@ -102,10 +102,11 @@ class WebDataModule(LightningDataModule):
         self.on_bad_sample = on_bad_sample
         self.read_timeout = read_timeout
         self.data_processor: DataProcessor | None = load_processor(processor) if processor is not None else None
-        # As given (None: the processor's), so that a processor adopted later (a checkpoint's) sets them too.
-        self._given_sizes = {"patch_size": patch_size, "vision_merge": vision_merge,
-                             "audio_frames_per_second": audio_frames_per_second}
-        patch_size, vision_merge, frames_per_second = self._processor_sizes(**self._given_sizes)
+        # What the user chose: checked against the model's packing, where defaults give way to it.
+        chosen = {"patch_size": patch_size, "vision_merge": vision_merge, "audio_downsample": audio_downsample}
+        self._chosen_sizes = {name: value for name, value in chosen.items() if value is not None}
+        patch_size, vision_merge, frames_per_second = self._processor_sizes(
+            patch_size=patch_size, vision_merge=vision_merge, audio_frames_per_second=audio_frames_per_second)
         self.audio_policy = self._audio_policy(frames_per_second)
         base_video = self.data_processor.video if self.data_processor is not None else VideoPolicy()
         chosen = {"fps": video_fps, "max_frames": video_max_frames}
@@ -224,9 +225,7 @@ class WebDataModule(LightningDataModule):
         self.data_processor = load_processor(path)
         self.audio_policy = self.data_processor.audio
         self.video_policy = self.data_processor.video
-        patch_size, vision_merge, _ = self._processor_sizes(**self._given_sizes)
-        self.packing = self._with_processor(packing_spec(patch_size=patch_size, vision_merge=vision_merge,
-                                                         audio_downsample=self.packing.audio_downsample))
+        self.packing = self._with_processor(self.packing)
 
     def _adopt_model_packing(self, module: Any) -> None:
         """Pack as the model's encoders expect (else shapes fail deep in a forward): its packing, when the layout
@@ -242,9 +241,10 @@ class WebDataModule(LightningDataModule):
             return
         expected = {"patch_size": model.patch_size, "vision_merge": model.vision_merge,
                     "audio_downsample": model.audio_downsample}
+        fixed = {**dict(self.data_processor.explicit if self.data_processor is not None else ()), **self._chosen_sizes}
         for name, value in expected.items():
-            if getattr(self.packing, name) != value:
-                raise ValueError(f"{type(self).__name__}({name}={getattr(self.packing, name)}) but the model expects "
+            if fixed.get(name, value) != value:
+                raise ValueError(f"{type(self).__name__}({name}={fixed[name]}) but the model expects "
                                  f"{name}={value}: set {name}={value} on the data module")
         if self.data_processor is not None:
             # The model takes its token roles from this processor (OmniModule.setup) unless it has its own.

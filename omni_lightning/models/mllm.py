@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from omni_lightning.balance.cost import CostModel
-from omni_lightning.batch import Encoded, PackedBatch, PackingSpec, input_key
-from omni_lightning.models.adapters.protocol import EncoderAdapter, LLMAdapter
+from omni_lightning.batch import Encoded, PackedBatch, PackingSpec, input_key, media_key
+from omni_lightning.models.adapters.protocol import EncoderAdapter, LLMAdapter, OutputAssembly
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.encoders import AudioEncoder, VisionEncoder
 from omni_lightning.models.llm import Decoder
@@ -33,15 +33,17 @@ class ReferenceMLLM(nn.Module):
     (e.g. the Hugging Face adapters of :mod:`omni_lightning.models.adapters`); their outputs must have the LLM's
     width. ``config`` then describes only the components kept, and the loss settings (``llm.moe_aux_loss_coef``).
     ``encoders`` adds encoders of further modalities, by name, and ``packing`` says how samples pack for all of them
-    (default: ``config.packing()``, images, video and audio). ``groups`` are the process groups its forward uses
-    (context-parallel peers, the ranks of one global batch); :meth:`use_groups` sets them on a model built before
-    they existed.
+    (default: ``config.packing()``, images, video and audio). ``assembly`` lays out an encoder's outputs media item by
+    media item before they fill the placeholders (:class:`~omni_lightning.models.adapters.OutputAssembly`, by
+    encoder name: LLaVA-OneVision's), for the encoders whose modalities the packing counts so. ``groups`` are the
+    process groups its forward uses (context-parallel peers, the ranks of one global batch); :meth:`use_groups`
+    sets them on a model built before they existed.
     """
 
     def __init__(self, config: ReferenceMLLMConfig, *, vision: EncoderAdapter | None = None,
                  audio: EncoderAdapter | None = None, llm: LLMAdapter | None = None,
                  encoders: Mapping[str, nn.Module] | None = None, packing: PackingSpec | None = None,
-                 groups: ModelGroups | None = None) -> None:
+                 assembly: Mapping[str, OutputAssembly] | None = None, groups: ModelGroups | None = None) -> None:
         super().__init__()
         self.config = config
         backend = config.attention_backend  # type: ignore[assignment]
@@ -61,6 +63,12 @@ class ReferenceMLLM(nn.Module):
         if self.packing.encoder_names != self.encoder_names:
             raise ValueError(f"the packing's encoders {list(self.packing.encoder_names)} are not the model's "
                              f"{list(self.encoder_names)} (in that order)")
+        if set(assembly or {}) != set(self.packing.assembled_encoders):
+            raise ValueError(f"the packing counts assembled outputs of the encoders "
+                             f"{list(self.packing.assembled_encoders)} but the model assembles those of "
+                             f"{sorted(assembly or {})}")
+        # The LLM's side holds them, not the encoders: a rank without encoders (the LLM pool) fills placeholders too.
+        self.assembly = nn.ModuleDict(dict(assembly or {}))
         self.groups = ModelGroups()
         self.use_groups(groups or ModelGroups())
 
@@ -132,7 +140,8 @@ class ReferenceMLLM(nn.Module):
         return batch["position_ids"] if own is None else own(batch, self.packing)
 
     def embed(self, batch: PackedBatch, encoded: Encoded) -> torch.Tensor:
-        """Token embeddings with every placeholder replaced by its encoder's output: the decoder's input."""
+        """Token embeddings with every placeholder replaced by its encoder's output (laid out media item by media item
+        first, where the model assembles that encoder's outputs): the decoder's input."""
         input_ids = batch["input_ids"]
         embeddings = self.llm.embed_tokens(input_ids)
         rows, values = [], []
@@ -140,6 +149,8 @@ class ReferenceMLLM(nn.Module):
             if name not in encoded:
                 raise ValueError(f"no outputs of the {name} encoder for this micro-batch (got {sorted(encoded)})")
             output = encoded[name][0]
+            if name in self.assembly:  # the model lays the item outputs out per media item (LLaVA-OneVision)
+                output = self.assembly[name](output, batch[media_key(name)])
             where = self._placeholders(input_ids, name)
             rows.append(_placeholder_rows(where, output, embeddings.shape[-1] * (1 + self.deepstack_layers(name)),
                                           name))

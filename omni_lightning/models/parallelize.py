@@ -39,6 +39,9 @@ def check_model_fits_layout(model: ReferenceMLLM, dims: ParallelDims, *, reshard
             raise ValueError(f"{name}={getattr(dims, name)} runs the decoder layer by layer, which "
                              f"{type(model.llm).__name__} does not offer (LLMAdapter.run_layers and head_logits); "
                              "train it with tp, dp_replicate and dp_shard")
+    if dims.pp > 1 and getattr(model.llm, "tied", False):
+        raise ValueError("pipeline parallelism puts the embedding on the first stage and the LM head on the last, "
+                         "which would untie a tied weight: build the model with tie_word_embeddings=False")
     experts = int(getattr(model.llm, "n_experts", 0))
     if dims.ep > 1 and not experts:
         fix = "set llm.moe_every" if isinstance(model.llm, Decoder) else f"{type(model.llm).__name__} is dense"

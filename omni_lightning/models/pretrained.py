@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from omni_lightning.batch import TokenRoles
+from omni_lightning.batch import BYTE_ROLES, TokenRoles
+from omni_lightning.modalities import packing_spec
 from omni_lightning.models.config import AudioEncoderConfig, LLMConfig, ReferenceMLLMConfig, VisionEncoderConfig
 from omni_lightning.models.lora import apply_lora
 from omni_lightning.models.mllm import ReferenceMLLM
@@ -128,11 +129,49 @@ def _qwen2_5_omni_thinker(hf_config: Any, roles: TokenRoles | None
     return hf, model, config
 
 
+def _llava_onevision(hf_config: Any, roles: TokenRoles | None) -> tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]:
+    """LLaVA-OneVision: the SigLIP tower and projector per tile or frame, the layout of their outputs per image and
+    video (with the image newline), the Qwen2 decoder and its head."""
+    import transformers
+
+    from omni_lightning.models.adapters.hf_llava_onevision import (
+        LlavaOnevisionAssembly,
+        LlavaOnevisionTextAdapter,
+        LlavaOnevisionVisionAdapter,
+        any_resolution,
+    )
+
+    text, vision = hf_config.text_config, hf_config.vision_config
+    if vision.model_type != "siglip_vision_model":
+        raise ValueError(f"a LLaVA-OneVision vision tower of type {vision.model_type!r}: only SigLIP's is supported")
+    layout = any_resolution(hf_config)
+    hf = getattr(transformers, _HF_CLASSES["llava_onevision"])._from_config(hf_config, attn_implementation="sdpa")
+    config = ReferenceMLLMConfig(
+        vision=VisionEncoderConfig(patch_size=vision.patch_size, in_channels=vision.num_channels,
+                                   dim=vision.hidden_size, n_layers=vision.num_hidden_layers,
+                                   n_heads=vision.num_attention_heads, merge=1),
+        audio=AudioEncoderConfig(dim=16, n_layers=1, n_heads=2),  # a stand-in, as for the Qwen VL families
+        llm=LLMConfig(vocab_size=text.vocab_size, dim=text.hidden_size, n_layers=text.num_hidden_layers,
+                      n_heads=text.num_attention_heads, n_kv_heads=text.num_key_value_heads,
+                      ffn_hidden=text.intermediate_size),
+        roles=roles,
+    )
+    full = packing_spec(patch_size=vision.patch_size, vision_merge=1, roles=roles or BYTE_ROLES, any_resolution=layout)
+    packing = replace(full, modalities=tuple(m for m in full.modalities if m.name != "audio"))
+    model = ReferenceMLLM(
+        config, vision=LlavaOnevisionVisionAdapter(hf.model.vision_tower, hf.model.multi_modal_projector,
+                                                   hf_config.vision_feature_layer),
+        llm=LlavaOnevisionTextAdapter(hf), packing=packing, assembly={"vision": LlavaOnevisionAssembly(hf.model)})
+    model.audio.requires_grad_(False)
+    return hf, model, config
+
+
 # Each family's transformers class, by name (transformers is imported on first use).
 _HF_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
                "qwen2_5_omni_thinker": "Qwen2_5OmniThinkerForConditionalGeneration",
-               "qwen2_5_omni": "Qwen2_5OmniForConditionalGeneration"}
+               "qwen2_5_omni": "Qwen2_5OmniForConditionalGeneration",
+               "llava_onevision": "LlavaOnevisionForConditionalGeneration"}
 
 
 def _qwen2_5_omni(hf_config: Any, roles: TokenRoles | None) -> tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]:
@@ -146,6 +185,7 @@ _FAMILIES: dict[str, Callable[[Any, TokenRoles | None], tuple[nn.Module, Referen
     "qwen3_vl_moe": _qwen3_vl_moe,
     "qwen2_5_omni_thinker": _qwen2_5_omni_thinker,
     "qwen2_5_omni": _qwen2_5_omni,
+    "llava_onevision": _llava_onevision,
 }
 # Families whose trained part is one submodule of the checkpoint's model: (its attribute, its config's attribute).
 _PART = {"qwen2_5_omni": ("thinker", "thinker_config")}

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni_lightning.batch import IGNORE_INDEX, PackedBatch, PackingSpec, input_key
+from omni_lightning.batch import IGNORE_INDEX, PackedBatch, PackingSpec, input_key, media_key
 
 __all__ = ["filler_batch", "item_layout", "select_items", "split_micro_batches"]
 
@@ -48,6 +48,7 @@ def filler_batch(spec: PackingSpec, device: torch.device) -> PackedBatch:
     for fmt in spec.encoders:
         for name, empty in zip(fmt.input_names, fmt.empty(spec), strict=True):
             batch[input_key(fmt.name, name)] = torch.from_numpy(empty).to(device)
+    batch.update({media_key(name): [] for name in spec.assembled_encoders})
     return batch
 
 
@@ -56,20 +57,28 @@ def split_micro_batches(batch: PackedBatch, n: int, spec: PackingSpec) -> list[P
     micro-batch no sample falls in is a :func:`filler_batch`)."""
     cu = batch["cu_seqlens"].long().tolist()
     ids = batch["input_ids"]
-    # Each encoder's items of each sample, in packing order: a sample's placeholders consume its items' outputs.
-    item_bounds, layouts = {}, {}
+    # Each encoder's items of each sample, in packing order: a sample's placeholders consume its items' outputs (or,
+    # where the model assembles them, its media items' assembled tokens).
+    item_bounds, media_bounds, layouts = {}, {}, {}
+    by_name = {m.name: m for m in spec.modalities}
     for fmt in spec.encoders:
         tokens, rows = item_layout(batch, spec, fmt.name)
-        outputs = (tokens // fmt.tokens_per_output(spec)).tolist()
+        if fmt.name in spec.assembled_encoders:  # (items, placeholders) of each media item
+            units = [(len(by_name[m].item_tokens(shape, spec)), spec.media_placeholders(by_name[m], shape))
+                     for m, shape in batch[media_key(fmt.name)]]
+        else:
+            units = [(1, int(n)) for n in tokens // fmt.tokens_per_output(spec)]
         placeholder = torch.isin(ids, torch.tensor(spec.placeholder_ids(fmt.name), device=ids.device))
-        bounds, item = [0], 0
+        items, units_taken, unit = [0], [0], 0
         for a, b in zip(cu[:-1], cu[1:], strict=True):
-            remaining = int(placeholder[a:b].sum())
+            remaining, taken = int(placeholder[a:b].sum()), 0
             while remaining > 0:
-                remaining -= outputs[item]
-                item += 1
-            bounds.append(item)
-        item_bounds[fmt.name] = bounds
+                remaining -= units[unit][1]
+                taken += units[unit][0]
+                unit += 1
+            items.append(items[-1] + taken)
+            units_taken.append(unit)
+        item_bounds[fmt.name], media_bounds[fmt.name] = items, units_taken
         layouts[fmt.name] = [np.concatenate([[0], np.cumsum(r)]).astype(np.int64).tolist() for r in rows]
     # Even by tokens: sample s goes to the group its token midpoint falls in.
     midpoints = [(a + b) / 2 / max(cu[-1], 1) for a, b in zip(cu[:-1], cu[1:], strict=True)]
@@ -90,5 +99,8 @@ def split_micro_batches(batch: PackedBatch, n: int, spec: PackingSpec) -> list[P
             start, stop = item_bounds[fmt.name][first], item_bounds[fmt.name][last + 1]
             for name, bounds in zip(fmt.input_names, layouts[fmt.name], strict=True):
                 micro[input_key(fmt.name, name)] = batch[input_key(fmt.name, name)][bounds[start] : bounds[stop]]
+            if fmt.name in spec.assembled_encoders:
+                start, stop = media_bounds[fmt.name][first], media_bounds[fmt.name][last + 1]
+                micro[media_key(fmt.name)] = batch[media_key(fmt.name)][start:stop]
         out.append(micro)
     return out

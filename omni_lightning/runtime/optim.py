@@ -3,7 +3,8 @@ multipliers and weight decay, and the warm-up-then-cosine schedule.
 
 A part is a top-level component of :class:`~omni_lightning.models.ReferenceMLLM` (``vision``, ``audio``, ``llm``,
 any extra encoder by its name) or ``projector``: every encoder's projector into the LLM's width, which fine-tuning
-recipes treat apart from the tower it sits on. Plain torch, no process groups: the same groups come out on every
+recipes treat apart from the tower it sits on, with what lays its outputs out for the LLM (the model's ``assembly``:
+LLaVA-OneVision's newline embedding). Plain torch, no process groups: the same groups come out on every
 rank of any layout, since parallelised parameters keep their names.
 """
 
@@ -21,6 +22,7 @@ __all__ = ["PROJECTOR", "WarmupCosineLR", "apply_lr_multipliers", "check_parts",
            "parameter_groups", "part_of"]
 
 PROJECTOR = "projector"
+_ASSEMBLY = "assembly"  # ReferenceMLLM.assembly: it arranges projector outputs, and trains with the projectors
 # Wrappers that activation checkpointing and torch.compile put into parameter names.
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 
@@ -32,7 +34,7 @@ def _plain(name: str) -> list[str]:
 def part_of(name: str, encoders: Iterable[str]) -> str:
     """The part a parameter named ``name`` belongs to, given the model's encoder names."""
     segments = _plain(name)
-    if len(segments) > 1 and segments[0] in set(encoders) and segments[1] == PROJECTOR:
+    if (len(segments) > 1 and segments[0] in set(encoders) and segments[1] == PROJECTOR) or segments[0] == _ASSEMBLY:
         return PROJECTOR
     return segments[0]
 

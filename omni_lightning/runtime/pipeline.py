@@ -134,6 +134,8 @@ class _StageModule(nn.Module):
         self.deep_in, self.deep_out = deep_in, deep_out
         if is_first:
             self.tok_embeddings = model.llm.tok_embeddings
+            if len(model.assembly):  # laid out where the placeholders are filled (LLaVA-OneVision's image newline)
+                self.assembly = model.assembly
             if runner.settings.encoders == "first_stage":  # else the encoders are roots of their own, or elsewhere
                 self.encoders = nn.ModuleDict(model.encoders)
         if is_last:
@@ -325,6 +327,7 @@ class PipelineRunner:
                 delattr(model, name)
         if not self.has_first_stage:
             del model.llm.tok_embeddings
+            model.assembly = nn.ModuleDict()
         if not self.has_last_stage:
             del model.llm.norm, model.llm.output
 

@@ -22,12 +22,13 @@ and enc_sp > 1 need the reference modules and are refused with a ``ValueError``)
 
 from typing import Any
 
-from omni_lightning.models.adapters.protocol import EncoderAdapter, LLMAdapter
+from omni_lightning.models.adapters.protocol import EncoderAdapter, LLMAdapter, OutputAssembly
 
 __all__ = [
     "EncoderAdapter",
     "HFCausalLMAdapter",
     "LLMAdapter",
+    "OutputAssembly",
     "SiglipVisionAdapter",
     "WhisperEncoderAdapter",
 ]

@@ -10,7 +10,8 @@ parallelises through these members only; the pipeline and context parallelism dr
 Data format: encoders take their inputs as :mod:`omni_lightning.modalities` packs them (vision: ``patches
 [n_patches, 3 * 14 * 14]`` with each 2x2 merge window adjacent, ``positions [n_patches, 2]``, ``grids [n_items, 2]``;
 audio: ``mels [n_frames, n_mels]``, ``lengths [n_clips]``) and return one LLM-width embedding per placeholder token
-of their modalities, in item order.
+of their modalities, in item order; or, where an :class:`OutputAssembly` lays their outputs out per media item first
+(LLaVA-OneVision), the outputs it reads.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from omni_lightning.balance.cost import ModuleCost
 from omni_lightning.balance.reshard import SplitChunk
+from omni_lightning.batch import MediaShape
 from omni_lightning.parallel.context_parallel import ContextShard
 
-__all__ = ["EncoderAdapter", "LLMAdapter"]
+__all__ = ["EncoderAdapter", "LLMAdapter", "OutputAssembly"]
 
 
 @runtime_checkable
@@ -132,4 +134,24 @@ class LLMAdapter(Protocol):
 
     def cost(self) -> ModuleCost:
         """Training FLOPs per token (every layer and the head) and per causal attention pair."""
+        ...
+
+
+@runtime_checkable
+class OutputAssembly(Protocol):
+    """Lays out one encoder's outputs media item by media item before they fill the placeholders, where a model's
+    placeholders are not one per output (LLaVA-OneVision unpads an image's tiles into one map with a newline
+    embedding per row, and pools video frames): the modalities of that encoder then count their placeholders with
+    :attr:`~omni_lightning.batch.Modality.assembled_tokens`, and packed batches list their media
+    (:func:`~omni_lightning.batch.media_key`).
+
+    It runs on the LLM's side of the step (:meth:`~omni_lightning.models.mllm.ReferenceMLLM.embed`), after the encoder
+    stage has brought every item's outputs back, so items stay the unit that encoder resharding balances.
+    """
+
+    def forward(self, outputs: torch.Tensor, media: Sequence[tuple[str, MediaShape]]) -> torch.Tensor:
+        """``outputs [n_outputs, llm_dim]``: the encoder's outputs of a micro-batch's items, in placeholder order;
+        ``media``: its media items in the same order, as ``(modality name, size)``. Returns their placeholders'
+        embeddings in that order. Its parameters must take part even when ``media`` is empty, so that every rank's
+        gradients cover the same parameters (FSDP reduces them together)."""
         ...
