@@ -41,16 +41,19 @@ TOWER_ATTENTION = "omni_flash_varlen_tower"
 class PackedItems:
     """Where the packed items of a sequence start and end (int32 ``[0, l0, l0+l1, ...]``), for every layer; under
     context parallelism, this rank's share of the tokens (``cp_shard``): attention then sees the whole batch
-    through the context-parallel group."""
+    through the context-parallel group; in an encoder, the chunks of split items after the whole ones (``split``:
+    attended with Ulysses sequence parallelism)."""
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
     cp_shard: ContextShard | None = None
+    split: SplitItems | None = None
 
     @classmethod
-    def of(cls, cu_seqlens: torch.Tensor, cp_shard: ContextShard | None = None) -> PackedItems:
+    def of(cls, cu_seqlens: torch.Tensor, cp_shard: ContextShard | None = None,
+           split: SplitItems | None = None) -> PackedItems:
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        return cls(cu_seqlens.to(torch.int32), int(lengths.max()) if lengths.numel() else 0, cp_shard)
+        return cls(cu_seqlens.to(torch.int32), int(lengths.max()) if lengths.numel() else 0, cp_shard, split)
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -68,6 +71,10 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         raise ValueError("packed attention supports neither logit soft-capping nor sliding windows")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    if attention_mask.split is not None:  # a tower's rows: whole items, then chunks of split ones (Ulysses)
+        split = attention_mask.split
+        return long_short_attention(q, k, v, attention_mask.cu_seqlens, split.chunks, split.sp_groups, scale=scaling,
+                                    chunk_segments=split.segments)[None], None
     if attention_mask.cp_shard is not None:
         if not causal:
             raise ValueError("context parallelism shards causal decoders only")

@@ -25,7 +25,7 @@ from torch import nn
 from omni_lightning.balance.cost import ModuleCost
 from omni_lightning.balance.reshard import SplitChunk
 from omni_lightning.batch import AnyResolution, MediaShape
-from omni_lightning.models.adapters.hf_attention import PackedItems, use_packed_attention
+from omni_lightning.models.adapters.hf_attention import PackedItems, SplitItems, use_packed_attention
 from omni_lightning.models.adapters.hf_llm import HFCausalLMAdapter
 from omni_lightning.models.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair_flops, matmul_flops
 from omni_lightning.parallel.attention import cu_seqlens_from_lengths
@@ -56,11 +56,11 @@ class LlavaOnevisionVisionAdapter(nn.Module):
     ``projector.*`` (the ``multi_modal_projector``, so that ``freeze=["projector"]`` finds it). The features are the
     hidden states of ``vision_feature_layer`` (several: concatenated on channels), before the final norm; layers
     past the deepest of them and the final norm take no part in the model's forward, so they are kept frozen (and
-    exported as they came). Items attend within themselves; split items (``enc_sp > 1``) are not supported,
-    whole-item encoder balancing is.
+    exported as they came). Items attend within themselves; a tile split over an SP block (``enc_sp > 1``) attends
+    with Ulysses sequence parallelism (every token carries its position-table entry from the stem on).
     """
 
-    supports_sequence_parallel = False
+    supports_sequence_parallel = True
     tokens_per_output = 1
 
     def __init__(self, tower: nn.Module, projector: nn.Module, feature_layer: int | Sequence[int]) -> None:
@@ -109,9 +109,7 @@ class LlavaOnevisionVisionAdapter(nn.Module):
 
     def encode(self, x: torch.Tensor, cu_seqlens: torch.Tensor, chunks: Sequence[SplitChunk] = (),
                sp_groups: Mapping[int, dist.ProcessGroup] | None = None) -> torch.Tensor:
-        if chunks:
-            raise ValueError("LlavaOnevisionVisionAdapter encodes whole items only: use enc_sp=1")
-        items = PackedItems.of(cu_seqlens)
+        items = PackedItems.of(cu_seqlens, split=SplitItems(chunks, sp_groups or {}) if chunks else None)
         hidden = [x[None]]
         for block in list(self.blocks)[: self.depth]:
             hidden.append(block(hidden[-1], items))
