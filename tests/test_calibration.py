@@ -171,7 +171,7 @@ class _Joint:
 
     def __init__(self) -> None:
         self.model: object = None  # only .packing is read (set by _calibrator)
-        self.tp_group = self.dp_group = None
+        self.peers = self.dp_group = None
         self.calls: list[dict[str, object]] = []
 
     def calibrate(self, cost_model: CostModel, **shares: object) -> None:

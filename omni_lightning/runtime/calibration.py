@@ -93,9 +93,11 @@ class JointCalibrator:
         # resharding a rank's encoder time is a share of all replicas' items of that micro-batch index; costs are
         # linear in the features, so sums fit the same coefficients).
         peers: list[Any] = [self._actions]
-        if self.joint.tp_group is not None:
-            peers = [None] * self.joint.tp
-            dist.all_gather_object(peers, self._actions, group=self.joint.tp_group)
+        # The context-parallel peers' encoder work comes with the data-parallel replicas' below.
+        tp_group = self.joint.peers.tp_group if self.joint.peers is not None else None
+        if tp_group is not None:
+            peers = [None] * dist.get_world_size(tp_group)
+            dist.all_gather_object(peers, self._actions, group=tp_group)
         stages: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(stages, peers, group=self.group)
         replica = [[a for a in stage[0] if a[0] not in _ENCODER_KINDS]

@@ -52,6 +52,7 @@ from omni_lightning.batch import EncoderOutputs
 from omni_lightning.parallel.agreement import check_plans_agree
 from omni_lightning.parallel.timing import ActionLog, timed, waiting
 from omni_lightning.runtime.items import item_layout, select_items
+from omni_lightning.runtime.peers import SamplePeers
 from omni_lightning.runtime.reshard import EncoderStep, Resharder
 
 __all__ = ["JointEncoders", "share_items"]
@@ -141,8 +142,10 @@ class JointEncoders:
         llm_share: the part of a stage's LLM work this rank runs (``1 / (tp * cp)``), for that model.
         dtype: dtype of the encoders' outputs (the FSDP compute dtype).
         dp_group: the data-parallel peers whose FSDP collectives the encoders share (``None`` without them).
-        tp_group: this stage's tensor-parallel peers (``None`` without them). They hold the same micro-batches, so
-            instead of each encoding all of its stage's share they split its items (LPT) and all-gather the outputs.
+        peers: this stage's context- and tensor-parallel peers (``None`` without them). They hold the same
+            micro-batches, so instead of each encoding all of its stage's share they split its items (LPT) and
+            all-gather the outputs; each backpropagates its own items from the share's gradient summed over its
+            context-parallel peers (each of which holds its token share's part).
         resharder: reshards each insertion's items over this stage's data-parallel peers, splitting long ones with
             sequence parallelism (:class:`~omni_lightning.runtime.reshard.Resharder`; ``None``: each
             rank encodes its own items). The peers reach every insertion together: their stage's FSDP collectives
@@ -152,7 +155,7 @@ class JointEncoders:
     def __init__(self, model: nn.Module, streams: Mapping[str, dist.ProcessGroup], costs: dict[str, ModuleCost], *,
                  n_microbatches: int, lag: int, one_f_one_b: bool = False, llm_share: float = 1.0,
                  dtype: torch.dtype = torch.float32, dp_group: dist.ProcessGroup | None = None,
-                 tp_group: dist.ProcessGroup | None = None, resharder: Resharder | None = None) -> None:
+                 peers: SamplePeers | None = None, resharder: Resharder | None = None) -> None:
         self.model, self.costs = model, costs
         self.group, self.gradient_group = streams["outputs"], streams["gradients"]
         # Predicted LLM cost of each micro-batch, in the unit of the encoders' FLOP costs, for the plan of a 1F1B step;
@@ -163,8 +166,9 @@ class JointEncoders:
         self.one_f_one_b = one_f_one_b
         self.pp, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.n_microbatches, self.lag, self.dtype, self.dp_group = n_microbatches, lag, dtype, dp_group
-        self.tp_group, self.resharder = tp_group, resharder
-        self.tp, self.tp_rank = (dist.get_world_size(tp_group), dist.get_rank(tp_group)) if tp_group else (1, 0)
+        self.peers, self.resharder = peers, resharder
+        # Within a stage, ``tp`` peers (context- and tensor-parallel) split its items; ``tp_rank`` is this one.
+        self.tp, self.tp_rank = (peers.size, peers.rank) if peers is not None else (1, 0)
         self._runs: np.ndarray = np.zeros(0, dtype=bool)  # [micro-batch, modality]: this rank runs the encoder
         self.micro_batches: list[dict[str, Any]] = []
         self.train = True
@@ -217,7 +221,7 @@ class JointEncoders:
         decisions = plan_digest([a for m in range(len(micro_batches)) for items in self._items[m]
                                  for a in (items.owner, items.peer)])
         device = micro_batches[0]["input_ids"].device if micro_batches else torch.device("cpu")
-        for group in (self.group, self.tp_group):  # the pipeline's ranks, and the stage's tensor-parallel peers
+        for group in (self.group, self.peers.group if self.peers else None):  # pipeline ranks, the stage's peers
             check_plans_agree("joint pipeline's item plan", decisions, group, device=device)
         mine = np.array([[items.peer_rows(self.rank, self.tp)[self.tp_rank] > 0 for items in self._items[m]]
                          for m in range(len(micro_batches))], dtype=np.int64).reshape(len(micro_batches), -1)
@@ -407,7 +411,7 @@ class JointEncoders:
             mine[: out.shape[0]] = out.detach()
         parts = [torch.empty_like(mine) for _ in range(self.tp)]
         with waiting(self.log):
-            dist.all_gather(parts, mine, group=self.tp_group)
+            dist.all_gather(parts, mine, group=self.peers.group)  # type: ignore[union-attr]
         joined = torch.cat([part[:n] for part, n in zip(parts, rows, strict=True)])
         return joined[items.peer_order(self.rank, self.tp)].contiguous()
 
@@ -465,20 +469,26 @@ class JointEncoders:
                 continue
             if not out.requires_grad:  # a frozen encoder: its outputs end the backward
                 continue
+            items = self._items[m][modality]
+            cp_group = self.peers.cp_group if self.peers is not None else None
+            if cp_group is not None and items.rows_of(self.rank):
+                # Each context-parallel peer holds its token share's part of the share's gradient; every peer of
+                # the stage takes part, its own items or not.
+                grad = grad.contiguous()
+                dist.all_reduce(grad, group=cp_group)
             if dummy:
                 outputs.append(out.sum() * 0.0)
                 grads.append(torch.ones((), device=out.device))
                 continue
             outputs.append(out)
-            grads.append(grad if self.tp == 1 else grad[self._items[m][modality].peer_rows_in_share(self.rank,
-                                                                                                  self.tp_rank)])
+            grads.append(grad if self.tp == 1 else grad[items.peer_rows_in_share(self.rank, self.tp_rank)])
         if outputs:
             torch.autograd.backward(outputs, grads)
         del self._incoming[m]
 
     def sync_gradients(self) -> None:
         """Sum the encoders' gradients over the pipeline ranks and their tensor-parallel peers (each encoded a part
-        of every micro-batch)."""
+        of every micro-batch); FSDP sums them over the data- and context-parallel ranks."""
         for encoder in self.model.encoders.values():
             for param in encoder.parameters():
                 if not param.requires_grad:  # frozen: nothing to reduce
@@ -486,8 +496,8 @@ class JointEncoders:
                 if param.grad is None:  # no share of this encoder's work here this step; the others had some
                     param.grad = torch.zeros_like(param)
                 local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-                if self.tp_group is not None:
-                    dist.all_reduce(local, group=self.tp_group)
+                if self.peers is not None and self.peers.tp_group is not None:
+                    dist.all_reduce(local, group=self.peers.tp_group)
                 dist.all_reduce(local, group=self.group)
 
 

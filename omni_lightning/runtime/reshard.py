@@ -141,7 +141,11 @@ class Resharder:
         """
         device = _device_of(inputs)
         if step.exchange is None:  # nothing moves: each rank encodes its own items (a dummy one if it has none)
-            local = encoder(*inputs) if step.own_items > 0 else encoder(*encoder.dummy_inputs(device))[:0]
+            # Through embed and encode, as when items move: the encoders' FSDP peers may span several resharder
+            # groups (context-parallel peers), some moving items and some not, and must unshard in the same order.
+            tokens, lengths = encoder.embed(*(inputs if step.own_items > 0 else encoder.dummy_inputs(device)))
+            local = encoder.encode(tokens, cu_seqlens_from_lengths(lengths))
+            local = local if step.own_items > 0 else local[:0]
             return local + 0.0 * dependency.sum() if dependency is not None else local
         exchange = step.exchange
         if step.own_items > 0:
