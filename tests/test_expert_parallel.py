@@ -20,7 +20,13 @@ from test_parity import STEPS, _assert_grads_match
 from omni_lightning import OmniModule, ReferenceMLLMConfig
 from omni_lightning.models.moe import MoEFeedForward
 from omni_lightning.parallel.dims import ParallelDims
-from omni_lightning.parallel.expert_parallel import apply_ep, expert_major_order, sync_expert_gradients
+from omni_lightning.parallel.expert_parallel import (
+    apply_ep,
+    expert_major_order,
+    row_share,
+    sync_expert_gradients,
+    sync_token_split_gradients,
+)
 from omni_lightning.parallel.layout import build_meshes
 
 
@@ -68,6 +74,50 @@ def _check_layer(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_ep_layer_matches_one_process_with_an_idle_expert_route() -> None:
     run_distributed(_check_layer, 4)
+
+
+def test_row_shares_cover_the_rows_once_in_order() -> None:
+    for rows in range(9):
+        for peers in range(1, 5):
+            shares = [row_share(rows, peers, peer) for peer in range(peers)]
+            assert [start for start, _ in shares] == [0] + [stop for _, stop in shares[:-1]]
+            assert shares[-1][1] == rows
+            assert max(b - a for a, b in shares) - min(b - a for a, b in shares) <= 1
+
+
+def _check_token_split(rank: int, world: int) -> None:
+    torch.manual_seed(0)  # the same layer and the same tokens on every peer, as tensor-parallel peers hold them
+    layer = MoEFeedForward(dim=8, hidden=16, n_experts=4, top_k=2)
+    for rows in (7, 1):  # uneven shares, and a peer with no token at all
+        tokens = torch.randn(rows, 8, requires_grad=True)
+        weight = torch.randn(rows, 8)
+        layer.zero_grad()
+        (layer(tokens) * weight).sum().backward()
+        ref_out = layer(tokens).detach()
+        ref_grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+        ref_input_grad = tokens.grad.clone()
+        tokens.grad, routed = None, []
+        layer.zero_grad()
+        layer.token_split_group = dist.group.WORLD
+        hook = layer.experts.register_forward_hook(lambda _, args, __, routed=routed: routed.append(int(args[1].sum())))
+        out = layer(tokens)
+        hook.remove()
+        start, stop = row_share(rows, world, rank)
+        assert routed == [(stop - start) * 2], "each peer runs its own tokens' top-2 experts only"
+        torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-6)
+        (out * weight).sum().backward()
+        sync_token_split_gradients(layer)
+        torch.testing.assert_close(tokens.grad, ref_input_grad, atol=1e-6, rtol=1e-6)
+        for name, param in layer.named_parameters():
+            torch.testing.assert_close(param.grad, ref_grads[name], atol=1e-6, rtol=1e-6)
+        layer.token_split_group = None
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_peers_split_a_moe_layers_tokens() -> None:
+    """Two peers holding the same tokens each route their share: outputs, input and weight gradients equal one
+    process running them all (1e-6: the same arithmetic per token, gradients summed over two peers)."""
+    run_distributed(_check_token_split, 2)
 
 
 MOE = ReferenceMLLMConfig.tiny(moe=True)

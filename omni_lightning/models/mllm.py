@@ -75,11 +75,18 @@ class ReferenceMLLM(nn.Module):
     def use_groups(self, groups: ModelGroups) -> None:
         """Run on these process groups from now on (the parallelize plan gives a built model the job's)."""
         self.groups = groups
-        for module in self.llm.modules():  # global routing statistics for the load-balance loss
+        # Routing statistics for the load-balance loss are global: over the batch and the peers splitting tokens.
+        stats_groups = tuple(group for group in (groups.batch, groups.tp) if group is not None)
+        moe = any(hasattr(module, "token_split_group") for module in self.llm.modules())
+        #: The tensor-parallel peers the MoE layers split their tokens over (``None``: no split).
+        self.moe_token_split_group = groups.tp if moe else None
+        for module in self.llm.modules():
             if isinstance(module, MoEFeedForward):
-                module.stats_group = groups.batch
+                module.stats_groups = stats_groups
+            if hasattr(module, "token_split_group"):  # a MoE layer: tensor-parallel peers split its tokens
+                module.token_split_group = groups.tp
         if hasattr(self.llm, "stats_groups"):  # a decoder summing its routing statistics over all of its layers
-            self.llm.stats_groups = tuple(group for group in (groups.batch,) if group is not None)
+            self.llm.stats_groups = stats_groups
 
     @property
     def encoders(self) -> dict[str, nn.Module]:

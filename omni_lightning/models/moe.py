@@ -3,8 +3,9 @@
 Expert weights are stacked (``w1 [experts, hidden, dim]`` ...), so expert parallelism shards them along the
 expert dimension as one DTensor and checkpoints keep the same names under every layout. Routing is capacity-free:
 every token reaches its top-k experts. The auxiliary loss (Switch Transformer) is computed from the *global*
-routing statistics of the step (one small all-reduce over ``stats_group`` when data is split over ranks), so it,
-and its gradient, do not depend on how tokens were spread over ranks.
+routing statistics of the step (one small all-reduce over each of ``stats_groups`` when data is split over ranks), so
+it, and its gradient, do not depend on how tokens were spread over ranks. Under tensor parallelism each peer routes
+its own share of the tokens (``token_split_group``, see :mod:`omni_lightning.parallel.expert_parallel`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from omni_lightning.parallel.expert_parallel import ExpertCompute
+from omni_lightning.parallel.expert_parallel import ExpertCompute, gather_rows, split_rows
 
 __all__ = ["GroupedExperts", "MoEFeedForward", "combine_experts"]
 
@@ -73,8 +74,9 @@ class MoEFeedForward(nn.Module):
 
     After each forward, ``aux_loss`` holds this rank's share of the step's load-balance loss
     ``n_experts * sum_e f_e * p_e`` (``f_e``: fraction of assignments routed to expert ``e``, ``p_e``: mean router
-    probability of ``e``, both over every token of the data-parallel ranks in ``stats_group``); the shares of the
-    ranks sum to the global loss.
+    probability of ``e``, both over every token of the ranks in ``stats_groups``); the shares of the ranks sum to
+    the global loss. With a ``token_split_group`` (the tensor-parallel peers, whose activations are equal) each peer
+    routes and computes its share of the tokens and the outputs are all-gathered.
     """
 
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int) -> None:
@@ -82,15 +84,20 @@ class MoEFeedForward(nn.Module):
         self.top_k = top_k
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.experts = GroupedExperts(n_experts, dim, hidden)
-        self.stats_group: dist.ProcessGroup | None = None
+        self.stats_groups: tuple[dist.ProcessGroup, ...] = ()
+        self.token_split_group: dist.ProcessGroup | None = None
         self.aux_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, group = x.shape[0], self.token_split_group
+        if group is not None:
+            x = split_rows(x, group)
         probs = self.router(x).float().softmax(-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).type_as(x)
         self.aux_loss = self._load_balance_share(probs, chosen)
-        return combine_experts(x, chosen, weights, self.experts)
+        out = combine_experts(x, chosen, weights, self.experts)
+        return gather_rows(out, rows, group) if group is not None else out
 
     def _load_balance_share(self, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         n_experts = probs.shape[1]
@@ -98,8 +105,8 @@ class MoEFeedForward(nn.Module):
             torch.bincount(chosen.reshape(-1), minlength=n_experts).to(probs.dtype),
             probs.new_tensor([probs.shape[0]]),
         ])
-        if self.stats_group is not None:
-            dist.all_reduce(stats, group=self.stats_group)
+        for group in self.stats_groups:
+            dist.all_reduce(stats, group=group)
         tokens = stats[-1].clamp(min=1.0)
         routed_fraction = stats[:-1] / (tokens * self.top_k)
         return n_experts * (routed_fraction * probs.sum(0)).sum() / tokens

@@ -10,11 +10,18 @@ expert still takes part in both exchanges, so none can hang.
 Expert weights are replicated over the other FSDP ranks (the *expert replicas*: same position in another EP
 group), so FSDP does not manage them: :func:`sync_expert_gradients` sums their gradients over the replicas and
 divides by the data-parallel size, matching the average FSDP takes of every other gradient.
+
+Tensor-parallel peers hold the same (replicated) activations, so a MoE layer would run every token through its
+experts on each of them: instead each peer routes its own contiguous share of the rows (:func:`split_rows`, whose
+backward sums the input gradient over the peers) and the outputs are all-gathered (:func:`gather_rows`, whose
+backward keeps each peer's own share). The router and expert gradients are then partial sums over the peers, which
+:func:`sync_token_split_gradients` adds up.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +31,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-__all__ = ["ExpertCompute", "ExpertDispatcher", "apply_ep", "expert_major_order", "sync_expert_gradients"]
+__all__ = ["ExpertCompute", "ExpertDispatcher", "apply_ep", "expert_major_order", "gather_rows", "row_share",
+           "split_rows", "sync_expert_gradients", "sync_token_split_gradients"]
 
 # Runs the experts held here on rows sorted by (local) expert, given the rows per expert.
 ExpertCompute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -98,3 +106,73 @@ def sync_expert_gradients(model: nn.Module) -> None:
             if dispatcher.replica_group is not None:
                 dist.all_reduce(local, group=dispatcher.replica_group)
             local.div_(dispatcher.gradient_divide)
+
+
+def row_share(rows: int, peers: int, peer: int) -> tuple[int, int]:
+    """``[start, stop)`` of peer ``peer``'s contiguous share of ``rows`` rows split over ``peers`` (sizes differ by
+    at most one, the first peers taking the extra rows)."""
+    base, extra = divmod(rows, peers)
+    start = peer * base + min(peer, extra)
+    return start, start + base + (peer < extra)
+
+
+class _SplitRows(torch.autograd.Function):
+    """This peer's share of rows that every peer holds; the backward sums the shares' gradients over the peers."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group, ctx.rows = group, x.shape[0]
+        start, stop = row_share(x.shape[0], dist.get_world_size(group), dist.get_rank(group))
+        ctx.start = start
+        return x[start:stop]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        full = grad.new_zeros((ctx.rows, *grad.shape[1:]))
+        full[ctx.start: ctx.start + grad.shape[0]] = grad
+        dist.all_reduce(full, group=ctx.group)
+        return full, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every peer's rows, in peer order; the backward keeps this peer's share (the peers' output gradients are
+    equal, as their activations are)."""
+
+    @staticmethod
+    def forward(ctx: Any, share: torch.Tensor, rows: int, group: dist.ProcessGroup) -> torch.Tensor:
+        peers, peer = dist.get_world_size(group), dist.get_rank(group)
+        bounds = [row_share(rows, peers, p) for p in range(peers)]
+        ctx.start, ctx.stop = bounds[peer]
+        # Equal-sized pieces (shares differ by at most one row): padded, gathered in one collective, trimmed.
+        width = bounds[0][1] - bounds[0][0]
+        padded = share.new_zeros((width, *share.shape[1:]))
+        padded[: share.shape[0]] = share
+        gathered = share.new_empty((peers * width, *share.shape[1:]))
+        dist.all_gather_into_tensor(gathered, padded, group=group)
+        return torch.cat([gathered[p * width: p * width + stop - start] for p, (start, stop) in enumerate(bounds)])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad[ctx.start: ctx.stop], None, None
+
+
+def split_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This tensor-parallel peer's share of the rows of ``x`` (equal on every peer of ``group``)."""
+    return _SplitRows.apply(x, group)
+
+
+def gather_rows(share: torch.Tensor, rows: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """The ``rows`` rows whose shares the peers of ``group`` computed (:func:`split_rows`' inverse)."""
+    return _GatherRows.apply(share, rows, group)
+
+
+def sync_token_split_gradients(model: nn.Module) -> None:
+    """Sum the gradients of every module that split its tokens over tensor-parallel peers (its
+    ``token_split_group``) over those peers (call before the optimizer step, after the last accumulated backward)."""
+    for module in model.modules():
+        group = getattr(module, "token_split_group", None)
+        if group is None:
+            continue
+        for param in module.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad, group=group)

@@ -31,11 +31,13 @@ __all__ = ["JOINT_STREAMS", "POOL_STREAMS", "EncoderPool", "ModelGroups", "OmniL
 
 @dataclass(frozen=True)
 class ModelGroups:
-    """The process groups a model's own forward uses: its context-parallel peers (whose tokens it attends over) and
-    the ranks whose tokens make one global batch (``dp_cp``: global statistics such as MoE routing)."""
+    """The process groups a model's own forward uses: its context-parallel peers (whose tokens it attends over), the
+    ranks whose tokens make one global batch (``dp_cp``: global statistics such as MoE routing) and its
+    tensor-parallel peers (equal activations: MoE layers split their tokens over them)."""
 
     cp: dist.ProcessGroup | None = None
     batch: dist.ProcessGroup | None = None
+    tp: dist.ProcessGroup | None = None
 
 
 @dataclass
@@ -284,9 +286,10 @@ class OmniLayout:
 
     @property
     def model_groups(self) -> ModelGroups:
-        cp, batch = self.meshes.get("cp"), self.meshes.get("dp_cp")
+        cp, batch, tp = (self.meshes.get(name) for name in ("cp", "dp_cp", "tp"))
         return ModelGroups(cp=cp.get_group() if cp is not None else None,
-                           batch=batch.get_group() if batch is not None else None)
+                           batch=batch.get_group() if batch is not None else None,
+                           tp=tp.get_group() if tp is not None else None)
 
     def reorder_groups(self, size: int) -> tuple[dist.ProcessGroup | None, int]:
         """This rank's reorder group (see :func:`new_reorder_groups`) and its index in its data-parallel group."""

@@ -26,7 +26,7 @@ from torch import nn
 from omni_lightning.batch import IGNORE_INDEX, PackedBatch
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.models.parallelize import check_model_fits_layout, parallelize_reference
-from omni_lightning.parallel.expert_parallel import sync_expert_gradients
+from omni_lightning.parallel.expert_parallel import sync_expert_gradients, sync_token_split_gradients
 from omni_lightning.parallel.fsdp import set_gradient_sync
 from omni_lightning.parallel.grad_norm import clip_grad_norm_
 from omni_lightning.parallel.layout import OmniLayout, OmniMeshes
@@ -82,6 +82,21 @@ class Step(Protocol):
         ...
 
 
+def _sync_moe_gradients(model: ReferenceMLLM) -> None:
+    """Experts' gradients summed over their replicas, MoE layers' over the tensor-parallel peers splitting tokens."""
+    sync_expert_gradients(model)
+    sync_token_split_gradients(model)
+
+
+def _whole_aux(model: ReferenceMLLM, aux: torch.Tensor) -> torch.Tensor:
+    """A (detached) MoE load-balance share summed over the tensor-parallel peers that split the tokens (each peer's
+    share covers its tokens only), for logging."""
+    if (group := model.moe_token_split_group) is not None:
+        aux = aux.clone()
+        dist.all_reduce(aux, group=group)
+    return aux
+
+
 def _loss_group(meshes: OmniMeshes | None) -> dist.ProcessGroup | None:
     mesh = meshes.get("dp_cp") if meshes is not None else None
     return mesh.get_group() if mesh is not None else None
@@ -134,7 +149,7 @@ class PlainStep:
         # One collective for everything that needs the global batch.
         device = loss_sum.device
         totals = torch.stack([
-            aux_share.detach().double(), loss_sum.detach().double(), loss_tokens.double(),
+            _whole_aux(model, aux_share.detach().double()), loss_sum.detach().double(), loss_tokens.double(),
             torch.tensor(batch["input_ids"].numel() / cp, dtype=torch.float64, device=device),
             torch.tensor(batch["num_samples"] / cp, dtype=torch.float64, device=device),
             torch.tensor(step_tokens, dtype=torch.float64, device=device),
@@ -153,7 +168,7 @@ class PlainStep:
     def sync_gradients(self) -> None:
         if self.source is not None:
             self.source.sync_gradients()
-        sync_expert_gradients(self.model)
+        _sync_moe_gradients(self.model)
 
     def clip_gradients(self, parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         return clip_grad_norm_(parameters, max_norm)
@@ -215,7 +230,7 @@ class PipelineStep:
         return StepResult(global_loss.detach().requires_grad_(), stats)
 
     def sync_gradients(self) -> None:
-        sync_expert_gradients(self.model)
+        _sync_moe_gradients(self.model)
         self.runner.sync_gradients()
 
     def clip_gradients(self, parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -336,7 +351,7 @@ class PoolLLMStep:
             aux_total += aux.detach().double() / n
         link.finish()
         set_gradient_sync(model, True)
-        totals = torch.stack([loss_sum, aux_total * data_parallel])
+        totals = torch.stack([loss_sum, _whole_aux(model, aux_total) * data_parallel])
         if (group := _loss_group(meshes)) is not None:
             dist.all_reduce(totals, group=group)
         return torch.stack([totals[0] / counts[0].clamp(min=1.0), counts[1], counts[2],
@@ -346,7 +361,7 @@ class PoolLLMStep:
         if self.pipeline is not None:
             self.pipeline.sync_gradients()
         else:
-            sync_expert_gradients(self.model)
+            _sync_moe_gradients(self.model)
 
     def clip_gradients(self, parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         return self.side.clip(parameters, max_norm)
@@ -433,7 +448,7 @@ def _pipeline_runner(model: ReferenceMLLM, layout: OmniLayout, device: torch.dev
                                          llm_share=joint.llm_share, device=device)
         source = joint
     elif settings.encoders == "first_stage" and meshes.local_rank("pp") == 0:
-        source = LocalEncoders(model, resharder)
+        source = LocalEncoders(model, resharder, sample_peers(meshes))
     runner = PipelineRunner(model, pp_mesh.get_group(), settings=settings, device=device, dtype=dtype,
                             source=source, calibrator=calibrator)
     _parallelize(model, meshes, options, stages=runner.stage_modules)
@@ -447,13 +462,13 @@ def _joint_encoders(model: ReferenceMLLM, layout: OmniLayout, settings: Any, dty
     streams = layout.pipeline_transfer_streams()
     assert streams is not None
     costs = model.cost_model()
-    dp_cp, tp = meshes.get("dp_cp"), meshes.get("tp")
+    dp_cp = meshes.get("dp_cp")
     # 1F1B has finished micro-batch T - pp's backward on stage 0 when it starts T; GPipe only at the end.
     return JointEncoders(model, streams, dict(costs.encoders), n_microbatches=settings.microbatches,
                          lag=dims.pp if settings.schedule == "1F1B" else settings.microbatches,
                          one_f_one_b=settings.schedule == "1F1B", llm_share=1 / (dims.tp * dims.cp), dtype=dtype,
                          dp_group=dp_cp.get_group() if dp_cp is not None else None,
-                         tp_group=tp.get_group() if tp is not None else None, resharder=resharder)
+                         peers=sample_peers(meshes), resharder=resharder)
 
 
 def _pool_step(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, options: StepOptions) -> Step:

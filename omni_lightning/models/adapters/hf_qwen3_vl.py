@@ -43,6 +43,7 @@ from omni_lightning.models.adapters.hf_qwen2_vl import (
 from omni_lightning.models.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair_flops, matmul_flops
 from omni_lightning.models.lora import lora_layer_plan
 from omni_lightning.models.moe import combine_experts
+from omni_lightning.parallel.expert_parallel import gather_rows, split_rows
 
 __all__ = ["FusedExperts", "Qwen3VLMoeTextAdapter", "Qwen3VLVisionAdapter", "RoutedMoE"]
 
@@ -168,16 +169,22 @@ class RoutedMoE(nn.Module):
         self.experts = FusedExperts(block.experts)
         self.top_k = block.gate.top_k
         self.router_stats: torch.Tensor | None = None
+        #: The tensor-parallel peers that split the tokens (each routes its share; outputs all-gathered).
+        self.token_split_group: dist.ProcessGroup | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.reshape(-1, hidden.shape[-1])
+        rows, group = x.shape[0], self.token_split_group
+        if group is not None:
+            x = split_rows(x, group)
         logits = F.linear(x, self.gate.weight)
         probs = logits.float().softmax(-1)
         top, chosen = probs.topk(self.top_k, dim=-1)
         weights = (top / top.sum(-1, keepdim=True)).to(logits.dtype)
         counts = torch.bincount(chosen.reshape(-1), minlength=probs.shape[1]).to(probs.dtype)
         self.router_stats = torch.cat([counts, probs.sum(0), probs.new_tensor([probs.shape[0]])])
-        return combine_experts(x, chosen, weights, self.experts).reshape(hidden.shape)
+        out = combine_experts(x, chosen, weights, self.experts)
+        return (gather_rows(out, rows, group) if group is not None else out).reshape(hidden.shape)
 
 
 class Qwen3VLMoeTextAdapter(Qwen2VLTextAdapter):
@@ -186,7 +193,7 @@ class Qwen3VLMoeTextAdapter(Qwen2VLTextAdapter):
     after the first layers, and the family's load-balancing loss (:meth:`aux_share`).
 
     Under tensor parallelism the attention and any dense MLP layers split by the model's own plan; the experts are
-    not split (expert parallelism shards them).
+    not split (expert parallelism shards them): the peers split the tokens that reach them instead.
     """
 
     def __init__(self, model: nn.Module) -> None:
