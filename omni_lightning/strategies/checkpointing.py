@@ -103,11 +103,14 @@ def remove_path(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def loader_state_for_rank(saved: dict[str, Any], dp_rank: int, dp_size: int, *, encoder_pool: bool = False) -> Any:
+def loader_state_for_rank(saved: dict[str, Any], dp_rank: int, dp_size: int, *, encoder_pool: bool = False,
+                          pp: int | None = None) -> Any:
     """The loader state a resuming data-parallel rank continues from, or ``None`` to restart its stream.
 
-    With the same data-parallel size, ranks are matched by data-parallel rank (TP/CP/PP peers share a stream), so any
-    layout resumes exactly: the same samples in the same order as an uninterrupted run.
+    With the same data-parallel size and pipeline degree (``pp``; ``None``: not checked), ranks are matched by
+    data-parallel rank (TP/CP peers share a stream), so the layout resumes exactly: the same samples in the same
+    order as an uninterrupted run. A stream's state counts the micro-batches it handed out, which a pipeline cuts
+    its steps into: when the pipeline degree changes, the resume goes by the positions below instead.
 
     With another data-parallel size (another world size, or the same one with other degrees) every rank gets the
     merged rank-independent position of all the saved ranks (:mod:`omni_lightning.data.position`): each reads its new
@@ -117,7 +120,7 @@ def loader_state_for_rank(saved: dict[str, Any], dp_rank: int, dp_size: int, *, 
     stream from the beginning of the data; model, optimizer and step count are still restored.
     """
     saved_dp = saved["parallel_dims"]["dp"]
-    if saved_dp != dp_size:
+    if saved_dp != dp_size or (pp is not None and saved["parallel_dims"].get("pp", 1) != pp):
         return _resized_loader_state(saved, saved_dp, dp_size)
     # An LLM rank resumes from an LLM rank's stream; an encoder-pool rank, which reads a copy of a stream to keep the
     # pools' epochs in step, from that stream (a checkpoint of the other placement holds no encoder-pool ranks).
@@ -153,8 +156,10 @@ def _resized_loader_state(saved: dict[str, Any], saved_dp: int, dp_size: int) ->
             "optimizer and step count are restored)"
         )
         return None
-    log.info("resized: %d -> %d data-parallel ranks; each rank resumes its new share of the shards from the positions "
-             "the %d saved ranks recorded", saved_dp, dp_size, saved_dp)
+    what = (f"resized: {saved_dp} -> {dp_size} data-parallel ranks" if saved_dp != dp_size
+            else "the pipeline degree changed, and with it how steps are cut into micro-batches")
+    log.info("%s; each rank resumes its share of the shards from the positions the %d saved ranks recorded", what,
+             saved_dp)
     return [{"resume_from": m.to_state()} for m in merged]
 
 

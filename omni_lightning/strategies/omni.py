@@ -509,7 +509,7 @@ class OmniStrategy(ModelParallelStrategy):
         if "omni" not in checkpoint or loop_state is None:
             return checkpoint
         state = loader_state_for_rank(checkpoint["omni"], self.layout.dp_rank, self.parallel_dims.dp,
-                                      encoder_pool=self.is_encoder_rank)
+                                      encoder_pool=self.is_encoder_rank, pp=self.parallel_dims.pp)
         if state is None:
             loop_state.pop(LOADER_STATE_PATH[-1], None)
         else:
