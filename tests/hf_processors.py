@@ -204,6 +204,7 @@ def save_tiny_qwen3_vl_moe(path: Path, *, seed: int = 0, hidden: int = 32, layer
         tie_word_embeddings=False)
     torch.manual_seed(seed)
     transformers.Qwen3VLMoeForConditionalGeneration(config).save_pretrained(path)
+    return path
 
 
 # Canvases of one to three 44-pixel tiles a side: wide, tall and square images each pick another one.

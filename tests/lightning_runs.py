@@ -69,7 +69,8 @@ def merged_grads(out_dir: Path) -> dict[str, torch.Tensor]:
 
 
 class Snapshot(pl.Callback):
-    """Rank 0 saves full weights and AdamW moments at a step, or at train start (after a checkpoint restore)."""
+    """Every rank saves the full weights and AdamW moments it holds (its stages' under pipeline parallelism) at a
+    step, or at train start (after a checkpoint restore), as ``snapshot_{tag}_rank{r}.pt``."""
 
     def __init__(self, out_dir: Path, *, step: int | None = None) -> None:
         self.out_dir = out_dir
@@ -85,23 +86,35 @@ class Snapshot(pl.Callback):
 
     def _save(self, trainer: pl.Trainer, module: pl.LightningModule, tag: str) -> None:
         optimizer_state = trainer.optimizers[0].state
-        snapshot = {
+        trained = [(name, p) for name, p in module.model.named_parameters() if p in optimizer_state]
+        snapshot = {  # full_tensor() is collective: every rank takes part, in the same parameter order
             "step": trainer.global_step,
             "weights": {name: _full(p.data) for name, p in module.model.named_parameters()},
-            "exp_avg": {name: _full(optimizer_state[p]["exp_avg"]) for name, p in module.model.named_parameters()},
+            "exp_avg": {name: _full(optimizer_state[p]["exp_avg"]) for name, p in trained},
         }
-        if trainer.global_rank == 0:
-            torch.save(snapshot, self.out_dir / f"snapshot_{tag}.pt")
+        torch.save(snapshot, self.out_dir / f"snapshot_{tag}_rank{trainer.global_rank}.pt")
+
+
+def _merged_snapshot(path: Path) -> dict[str, Any]:
+    """Every rank's part of the snapshot ``path`` names (``snapshot_{tag}.pt``): ranks holding the same tensor
+    saved the same values."""
+    merged: dict[str, Any] = {"weights": {}, "exp_avg": {}}
+    for part in sorted(path.parent.glob(f"{path.stem}_rank*.pt")):
+        snapshot = torch.load(part, weights_only=True)
+        merged["step"] = snapshot["step"]
+        for kind in ("weights", "exp_avg"):
+            merged[kind].update(snapshot[kind])
+    assert merged["weights"], f"no snapshot {path.stem}_rank*.pt in {path.parent}"
+    return merged
 
 
 def assert_restored_exactly(saved: Path, restored: Path, step: int) -> None:
-    """The snapshot a resumed run took at train start (``restored``) equals the one the saving run took at
-    ``step`` (``saved``): every weight and AdamW moment, bit for bit."""
-    before = torch.load(saved, weights_only=True)
-    after = torch.load(restored, weights_only=True)
+    """The snapshot a resumed run took at train start (``restored``: ``snapshot_start.pt``) equals the one the saving
+    run took at ``step`` (``saved``): every weight and AdamW moment, bit for bit, whatever each layout held where."""
+    before, after = _merged_snapshot(saved), _merged_snapshot(restored)
     assert after["step"] == step
     for kind in ("weights", "exp_avg"):
-        assert after[kind].keys() == before[kind].keys()
+        assert after[kind].keys() == before[kind].keys(), kind
         for name, tensor in before[kind].items():
             torch.testing.assert_close(after[kind][name], tensor, rtol=0, atol=0, msg=f"{kind} {name}")
 
@@ -188,17 +201,22 @@ def fit(
 def assert_resumes_under(
     out_dir: Path, shards: str, seed_checkpoint: Path, *, saved: dict[str, Any], resumed: dict[str, Any],
     module: Callable[[], OmniModule] | None = None, datamodule: Callable[[], Any] | None = None,
+    saved_devices: int = 4, resumed_devices: int = 4,
 ) -> Path:
     """Train 6 steps under layout ``saved`` with a checkpoint at step 3, resume that checkpoint under ``resumed``,
-    and check steps 4-6 lose what the uninterrupted run lost (1e-4 relative: the layouts reduce in other orders).
+    and check that the resumed run starts from exactly the weights and AdamW moments the first held at step 3 and
+    that steps 4-6 lose what the uninterrupted run lost (1e-4 relative: the layouts reduce in other orders).
     Returns the checkpoint's path."""
     make, make_data = module or (lambda: None), datamodule or (lambda: None)
     fit(out_dir / "full", shards, seed_checkpoint, layout=saved, max_steps=6, module=make(), datamodule=make_data(),
-        callbacks=[RecordRun(out_dir / "full"),
+        devices=saved_devices,
+        callbacks=[RecordRun(out_dir / "full"), Snapshot(out_dir / "full", step=3),
                    pl.callbacks.ModelCheckpoint(dirpath=out_dir / "ckpt", every_n_train_steps=3, save_top_k=-1)])
     (checkpoint,) = (out_dir / "ckpt").glob("*step=3.ckpt")
     fit(out_dir / "resumed", shards, seed_checkpoint, layout=resumed, max_steps=6, module=make(),
-        datamodule=make_data(), callbacks=[RecordRun(out_dir / "resumed")], ckpt_path=str(checkpoint))
+        datamodule=make_data(), devices=resumed_devices,
+        callbacks=[RecordRun(out_dir / "resumed"), Snapshot(out_dir / "resumed")], ckpt_path=str(checkpoint))
+    assert_restored_exactly(out_dir / "full" / "snapshot_step3.pt", out_dir / "resumed" / "snapshot_start.pt", 3)
     full = json.loads((out_dir / "full" / "losses.json").read_text())
     after = json.loads((out_dir / "resumed" / "losses.json").read_text())
     assert sorted(after) == ["4", "5", "6"]

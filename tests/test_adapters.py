@@ -102,7 +102,8 @@ def test_importing_the_package_leaves_transformers_to_the_hf_adapter_modules() -
                     at_top.add(path.relative_to(root).as_posix())
     assert {p for p in at_top if not p.startswith("models/adapters/hf_")} == set()
     assert importers - at_top == {"data/processor.py", "models/pretrained.py", "export.py",
-                                  "models/adapters/hf_qwen2_vl.py", "models/adapters/hf_qwen3_vl.py"}
+                                  "models/adapters/hf_qwen2_vl.py", "models/adapters/hf_qwen3_vl.py",
+                                  "models/adapters/hf_llava_onevision.py"}
 
 
 def test_reference_modules_implement_the_protocols_with_the_cost_model_coefficients() -> None:

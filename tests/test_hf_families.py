@@ -11,9 +11,7 @@ losses within 1e-4 relative of one process (FSDP reduces the same gradients in a
 
 from __future__ import annotations
 
-import importlib
 import io
-import itertools
 import json
 import re
 from pathlib import Path
@@ -31,9 +29,21 @@ from hf_processors import (
     save_tiny_qwen_omni_thinker,
     save_tiny_qwen_vl,
 )
+from hf_runs import (
+    CAPTIONS,
+    FAMILIES,
+    LEARNING_RATE,
+    hf_inputs,
+    hf_loss_sum,
+    hf_model,
+    image_bytes,
+    llava_tokens,
+    run_against_hf,
+    untied,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lightning_runs import RecordBatches, RecordRun, fit, merged_grads
+from lightning_runs import RecordBatches, RecordRun, fit
 from PIL import Image
 
 from omni_lightning import OmniDataModule, OmniModule
@@ -43,20 +53,9 @@ from omni_lightning.data.packing import DecodedSample, pack_samples
 from omni_lightning.data.shards import expand_shards
 from omni_lightning.data.streaming import open_shard
 from omni_lightning.models.adapters.hf_qwen2_vl import mrope_positions
-from omni_lightning.models.pretrained import SUPPORTED_FAMILIES, build_pretrained
+from omni_lightning.models.pretrained import SUPPORTED_FAMILIES
 
 transformers = pytest.importorskip("transformers")
-CAPTIONS = ["A cat sits on a mat.", "The left one is red, the right one is blue.", "Describe the picture please.",
-            "What happens? A cat jumps.", "这只猫可爱吗？是的，非常可爱！"]
-LEARNING_RATE = 1e-3
-
-
-FAMILIES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-            "qwen2_5_omni_thinker": "Qwen2_5OmniThinkerForConditionalGeneration",
-            "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
-            "llava_onevision": "LlavaOnevisionForConditionalGeneration"}
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def qwen2_vl(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint directory of each family (named for the first; every test runs on each). LLaVA-OneVision's ties
@@ -70,12 +69,6 @@ def qwen2_vl(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return save_tiny_qwen_vl(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def _image(height: int, width: int, seed: int) -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)).save(out, "PNG")
-    return out.getvalue()
-
-
 @pytest.fixture(scope="module")
 def pair_shards(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Image-text pairs of several sizes, as collection tools write them: 2 shards of 12."""
@@ -85,164 +78,10 @@ def pair_shards(tmp_path_factory: pytest.TempPathFactory) -> str:
         samples = []
         for i in range(12):
             h, w = (int(x) for x in rng.integers(20, 120, 2))
-            samples.append({"__key__": f"pair{shard}{i:02d}", "png": _image(h, w, shard * 12 + i),
+            samples.append({"__key__": f"pair{shard}{i:02d}", "png": image_bytes(h, w, shard * 12 + i),
                             "txt": CAPTIONS[(shard + i) % len(CAPTIONS)].encode()})
         write_shard(out / f"pairs-{shard:06d}.tar", samples)
     return str(out / "pairs-{000000..000001}.tar")
-
-
-def _hf_model(path: Path, dtype: torch.dtype = torch.float32) -> Any:
-    family = json.loads((path / "config.json").read_text())["model_type"]
-    return getattr(transformers, FAMILIES[family]).from_pretrained(str(path), dtype=dtype).eval()
-
-
-def _untied(checkpoint: Path, out: Path) -> Path:
-    """``checkpoint`` with its LM head a copy of its tied embedding (what tensor parallelism needs), else itself."""
-    import shutil
-
-    hf = _hf_model(checkpoint)
-    if not hf.config.tie_word_embeddings:
-        return checkpoint
-    config = hf.config
-    config.tie_word_embeddings = config.get_text_config().tie_word_embeddings = False
-    untied = type(hf)(config)
-    untied.load_state_dict({**hf.state_dict(), "lm_head.weight": hf.lm_head.weight.detach().clone()})
-    untied.save_pretrained(out)
-    for file in checkpoint.iterdir():
-        if not (out / file.name).exists():
-            shutil.copy(file, out / file.name)
-    return out
-
-
-def _llava_tiles(rows: torch.Tensor, count: int, config: Any) -> torch.Tensor:
-    """``count`` tiles ``[count, 3, tile, tile]`` of LLaVA-OneVision from their packed patch rows, the pixels the
-    tower's convolution never reads (past its whole patches) zero."""
-    vision = config.vision_config
-    side, patch, tile = vision.image_size // vision.patch_size, vision.patch_size, vision.image_size
-    pixels = rows.reshape(count, side, side, 3, patch, patch).permute(0, 3, 1, 4, 2, 5).reshape(
-        count, 3, side * patch, side * patch)
-    return F.pad(pixels, (0, tile - side * patch, 0, tile - side * patch))
-
-
-def _llava_tokens(modality: str, shape: tuple[int, ...], config: Any) -> int:
-    """The features the model itself lays out for a media item (its own ``pack_image_features``)."""
-    from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionModel
-
-    vision = config.vision_config
-    side = vision.image_size // vision.patch_size
-    if modality == "video":
-        return shape[0] * (-(-side // 2)) ** 2 + 1
-    (features,), _ = LlavaOnevisionModel.pack_image_features(
-        SimpleNamespace(config=config), [torch.zeros(shape[0], side * side, 1)], [shape[3:5]],
-        image_newline=torch.zeros(1), vision_aspect_ratio=config.vision_aspect_ratio)
-    return features.shape[0]
-
-
-def _llava_inputs(batch: dict[str, Any], config: Any) -> list[dict[str, torch.Tensor]]:
-    """Each packed sample as LLaVA-OneVision takes it: its ids, its images' tiles with their sizes and how many
-    images it has (the model lays out one that shares its sample otherwise), its videos' frames."""
-    per_item = (config.vision_config.image_size // config.vision_config.patch_size) ** 2
-    media, row, samples = list(batch["vision_media"]), 0, []
-    for start, end in itertools.pairwise(batch["cu_seqlens"].tolist()):
-        ids = batch["input_ids"][start:end]
-        inputs: dict[str, Any] = {"input_ids": ids[None], "labels": batch["labels"][start:end],
-                                  "attention_mask": torch.ones_like(ids)[None]}
-        left = {"image": int((ids == config.image_token_id).sum()), "video": int((ids == config.video_token_id).sum())}
-        pixels: dict[str, list[torch.Tensor]] = {"image": [], "video": []}
-        sizes = []
-        while any(left.values()):
-            modality, shape = media.pop(0)
-            pixels[modality].append(_llava_tiles(batch["vision_patches"][row : row + shape[0] * per_item], shape[0],
-                                                 config))
-            row += shape[0] * per_item
-            sizes += [list(shape[3:5])] if modality == "image" else []
-            left[modality] -= _llava_tokens(modality, shape, config)
-        if pixels["image"]:
-            inputs |= {"pixel_values": torch.cat(pixels["image"]), "image_sizes": torch.tensor(sizes),
-                       "batch_num_images": torch.tensor([len(sizes)])}
-        if pixels["video"]:
-            inputs["pixel_values_videos"] = torch.stack(pixels["video"])
-        samples.append(inputs)
-    return samples
-
-
-def _hf_inputs(batch: dict[str, Any], config: Any) -> list[dict[str, torch.Tensor]]:
-    """Each packed sample as the HF model takes it: its ids, its token types, and its items' pixel rows and
-    ``(t, h, w)`` grids (an image one item, a video as many temporal patches as its placeholders cover), and for
-    the thinker its clips' features with their masks (LLaVA-OneVision's: :func:`_llava_inputs`)."""
-    if config.model_type == "llava_onevision":
-        return _llava_inputs(batch, config)
-    image_id, video_id = config.image_token_id, config.video_token_id
-    grids, rows = batch["vision_grids"].tolist(), batch["vision_patches"]
-    cu, item, row, clip, frame = batch["cu_seqlens"].tolist(), 0, 0, 0, 0
-    samples = []
-    for start, end in itertools.pairwise(cu):
-        ids = batch["input_ids"][start:end]
-        inputs: dict[str, Any] = {"input_ids": ids[None], "mm_token_type_ids": (
-            (ids == image_id).long() + 2 * (ids == video_id).long())[None], "labels": batch["labels"][start:end],
-            "attention_mask": torch.ones_like(ids)[None]}  # the thinker computes its positions only with a mask
-        for kind, token in (("image", image_id), ("video", video_id)):
-            left, grid_thw, pixels = int((ids == token).sum()), [], []
-            while left > 0:
-                h, w = grids[item]
-                frames = 1 if kind == "image" else left // (h * w // 4)
-                pixels.append(rows[row : row + frames * h * w])
-                grid_thw.append([frames, h, w])
-                left, item, row = left - frames * h * w // 4, item + frames, row + frames * h * w
-            if grid_thw:
-                suffix = "" if kind == "image" else "_videos"
-                inputs[f"pixel_values{suffix}"] = torch.cat(pixels)
-                inputs[f"{kind}_grid_thw"] = torch.tensor(grid_thw)
-        clips = int((ids == getattr(config, "audio_token_id", -1)).sum())
-        if clips:  # the thinker's audio: one padded row of features per clip, with its mask
-            lengths, mels = batch["audio_lengths"].tolist(), []
-            while clips > 0:
-                frames = lengths[clip]
-                mels.append(batch["audio_mels"][frame : frame + frames])
-                clips, clip, frame = clips - frames // 4, clip + 1, frame + frames
-            longest = max(m.shape[0] for m in mels)
-            inputs["input_features"] = torch.stack([F.pad(m, (0, 0, 0, longest - m.shape[0])).t() for m in mels])
-            inputs["feature_attention_mask"] = torch.stack(
-                [torch.arange(longest) < m.shape[0] for m in mels]).long()
-        samples.append(inputs)
-    return samples
-
-
-def _hf_loss_sum(hf: Any, samples: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, int]:
-    total, count = torch.zeros(()), 0
-    for inputs in samples:
-        labels = inputs["labels"]
-        logits = hf(**{k: v for k, v in inputs.items() if k != "labels"}).logits[0]
-        total = total + F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
-        count += int((labels != IGNORE_INDEX).sum())
-    return total, count
-
-
-def hf_step_loss(hf: Any, micro: list[tuple[dict[str, Any], ...]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The HF model's loss of one step: its token losses over every loss token of the step, plus, for a family that
-    trains its load-balancing loss, ``router_aux_loss_coef`` times the family's own ``load_balancing_loss_func``
-    over each micro-batch's global batch (its samples' router logits, layer by layer), averaged over the
-    micro-batches. Returns it and the mean token loss alone (what the runs log)."""
-    text = getattr(hf.config, "text_config", hf.config)
-    routed = bool(getattr(text, "output_router_logits", False))
-    total, count, aux = torch.zeros(()), 0, []
-    for batches in micro:
-        logits_by_layer: list[list[torch.Tensor]] = []
-        for batch in batches:
-            for inputs in _hf_inputs(batch, hf.config):
-                labels = inputs.pop("labels")
-                out = hf(**inputs, output_router_logits=True) if routed else hf(**inputs)
-                total = total + F.cross_entropy(out.logits[0].float(), labels, ignore_index=IGNORE_INDEX,
-                                                reduction="sum")
-                count += int((labels != IGNORE_INDEX).sum())
-                if routed:
-                    logits_by_layer.append(list(out.router_logits))
-        if routed and logits_by_layer:
-            balancing = importlib.import_module(type(hf).__module__).load_balancing_loss_func
-            layers = tuple(torch.cat(per_layer) for per_layer in zip(*logits_by_layer, strict=True))
-            aux.append(balancing(layers, text.num_experts, text.num_experts_per_tok))
-    ce = total / count
-    return (ce + text.router_aux_loss_coef * torch.stack(aux).mean() if aux else ce), ce
 
 
 def _batch(data: OmniDataModule, raws: list[dict[str, Any]]) -> dict[str, Any]:
@@ -265,9 +104,9 @@ def _loaded(qwen2_vl: Path, **kwargs: Any) -> tuple[OmniModule, OmniDataModule]:
 
 def test_logits_equal_the_hf_forward_sample_by_sample_and_packed(qwen2_vl: Path, pair_shards: str) -> None:
     module, data = _loaded(qwen2_vl)
-    hf = _hf_model(qwen2_vl)
+    hf = hf_model(qwen2_vl)
     batch = _batch(data, _raw(pair_shards)[:5])
-    samples = _hf_inputs(batch, hf.config)
+    samples = hf_inputs(batch, hf.config)
     # The pixels are the processor's own (its PIL implementation on the same image bytes).
     processor = transformers.AutoImageProcessor.from_pretrained(str(qwen2_vl), backend="pil")
     first = processor(Image.open(io.BytesIO(_raw(pair_shards)[0]["png"])), return_tensors="pt")["pixel_values"]
@@ -282,7 +121,7 @@ def test_logits_equal_the_hf_forward_sample_by_sample_and_packed(qwen2_vl: Path,
         alone = torch.cat([hf(**{k: v for k, v in s.items() if k != "labels"}).logits[0] for s in samples])
         torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
         ours = F.cross_entropy(packed, batch["labels"], ignore_index=IGNORE_INDEX)
-        total, count = _hf_loss_sum(hf, samples)
+        total, count = hf_loss_sum(hf, samples)
     torch.testing.assert_close(ours, total / count, rtol=1e-6, atol=0)
 
 
@@ -292,14 +131,14 @@ def test_video_items_and_their_temporal_positions_equal_the_hf_forward(qwen2_vl:
     if "qwen3" in qwen2_vl.name:
         pytest.skip("Qwen3-VL lays a video out frame by frame between timestamps, which the data side does not write")
     module, data = _loaded(qwen2_vl)
-    hf = _hf_model(qwen2_vl)
+    hf = hf_model(qwen2_vl)
     config, rng = hf.config, np.random.default_rng(0)
     tiled = data.packing.any_resolution is not None
     sizes = [(4, 42, 42), (3, 42, 42), (1, 42, 42)] if tiled else [(4, 56, 56), (3, 28, 84), (2, 56, 28)]
     samples = []
     for key, (frames, h, w) in enumerate(sizes):
         video = rng.integers(0, 256, (frames, h, w, 3), dtype=np.uint8)
-        tokens = _llava_tokens("video", (frames, 3, 3), config) if tiled else -(-frames // 2) * (h // 28) * (w // 28)
+        tokens = llava_tokens("video", (frames, 3, 3), config) if tiled else -(-frames // 2) * (h // 28) * (w // 28)
         wrappers = [] if tiled else [config.vision_start_token_id, config.vision_end_token_id]
         ids = np.concatenate([rng.integers(10, 200, 3), wrappers[:1], [config.video_token_id] * tokens, wrappers[1:],
                               rng.integers(10, 200, 4)]).astype(np.int64)
@@ -308,7 +147,7 @@ def test_video_items_and_their_temporal_positions_equal_the_hf_forward(qwen2_vl:
         samples.append(DecodedSample(f"video{key}", ids, media={"video": [video]}, targets=targets,
                                      media_order=[("video", 0)]))
     batch = pack_samples(samples, data.packing)
-    inputs = _hf_inputs(batch, config)
+    inputs = hf_inputs(batch, config)
     if hasattr(module.model.llm, "video_fps"):  # Qwen2.5-VL, the thinker: positions count seconds of video
         module.model.llm.video_fps = 0.5
         key = "video_second_per_grid" if "omni" in config.model_type else "second_per_grid_ts"
@@ -354,10 +193,10 @@ def test_bf16_loss_is_the_hf_loss_within_bf16_rounding(qwen2_vl: Path, pair_shar
     module, data = _loaded(qwen2_vl)
     module.model.to(torch.bfloat16)
     batch = _batch(data, _raw(pair_shards)[:4])
-    hf = _hf_model(qwen2_vl)
+    hf = hf_model(qwen2_vl)
     with torch.no_grad():
         ours = F.cross_entropy(module.model(batch).float(), batch["labels"], ignore_index=IGNORE_INDEX)
-        total, count = _hf_loss_sum(hf, _hf_inputs(batch, hf.config))
+        total, count = hf_loss_sum(hf, hf_inputs(batch, hf.config))
     assert not torch.equal(ours, total / count)  # bf16 took effect
     torch.testing.assert_close(ours, total / count, rtol=2e-2, atol=0)
 
@@ -375,8 +214,8 @@ def test_audio_is_heard_by_the_thinker_and_refused_by_families_that_hear_nothing
                              {"role": "assistant", "content": "A cat and a tone."}],
                 "images": ["0.png"], "audios": ["0.wav"]}
     raw = {"__key__": "heard", "json": json.dumps(dialogue).encode(), "0.wav": out.getvalue(),
-           "0.png": _image(40, 70, 3)}
-    hf = _hf_model(qwen2_vl)
+           "0.png": image_bytes(40, 70, 3)}
+    hf = hf_model(qwen2_vl)
     if not hasattr(hf.config, "audio_token_id"):
         assert [m.name for m in data.packing.modalities] == ["image", "video"]
         with pytest.raises(ValueError, match=r"modality 'audio' \(0.wav\) has no encoder in this model"):
@@ -384,7 +223,7 @@ def test_audio_is_heard_by_the_thinker_and_refused_by_families_that_hear_nothing
         return
     batch = _batch(data, [raw])
     assert int(batch["audio_lengths"][0]) > 2 * 2 * hf.config.audio_config.n_window  # several chunks
-    (inputs,) = _hf_inputs(batch, hf.config)
+    (inputs,) = hf_inputs(batch, hf.config)
     with torch.no_grad():
         torch.testing.assert_close(module.model(batch), hf(**{k: v for k, v in inputs.items() if k != "labels"}
                                                             ).logits[0], rtol=0, atol=1e-5)
@@ -420,39 +259,8 @@ def test_training_under_a_layout_is_one_process_running_the_hf_model(name: str, 
     parallelism takes a tied checkpoint (LLaVA-OneVision's) untied."""
     layout, ranks, dp = LAYOUTS[name]
     if layout.get("tp", 1) > 1:
-        qwen2_vl = _untied(qwen2_vl, tmp_path / "untied")
-    module = OmniModule(pretrained=str(qwen2_vl), learning_rate=LEARNING_RATE)
-    data = OmniDataModule(pair_shards, samples_per_step=2, group_steps=2)
-    fit(tmp_path, pair_shards, Path("unused"), layout=layout, devices=ranks, max_steps=3, module=module,
-        datamodule=data, callbacks=[RecordRun(tmp_path, grads=True), RecordBatches(tmp_path)])
-    losses = json.loads((tmp_path / "losses.json").read_text())
-    per_rank = [torch.load(tmp_path / f"batches_rank{r}.pt", weights_only=False) for r in range(ranks)]
-    hf = _hf_model(qwen2_vl).train()
-    optimizer = torch.optim.AdamW(hf.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0)
-    expected = []
-    for step in range(3):  # one rank of each data-parallel group (its tensor-parallel peers hold the same batch)
-        loss, ce = hf_step_loss(hf, [tuple(per_rank[r][step] for r in range(0, ranks, ranks // dp))])
-        optimizer.zero_grad()
-        loss.backward()
-        if step == 0:
-            first = {name: p.grad.clone() for name, p in hf.named_parameters() if p.grad is not None}
-        optimizer.step()
-        expected.append(float(ce))
-    torch.testing.assert_close(torch.tensor([losses[s] for s in "123"]), torch.tensor(expected), rtol=1e-4, atol=0)
-    # The first step's gradients, parameter by parameter under the family's own names: 1e-4 of the largest entry
-    # of each, as the layouts sum the same terms in other orders; gradients that are zero but for rounding (a key
-    # projection's bias: softmax ignores a shift of all of a query's scores) within 1e-7 of the largest of all.
-    ours = merged_grads(tmp_path)
-    noise = 1e-7 * max(float(g.abs().max()) for g in first.values())
-    stored = build_pretrained(qwen2_vl, module.config.roles).checkpoint_names
-    assert set(first) <= {stored[name] for name in ours}
-    for name, grad in ours.items():
-        if stored[name] not in first:  # a tower no sample used (audio on images): its dummy pass adds nothing
-            assert not grad.any(), name
-            continue
-        reference = first[stored[name]]
-        torch.testing.assert_close(grad, reference, rtol=0, atol=1e-4 * float(reference.abs().max()) + noise,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        qwen2_vl = untied(qwen2_vl, tmp_path / "untied")
+    run_against_hf(tmp_path, qwen2_vl, pair_shards, layout, ranks, dp)
 
 
 @pytest.mark.distributed
@@ -472,18 +280,18 @@ def test_a_checkpoint_of_a_sharded_layout_exports_to_what_from_pretrained_reads(
         callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2)])
     (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")
     main(["export-hf", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "exported")])
-    exported = _hf_model(tmp_path / "exported")
+    exported = hf_model(tmp_path / "exported")
     assert load_processor(tmp_path / "exported").roles == load_processor(qwen2_vl).roles  # its processor travels
 
     trained, data = _loaded(qwen2_vl)
     state = {f"model.{k}": v for k, v in trained.model.state_dict().items()}
     dcp.load({"state_dict": state}, checkpoint_id=checkpoint)
     trained.model.load_state_dict({k[len("model."):]: v for k, v in state.items()})
-    assert not torch.equal(trained.model.llm.output.weight, _hf_model(qwen2_vl).lm_head.weight)  # it trained
+    assert not torch.equal(trained.model.llm.output.weight, hf_model(qwen2_vl).lm_head.weight)  # it trained
     batch = _batch(data, _raw(pair_shards)[:4])
     with torch.no_grad():
         alone = torch.cat([exported(**{k: v for k, v in s.items() if k != "labels"}).logits[0]
-                           for s in _hf_inputs(batch, exported.config)])
+                           for s in hf_inputs(batch, exported.config)])
         torch.testing.assert_close(trained.model(batch), alone, rtol=0, atol=1e-5)
     with pytest.raises(SystemExit):  # a checkpoint of the reference model has no family to export to
         main(["export-hf", "--checkpoint", str(tmp_path / "nothing.ckpt"), "--out", str(tmp_path / "x")])
@@ -540,17 +348,37 @@ def test_the_loaded_model_prices_reordering_and_throughput(qwen2_vl: Path) -> No
     assert data._model_cost_model().llm == cost.llm
 
 
+# Per family, a checkpoint of one layout resumed under another of the same data-parallel size (4 ranks each):
+# pipeline to none and back, tensor to context parallelism, experts sharded to replicated (a tied head takes
+# neither pipeline nor tensor parallelism).
+RESUMES = {
+    "qwen2_vl": ({"pp": 2, "dp_shard": 2}, {"dp_shard": 2, "tp": 2}),
+    "qwen2_5_vl": ({"dp_shard": 2, "cp": 2}, {"pp": 2, "dp_shard": 2}),
+    "qwen2_5_omni_thinker": ({"dp_shard": 2, "tp": 2}, {"dp_replicate": 2, "cp": 2}),
+    "qwen3_vl_moe": ({"pp": 2, "dp_shard": 2, "ep": 2}, {"dp_shard": 2, "tp": 2}),
+    "llava_onevision": ({"dp_shard": 2, "cp": 2}, {"dp_replicate": 2, "cp": 2}),
+}
+
+
 @pytest.mark.distributed
 def test_a_family_resumes_exactly_under_another_layout(tmp_path: Path, qwen2_vl: Path, pair_shards: str) -> None:
-    """Saved sharded over 2 FSDP ranks x 2 TP ranks, resumed replicated over 2 ranks x 2 TP ranks (the same
-    data-parallel size): steps 4-6 lose what the uninterrupted run lost."""
+    """A checkpoint resumed under another layout (:data:`RESUMES`) starts from exactly the weights and AdamW moments
+    it saved, and steps 4-6 lose what the uninterrupted run lost."""
     from lightning_runs import assert_resumes_under
 
-    qwen2_vl = _untied(qwen2_vl, tmp_path / "untied")
+    family = json.loads((qwen2_vl / "config.json").read_text())["model_type"]
+    saved, resumed = RESUMES[family]
+    if not any(layout.get(name, 1) > 1 for layout in (saved, resumed) for name in ("pp", "tp")):
+        checkpoint = qwen2_vl
+    else:
+        checkpoint = untied(qwen2_vl, tmp_path / "untied")
+    # Reordering plans a pipeline's steps for its schedule, so a switch in or out of one trains the same samples
+    # in other steps; each rank training what it read keeps the steps the same, which is what the check compares.
+    reorder = "none" if saved.get("pp", 1) != resumed.get("pp", 1) else "grouped"
     assert_resumes_under(
-        tmp_path, pair_shards, Path("unused"), saved={"dp_shard": 2, "tp": 2}, resumed={"dp_replicate": 2, "tp": 2},
-        module=lambda: OmniModule(pretrained=str(qwen2_vl), learning_rate=LEARNING_RATE),
-        datamodule=lambda: OmniDataModule(pair_shards, samples_per_step=2, group_steps=2))
+        tmp_path, pair_shards, Path("unused"), saved=saved, resumed=resumed,
+        module=lambda: OmniModule(pretrained=str(checkpoint), learning_rate=LEARNING_RATE),
+        datamodule=lambda: OmniDataModule(pair_shards, samples_per_step=2, group_steps=2, reorder=reorder))
 
 
 @pytest.mark.slow
@@ -569,9 +397,9 @@ def test_fresh_rank_processes_hold_their_shard_not_the_model(tmp_path: Path) -> 
     checkpoint = save_tiny_qwen_vl(tmp_path / "large", hidden=512, layers=12, vocab_size=4096)
     for shard in range(4):  # one data shard per rank
         write_shard(tmp_path / f"pairs-{shard:06d}.tar", [
-            {"__key__": f"p{shard}{i}", "png": _image(28, 56, shard * 2 + i), "txt": CAPTIONS[i].encode()}
+            {"__key__": f"p{shard}{i}", "png": image_bytes(28, 56, shard * 2 + i), "txt": CAPTIONS[i].encode()}
             for i in range(2)])
-    model_bytes = 4 * sum(p.numel() for p in _hf_model(checkpoint).parameters())
+    model_bytes = 4 * sum(p.numel() for p in hf_model(checkpoint).parameters())
     assert model_bytes > 120 * 2**20
     env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     shards = str(tmp_path / "pairs-{000000..000003}.tar")
@@ -600,7 +428,7 @@ def test_a_whole_qwen2_5_omni_trains_and_exports_its_thinker(tmp_path: Path, pai
     batch = _batch(data, _raw(pair_shards)[:3])
     with torch.no_grad():
         alone = torch.cat([hf(**{k: v for k, v in s.items() if k != "labels"}).logits[0]
-                           for s in _hf_inputs(batch, hf.config)])
+                           for s in hf_inputs(batch, hf.config)])
         torch.testing.assert_close(module.model(batch), alone, rtol=0, atol=1e-5)
     fit(tmp_path, pair_shards, Path("unused"), layout={"dp_shard": 2}, devices=2, max_steps=1,
         module=OmniModule(pretrained=str(whole), learning_rate=LEARNING_RATE),
@@ -627,7 +455,7 @@ def _peft_reference(checkpoint: Path, module: OmniModule) -> Any:
 
     from omni_lightning.models.lora import lora_initial_state
 
-    hf = _hf_model(checkpoint).train()
+    hf = hf_model(checkpoint).train()
     inject_adapter_in_model(LoraConfig(**LORA), hf.model.language_model)
     hf.lm_head.requires_grad_(False)  # the decoder's head is the decoder's: frozen under LoRA, as ours
     initial = lora_initial_state(module._model_view(), module.hparams.init_seed)
@@ -658,7 +486,7 @@ def test_lora_trains_the_adapters_as_peft_does_under_fsdp_and_tp(name: str, tmp_
     for step in range(3):
         total, count = torch.zeros(()), 0
         for batch in [per_rank[r][step] for r in range(0, ranks, ranks // dp)]:
-            part, n = _hf_loss_sum(hf, _hf_inputs(batch, hf.config))
+            part, n = hf_loss_sum(hf, hf_inputs(batch, hf.config))
             total, count = total + part, count + n
         optimizer.zero_grad()
         (total / count).backward()
@@ -714,13 +542,13 @@ def test_lora_exports_merged_or_as_a_peft_adapter(tmp_path: Path, qwen2_5_vl: Pa
     trained.model.load_state_dict({k[len("model."):]: v for k, v in state.items()})
     assert trained.model.llm.layers["0"].self_attn.q_proj.lora_B.default.weight.abs().sum() > 0  # it trained
     batch = _batch(data, _raw(pair_shards)[:3])
-    merged = _hf_model(tmp_path / "merged")
-    adapted = PeftModel.from_pretrained(_hf_model(qwen2_5_vl), str(tmp_path / "adapter")).eval()
+    merged = hf_model(tmp_path / "merged")
+    adapted = PeftModel.from_pretrained(hf_model(qwen2_5_vl), str(tmp_path / "adapter")).eval()
     with torch.no_grad():
         expected = trained.model(batch)
         for exported in (merged, adapted):
             alone = torch.cat([exported(**{k: v for k, v in s.items() if k != "labels"}).logits[0]
-                               for s in _hf_inputs(batch, merged.config)])
+                               for s in hf_inputs(batch, merged.config)])
             torch.testing.assert_close(expected, alone, rtol=0, atol=1e-5)
 
 
@@ -767,22 +595,22 @@ def _dialogue(key: str, images: list[bytes], question: str, answer: str) -> dict
     return {"__key__": key, "json": json.dumps(record).encode(), **dict(zip(names, images, strict=True))}
 
 
-TWO_IMAGES = [_dialogue("two", [_image(50, 90, 7), _image(100, 30, 8)], " Compare the left and right.",
+TWO_IMAGES = [_dialogue("two", [image_bytes(50, 90, 7), image_bytes(100, 30, 8)], " Compare the left and right.",
                         "The left one is red, the right one is blue."),
-              _dialogue("one", [_image(61, 47, 9)], " Describe the picture please.", "A cat sits on a mat.")]
+              _dialogue("one", [image_bytes(61, 47, 9)], " Describe the picture please.", "A cat sits on a mat.")]
 
 
 def test_two_images_in_one_sample_equal_the_hf_forward(qwen2_vl: Path) -> None:
     """A dialogue with two images packed beside one with a single image: the logits are the HF model's on each
     (LLaVA-OneVision encodes each of two images as one padded square tile with one newline, a lone one in tiles)."""
     module, data = _loaded(qwen2_vl)
-    hf = _hf_model(qwen2_vl)
+    hf = hf_model(qwen2_vl)
     batch = _batch(data, TWO_IMAGES)
     if data.packing.any_resolution is not None:
         assert [shape[0] for _, shape in batch["vision_media"]] == [1, 1, 5]
     with torch.no_grad():
         alone = torch.cat([hf(**{k: v for k, v in s.items() if k != "labels"}).logits[0]
-                           for s in _hf_inputs(batch, hf.config)])
+                           for s in hf_inputs(batch, hf.config)])
         torch.testing.assert_close(module.model(batch), alone, rtol=0, atol=1e-5)
 
 
