@@ -34,6 +34,9 @@ Results go to ``benchmarks/results/e2e.json`` and a plot of per-rank time per st
 
     python benchmarks/e2e.py [--workload FILE] [--ranks 4] [--steps 16] [--group-steps 4] [--repeats 2] [--quick]
 
+``--model hf`` runs the Hugging Face comparison instead ((f) what a Lightning user writes for a Qwen2.5-VL
+checkpoint against (g) OmniStrategy with everything on: see ``benchmarks/e2e_hf.py``, which takes its own arguments).
+
 Its last two lines are ``modeled speedup (d)/(e): Y`` and ``modeled speedup (d)/(a): X``.
 """
 
@@ -256,7 +259,17 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
 
 
 def main() -> None:
+    which = argparse.ArgumentParser(add_help=False)
+    which.add_argument("--model", choices=["reference", "hf"], default="reference")
+    chosen, rest = which.parse_known_args()
+    if chosen.model == "hf":
+        import e2e_hf
+
+        e2e_hf.main(rest)
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["reference", "hf"], default="reference",
+                        help="hf: the Hugging Face comparison of benchmarks/e2e_hf.py")
     default_workload = SHARED_WORKLOADS / "vlm_dynres.yaml"
     parser.add_argument("--workload", default=str(default_workload) if default_workload.exists() else "vlm_dynres")
     parser.add_argument("--ranks", type=int, default=4)
