@@ -242,8 +242,8 @@ def test_a_family_not_supported_is_refused_naming_the_supported(tmp_path: Path) 
 
 # (layout, ranks, data-parallel ranks): each parallelism the HF families take, the encoder stage's resharding of
 # whole items between the data-parallel ranks included.
+# FSDP2 runs with encoder resharding (the same FSDP, items moved between its ranks), HSDP with TP.
 LAYOUTS = {
-    "fsdp": ({"dp_shard": 2}, 2, 2),
     "tp": ({"tp": 2, "dp_shard": 1}, 2, 1),
     "fsdp-encoder-reshard": ({"dp_shard": 2, "encoder_reshard": True}, 2, 2),
     "hsdp-tp": ({"dp_replicate": 2, "dp_shard": 1, "tp": 2}, 4, 2),
@@ -466,7 +466,7 @@ def _peft_reference(checkpoint: Path, module: OmniModule) -> Any:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["fsdp", "tp"])
+@pytest.mark.parametrize("name", ["fsdp-encoder-reshard", "tp"])
 def test_lora_trains_the_adapters_as_peft_does_under_fsdp_and_tp(name: str, tmp_path: Path, qwen2_5_vl: Path,
                                                                   pair_shards: str) -> None:
     """Column- and row-parallel projections with adapters (q, v, o and the MLP's down projection) on 2 ranks
