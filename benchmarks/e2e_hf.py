@@ -7,11 +7,12 @@ mix (one or two images of sizes from 28 to 448 pixels a side at aspect ratios 1:
 
 * (f) what the Lightning and transformers docs lead to: ``ModelParallelStrategy`` with FSDP2 on the HF model's
   decoder layers, vision blocks and root (``configure_model``); a ``DataLoader`` over the dialogues (Lightning's
-  distributed sampler) whose collate function does what TRL's vision-language SFT collator does with the model's
-  processor: the chat template, each image's placeholder expanded to its merged patches, ``padding=True``, labels on
-  the assistant tokens only (the template's generation region). ``Qwen2_5_VLProcessor`` itself cannot be built here
-  (its video processor needs torchvision, which does not load against the CPU torch wheel), so the collate function
-  calls its tokenizer and image processor as the processor would. The HF model's own forward and loss.
+  distributed sampler; the dataset opens each dialogue's image files) whose collate function does what TRL's
+  vision-language SFT collator does with the model's processor: the chat template, each image's placeholder
+  expanded to its merged patches, ``padding=True``, labels on the assistant tokens only (the template's generation
+  region). ``Qwen2_5_VLProcessor`` itself cannot be built here (its video processor needs torchvision, which does
+  not load against the CPU torch wheel), so the collate function calls its tokenizer and image processor as the
+  processor would. The HF model's own forward and loss.
 * (g) OmniStrategy with everything on: ``OmniModule(pretrained=...)``, packed samples (no padding), grouped
   reordering in the loader, encoder resharding with long-short sequence parallelism (``enc_sp=2``).
 
@@ -19,7 +20,8 @@ Each run trains two epochs; the second (every dialogue once, in both configurati
 step is the CPU its process spends from one step's end to the next (the loader included: both load in the training
 process), as the larger of its training thread's and its other threads' CPU time; the *modeled step time* is the
 slowest rank's, as in ``e2e.py``. Every configuration runs ``--repeats`` times, interleaved, and each (step, rank)
-keeps its least time. Results go to ``benchmarks/results/e2e_hf.json``; the last line is
+keeps its least time. Results go to ``benchmarks/results/e2e_hf.txt`` and ``e2e_hf.json`` (``e2e_hf_quick.*`` with
+``--quick``); the last line is
 ``modeled speedup (g)/(f): X``.
 
     python benchmarks/e2e.py --model hf [--ranks 4] [--dialogues 384] [--repeats 2] [--quick]
@@ -92,32 +94,41 @@ def dialogues(count: int, seed: int) -> list[dict[str, Any]]:
     return made
 
 
-def write_dialogue_shards(made: list[dict[str, Any]], out: Path, shards: int) -> str:
-    """The dialogues as webdataset shards the way users keep them: a ShareGPT json and its images as PNG members."""
-    samples = []
+def write_dialogues(made: list[dict[str, Any]], out: Path, shards: int) -> tuple[str, list[dict[str, Any]]]:
+    """The dialogues the two ways users keep them: webdataset shards of a ShareGPT json and its images as PNG members
+    (for (g)), and a list of records naming PNG files in a folder (for (f)'s dataset, which opens them)."""
+    samples, records = [], []
+    (out / "media").mkdir(parents=True, exist_ok=True)
     for index, dialogue in enumerate(made):
         names = [f"{i}.png" for i in range(len(dialogue["images"]))]
         sample: dict[str, Any] = {"__key__": f"d{index:06d}",
                                   "json": json.dumps({"messages": dialogue["messages"], "images": names}).encode()}
+        paths = []
         for name, image in zip(names, dialogue["images"], strict=True):
             buffer = io.BytesIO()
             image.save(buffer, format="PNG")
             sample[name] = buffer.getvalue()
+            paths.append(out / "media" / f"d{index:06d}_{name}")
+            paths[-1].write_bytes(sample[name])
         samples.append(sample)
-    out.mkdir(parents=True, exist_ok=True)
+        records.append({"messages": dialogue["messages"], "images": paths})
     write_shards(samples, out, prefix="chat", samples_per_shard=len(samples) // shards)
-    return str(out / f"chat-{{000000..{shards - 1:06d}}}.tar")
+    return str(out / f"chat-{{000000..{shards - 1:06d}}}.tar"), records
 
 
 class _Dialogues(Dataset):
-    def __init__(self, made: list[dict[str, Any]]) -> None:
-        self.made = made
+    """A user's dataset over dialogue records: each item's images opened from their files when it is read."""
+
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        self.records = records
 
     def __len__(self) -> int:
-        return len(self.made)
+        return len(self.records)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.made[index]
+        record = self.records[index]
+        images = [Image.open(path).convert("RGB") for path in record["images"]]
+        return {"messages": record["messages"], "images": images}
 
 
 class ProcessorCollator:
@@ -234,15 +245,15 @@ class _StepCPU(pl.Callback):
             self.path.write_text(json.dumps({"cpu": self.rows, "wall": self.wall}))
 
 
-def run(name: str, checkpoint: Path, shards: str, made: list[dict[str, Any]], args: argparse.Namespace,
+def run(name: str, checkpoint: Path, shards: str, dialogue_files: list[dict[str, Any]], args: argparse.Namespace,
         out: Path) -> dict[str, Any]:
     os.environ["MASTER_PORT"] = str(free_port())
     record = out / f"{name}.json"
-    steps_per_epoch = len(made) // (args.ranks * args.samples_per_step)
+    steps_per_epoch = len(dialogue_files) // (args.ranks * args.samples_per_step)
     if name == "f":
         strategy: Any = _ForkedModelParallel(data_parallel_size=args.ranks, tensor_parallel_size=1)
         module: pl.LightningModule = UserHFModule(checkpoint)
-        loader = DataLoader(_Dialogues(made), batch_size=args.samples_per_step, shuffle=True, drop_last=True,
+        loader = DataLoader(_Dialogues(dialogue_files), batch_size=args.samples_per_step, shuffle=True, drop_last=True,
                             collate_fn=ProcessorCollator(checkpoint))
         fit_args: dict[str, Any] = {"train_dataloaders": loader}
     else:
@@ -293,24 +304,26 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint = Path(scratch) / "qwen2_5_vl"
         subprocess.run([sys.executable, str(EXAMPLES / "make_tiny_hf_vlm.py"), str(checkpoint)], check=True,
                        stdout=subprocess.DEVNULL)
-        shards = write_dialogue_shards(made, Path(scratch) / "shards", shards=2 * args.ranks)
+        shards, dialogue_files = write_dialogues(made, Path(scratch) / "data", shards=2 * args.ranks)
         records: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGURATIONS}
         for _ in range(args.repeats):  # interleaved, so a slow spell of this shared machine hits both
             for name in records:
-                records[name].append(run(name, checkpoint, shards, made, args, Path(scratch)))
+                records[name].append(run(name, checkpoint, shards, dialogue_files, args, Path(scratch)))
     results = {name: summarize(runs, slice(steps, 2 * steps)) for name, runs in records.items()}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "e2e_hf.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
     base = results["f"]["modeled_step_s"]
-    print(f"tiny Qwen2.5-VL, {args.dialogues} dialogues: {args.ranks} ranks, {args.samples_per_step} dialogues per "
-          f"rank and step, second epoch ({steps} steps) timed, least of {args.repeats} repeat(s)")
+    lines = [f"tiny Qwen2.5-VL, {args.dialogues} dialogues: {args.ranks} ranks, {args.samples_per_step} dialogues per "
+             f"rank and step, second epoch ({steps} steps) timed, least of {args.repeats} repeat(s)"]
     for name, label in CONFIGURATIONS.items():
         r = results[name]
-        print(f"({name}) {label:<78} modeled step {r['modeled_step_s'] * 1e3:7.1f} ms, max/mean "
-              f"{r['imbalance']:.3f}, mean rank CPU {r['mean_rank_cpu_s'] * 1e3:7.1f} ms, wall step "
-              f"{r['wall_step_s'] * 1e3:7.1f} ms, vs (f) {base / r['modeled_step_s']:.3f}x")
-    print(f"modeled speedup (g)/(f): {base / results['g']['modeled_step_s']:.3f}")
-
+        lines.append(f"({name}) {label:<78} modeled step {r['modeled_step_s'] * 1e3:7.1f} ms, max/mean "
+                     f"{r['imbalance']:.3f}, mean rank CPU {r['mean_rank_cpu_s'] * 1e3:7.1f} ms, wall step "
+                     f"{r['wall_step_s'] * 1e3:7.1f} ms, vs (f) {base / r['modeled_step_s']:.3f}x")
+    lines.append(f"modeled speedup (g)/(f): {base / results['g']['modeled_step_s']:.3f}")
+    stem = "e2e_hf_quick" if args.quick else "e2e_hf"
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{stem}.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    (RESULTS / f"{stem}.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 if __name__ == "__main__":
     main()

@@ -54,7 +54,11 @@ def ulysses_attention(
         raise ValueError(f"{heads} attention heads cannot be split over an SP group of {size} ranks")
     if len(lengths) != size or lengths[dist.get_rank(group)] != q.shape[0]:
         raise ValueError(f"chunk lengths {lengths} do not match the SP group of {size} or this chunk ({q.shape[0]})")
-    full = [_sequence_to_heads(t, lengths, group) for t in (q, k, v)]
+    if q.shape[:2] == k.shape[:2] == v.shape[:2]:  # one all-to-all for q, k and v side by side, not three
+        dims = (q.shape[-1], k.shape[-1], v.shape[-1])
+        full = _sequence_to_heads(torch.cat([q, k, v], dim=-1), lengths, group).split(dims, dim=-1)
+    else:
+        full = tuple(_sequence_to_heads(t, lengths, group) for t in (q, k, v))
     if segments is None:
         out = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in full), is_causal=causal, scale=scale)
         out = out.transpose(0, 1)
