@@ -126,6 +126,7 @@ LAYOUTS = {
     "pp2_tp2": ({"pp": 2, "dp_shard": 1, "tp": 2}, 4, DENSE),
     "pp2_moe": ({"pp": 2, "dp_shard": 1}, 2, MOE),
     "pp2_dp2_ep2_moe": ({"pp": 2, "dp_shard": 2, "ep": 2}, 4, MOE),
+    "pp2_tp2_moe": ({"pp": 2, "dp_shard": 1, "tp": 2}, 4, MOE),
     "pp2_dp2_tp2": ({"pp": 2, "dp_shard": 2, "tp": 2}, 8, DENSE),
     "pp2_dp2_cp2": ({"pp": 2, "dp_shard": 2, "cp": 2}, 8, DENSE),
     "pp2_dp2_enc_sp2": ({"pp": 2, "dp_shard": 2, "enc_sp": 2}, 4, DENSE),
