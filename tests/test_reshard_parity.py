@@ -145,7 +145,8 @@ def _check_parity(rank: int, world: int, layout: dict[str, int], case: str) -> N
     config = ReferenceMLLMConfig.tiny()
     state = initial_state_dict(config, seed=3)
     dims = ParallelDims(world_size=world, **layout)
-    layout = build_layout(dims, "cpu", pipeline=PipelineSettings(), placement=PlacementSettings(), reshard=True)
+    layout = build_layout(dims, "cpu", pipeline=PipelineSettings(), placement=PlacementSettings(), reshard=True,
+                          link_cost="compute_only")  # moves and splits are what is tested
     meshes = layout.meshes
     with torch.device("meta"):
         model = ReferenceMLLM(config)
