@@ -31,7 +31,7 @@ import numpy as np
 
 __all__ = [
     "CPU_GLOO", "GPU_NVLINK", "EncoderPlan", "EncoderTraffic", "ItemExchange", "ItemPrices", "LinkCost", "SplitChunk",
-    "encoder_lower_bound", "item_prices", "plan_encoder_work", "plan_item_exchange", "split_lengths",
+    "encoder_lower_bound", "item_prices", "plan_encoder_work", "plan_item_exchange", "resolve_link", "split_lengths",
 ]
 
 
@@ -69,6 +69,18 @@ class LinkCost:
 CPU_GLOO = LinkCost(bandwidth=1e9, latency=3e-4, flops_per_s=2e10)
 # NCCL inside an NVLink node: ~100 GB/s achieved per rank in all-to-all, ~20 us a call, ~300 TFLOP/s in bf16.
 GPU_NVLINK = LinkCost(bandwidth=1e11, latency=2e-5, flops_per_s=3e14)
+
+
+def resolve_link(link: LinkCost | str, device_type: str) -> LinkCost | None:
+    """The link a plan prices: ``link`` itself, the device's default for ``"auto"`` (:data:`GPU_NVLINK` on CUDA,
+    :data:`CPU_GLOO` else), or ``None`` for ``"compute_only"`` (traffic is free)."""
+    if isinstance(link, LinkCost):
+        return link
+    if link == "auto":
+        return GPU_NVLINK if device_type == "cuda" else CPU_GLOO
+    if link == "compute_only":
+        return None
+    raise ValueError(f"link_cost={link!r} must be a LinkCost, 'auto' or 'compute_only'")
 
 
 @dataclass(frozen=True)

@@ -249,9 +249,9 @@ class OmniLayout:
     ``dims`` are the LLM's degrees (the whole world, or the LLM pool of the disaggregated placement); ``meshes``
     this rank's LLM mesh and encoder groups; ``pool`` the encoder pool's groups (disaggregated only). ``reshard``:
     each step's encoder items are resharded over the encoder group. ``cost_model`` and ``packing`` are the model's,
-    for the loader's plans. ``link_cost`` prices the resharder's traffic: ``"auto"`` (the defaults of the device:
-    :data:`~omni_lightning.balance.reshard.CPU_GLOO` or :data:`~omni_lightning.balance.reshard.GPU_NVLINK`), a
-    :class:`~omni_lightning.balance.reshard.LinkCost`, or ``"compute_only"`` (moves are free to the plan).
+    for the loader's plans. ``link_cost`` prices the resharder's and the loader's traffic: ``"auto"`` (the device's
+    default, :data:`~omni_lightning.balance.reshard.CPU_GLOO` or :data:`~omni_lightning.balance.reshard.GPU_NVLINK`),
+    a :class:`~omni_lightning.balance.reshard.LinkCost`, or ``"compute_only"`` (moves are free to the plan).
     """
 
     dims: ParallelDims

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from omni_lightning.balance.reshard import CPU_GLOO, GPU_NVLINK, EncoderTraffic
+from omni_lightning.balance.reshard import EncoderTraffic, resolve_link
 from omni_lightning.batch import IGNORE_INDEX, PackedBatch
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.models.parallelize import check_model_fits_layout, parallelize_reference
@@ -434,11 +434,9 @@ def _resharder(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, o
 def _reshard_pricing(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, options: StepOptions
                      ) -> dict[str, Any]:
     """The resharder's ``traffic`` and ``link`` for this model and device (none under ``"compute_only"``)."""
-    if layout.link_cost == "compute_only":
+    link = resolve_link(layout.link_cost, device.type)
+    if link is None:
         return {}
-    link = layout.link_cost
-    if link == "auto":
-        link = GPU_NVLINK if device.type == "cuda" else CPU_GLOO
     element = torch.finfo(options.param_dtype or torch.float32).bits // 8
     traffic = {name: _encoder_traffic(encoder, model.output_width(name), element)
                for name, encoder in model.encoders.items()}

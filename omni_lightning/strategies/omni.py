@@ -85,7 +85,8 @@ class OmniStrategy(ModelParallelStrategy):
             sequence parallelism (see :mod:`omni_lightning.runtime.reshard`); default ``True`` when there are
             several such ranks.
         encoder_balance: deprecated name of ``encoder_reshard`` (warns once).
-        link_cost: what the resharder's traffic costs, so that it moves and splits items only where that pays:
+        link_cost: what moving bytes between ranks costs, so that the resharder moves and splits items, and
+            ``OmniDataModule``'s reorder moves payloads, only where that pays:
             ``"auto"`` (Gloo between CPU processes, NCCL over NVLink on GPUs:
             :data:`~omni_lightning.balance.reshard.CPU_GLOO`, :data:`~omni_lightning.balance.reshard.GPU_NVLINK`), a
             measured :class:`~omni_lightning.balance.reshard.LinkCost`, or ``"compute_only"`` (traffic is free).
