@@ -300,6 +300,7 @@ def summarize(records: list[dict[str, Any]], args: argparse.Namespace, encoder_r
         "train_only_step_s": modeled(train),
         # The slowest rank's parts, averaged over the steps: where the modeled step goes.
         "slowest_parts_s": parts[np.arange(len(slowest)), slowest].mean(axis=0).tolist(),
+        "mean_parts_s": parts.mean(axis=(0, 1)).tolist(),  # the mean rank's: where the CPU goes
         "mean_rank_cpu_s": float(total.mean()),
         "encoder_ranks": encoder_ranks,
         "imbalance": float((total.max(axis=1) / total.mean(axis=1)).mean()),
@@ -409,7 +410,9 @@ def main() -> None:
         print(f"({name}) {label:<58} modeled step {r['modeled_step_s'] * 1e3:7.1f} ms "
               f"(slowest rank: train {train:.1f} + loader {loader:.1f} + comm {comm:.1f}), "
               f"train-only {r['train_only_step_s'] * 1e3:7.1f} ms, max/mean {r['imbalance']:.3f}, "
-              f"mean rank CPU {r['mean_rank_cpu_s'] * 1e3:7.1f} ms; wall {r['wall_step_s'] * 1e3:7.1f} ms/step, "
+              f"mean rank CPU {r['mean_rank_cpu_s'] * 1e3:7.1f} ms "
+              f"({' + '.join(f'{x * 1e3:.1f}' for x in r['mean_parts_s'])}); "
+              f"wall {r['wall_step_s'] * 1e3:7.1f} ms/step, "
               f"{r['samples_per_s']:6.1f} samples/s, {r['tokens_per_s']:8.0f} tokens/s; "
               f"vs (a) {base / r['modeled_step_s']:.3f}x modeled, "
               f"{results['a']['train_only_step_s'] / r['train_only_step_s']:.3f}x train-only, "
