@@ -64,11 +64,12 @@ class LinkCost:
 
 
 # Gloo between processes of one host, as benchmarks/link_cost.py measures it in whole-process CPU time on the
-# 2-core dev machine (4 ranks, two runs in benchmarks/results/link_cost.txt; it depends on what else runs): 1.0-1.6
-# ms a collective, 2.8-4.3 GB/s a rank (taken lower: earlier runs gave 2.1-2.4). The rate is the marginal one the
-# reference model trains at there (benchmarks/e2e.py's (a) on vlm_dynres: 2.8e-11 s of training-thread CPU per
-# FLOP over its rank-steps), not the 67-76 GFLOP/s of one large matmul.
-CPU_GLOO = LinkCost(bandwidth=2.2e9, latency=1e-3, flops_per_s=3.5e10)
+# 2-core dev machine (4 ranks, two runs in benchmarks/results/link_cost.txt; it depends on what else runs): 0.7-0.8
+# ms a small collective when the ranks arrive together and 1.6-2.0 ms when they arrive up to 20 ms apart, as ranks
+# of a training step do (a rank waiting in Gloo is not idle); 1.5-2.4 GB/s a rank. The rate is the
+# marginal one the reference model trains at there (benchmarks/e2e.py's (a) on vlm_dynres: 2.8e-11 s of
+# training-thread CPU per FLOP over its rank-steps), not the 50-75 GFLOP/s of one large matmul.
+CPU_GLOO = LinkCost(bandwidth=2.2e9, latency=2e-3, flops_per_s=3.5e10)
 # NCCL inside an NVLink node: ~100 GB/s achieved per rank in all-to-all, ~20 us a call, ~300 TFLOP/s in bf16.
 GPU_NVLINK = LinkCost(bandwidth=1e11, latency=2e-5, flops_per_s=3e14)
 
