@@ -17,27 +17,37 @@ fork-started CPU processes, under
   the LLM pool's data-parallel ranks read ``samples_per_step * ranks`` samples a step between them (from the same
   shards, split over fewer readers, so its timed steps hold other samples than (a)-(d)'s, which hold the same).
 
-This machine has 2 cores and runs more ranks than that, so wall time is not what dedicated devices would see.
-Each rank's compute per step is its training thread's CPU time (a rank blocked in a collective uses none); the
-*modeled step time* is the slowest rank's, i.e. the step time on dedicated devices when communication overlaps
-or is small (the CPU a rank spends inside collectives is included). The timed steps are whole reorder groups after a
-warm-up of whole groups: grouped reordering spreads a group's samples over its steps, so a window that cut a group
-would time (c)-(e) on other samples than (a) and (b). Every configuration runs ``--repeats`` times, interleaved with
-the others, and each (step, rank) keeps its least CPU time over the repeats (the same samples and plans each time):
-one slow spell of this shared machine then moves no configuration's figure. For (e) the pools run side by side, but the
-LLM pool cannot start before the encoder pool's first micro-batch and the encoder pool's last backward follows the
+This machine has 2 cores and runs more ranks than that, so wall time is not what dedicated devices would see. Each
+rank's time per step is CPU time, which a rank blocked in a collective does not spend. It is counted in three parts
+over the interval from the end of one step to the end of the next: *train*, the training thread's CPU inside the
+step (forward, backward, optimizer, and the CPU it spends inside collectives); *loader*, the training thread's CPU
+between steps (fetching the batch: the loader's planning, payload exchange and packing run there) plus the CPU of
+the loader's own threads (shard reading, decoding); *comm*, the CPU of every other thread of the process (Gloo runs
+each collective's copies and socket work on its own threads). The *modeled step time* is the slowest rank's sum of
+the three (``time.process_time`` over the interval), i.e. the step time on dedicated devices with the loader on the
+critical path and communication that does not overlap compute; the training thread alone is printed beside it
+(``train-only``), as are wall-clock rates. The timed steps are whole reorder groups after a warm-up of whole groups:
+grouped reordering spreads a group's samples over its steps, so a window that cut a group would time (c)-(e) on
+other samples than (a) and (b). Every configuration runs ``--repeats`` times (at least 2), interleaved with the
+others, and each (step, rank) keeps its least CPU time over the repeats (the same samples and plans each time): one
+slow spell of this shared machine then moves no configuration's figure. The spread between (a)'s first two repeats,
+each summarised alone, is the run's noise: ``noise (a) vs (a): X%`` for the modeled step and for the mean per-rank
+CPU, beside which the other configurations' differences are read. For (e) the pools run side by side, but the LLM
+pool cannot start before the encoder pool's first micro-batch and the encoder pool's last backward follows the
 LLM's: its modeled step adds that fill and drain, the encoder pool's slowest rank divided by the micro-batches of a
-step (as the pool solver models it). Reported per configuration: samples/s and
-tokens/s (wall, for reference), the modeled step time, its max/mean imbalance over ranks, and the ratio to (a).
-Results go to ``benchmarks/results/e2e.json`` and a plot of per-rank time per step to ``e2e.png`` (needs the
-``bench`` extra: matplotlib).
+step (as the pool solver models it). Reported per configuration: samples/s and tokens/s (wall, for reference), the
+modeled step time, its max/mean imbalance over ranks, and the ratio to (a).
+Results go to ``benchmarks/results/e2e.json`` (``--out``) and a plot of per-rank time per step to ``e2e.png``
+(needs the ``bench`` extra: matplotlib).
 
     python benchmarks/e2e.py [--workload FILE] [--ranks 4] [--steps 16] [--group-steps 4] [--repeats 2] [--quick]
+                             [--no-pools] [--out NAME]
 
 ``--model hf`` runs the Hugging Face comparison instead ((f) what a Lightning user writes for a Qwen2.5-VL
 checkpoint against (g) OmniStrategy with everything on: see ``benchmarks/e2e_hf.py``, which takes its own arguments).
 
-Its last two lines are ``modeled speedup (d)/(e): Y`` and ``modeled speedup (d)/(a): X``.
+Its last two lines are ``modeled speedup (d)/(e): Y`` (absent with ``--no-pools``, which skips (e)) and
+``modeled speedup (d)/(a): X``.
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ import argparse
 import json
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -71,6 +82,7 @@ from omni_lightning.models.config import (
 )
 from omni_lightning.module import initial_state_dict
 from omni_lightning.monitor import LoadMonitor
+from omni_lightning.parallel.compat import all_gather_single
 from omni_lightning.strategies.launcher import NoWeightsMultiProcessingLauncher
 from omni_lightning.strategies.pool_size import size_encoder_pool
 
@@ -141,11 +153,63 @@ def batch_metas(batch: dict[str, Any]) -> list[dict[str, Any]]:
     return metas
 
 
+class _StepClock(pl.Callback):
+    """Each step's CPU time on this rank in three parts (train, loader, comm; see the module docstring), all-gathered.
+
+    The training thread's CPU comes from ``time.thread_time``, each other Python thread's (the loader's shard
+    reader and decoders) from its own CPU clock, the whole process's from ``time.process_time``; what the process
+    spent beyond those ran on threads Python does not know, i.e. Gloo's (and none of PyTorch's intra-op pool, which
+    is one thread here). A Python thread that ends between two readings loses its last interval's CPU to ``comm``.
+    """
+
+    def __init__(self) -> None:
+        self.history: list[list[list[float]]] = []  # [step][rank] -> [train, loader, comm]
+        self._mark: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        self._batch_start = 0.0
+        self._threads: dict[int, float] = {}
+
+    def _python_threads(self) -> float:
+        """CPU seconds of the Python threads other than this one, counting each thread's time since first seen."""
+        total = 0.0
+        for thread in threading.enumerate():
+            if thread is threading.current_thread() or thread.ident is None:
+                continue
+            try:
+                seconds = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except (OSError, ProcessLookupError):  # ended since enumerate()
+                continue
+            total += seconds - self._threads.setdefault(thread.ident, seconds)
+        return total
+
+    def _read(self) -> tuple[float, float, float]:
+        return time.thread_time(), self._python_threads(), time.process_time()
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self._mark = self._read()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, batch_idx: int
+                             ) -> None:
+        self._batch_start = time.thread_time()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        main, threads, process = self._read()
+        train = main - self._batch_start
+        fetch = self._batch_start - self._mark[0]
+        loader_threads = threads - self._mark[1]
+        comm = max((process - self._mark[2]) - (main - self._mark[0]) - loader_threads, 0.0)
+        mine = torch.tensor([train, fetch + loader_threads, comm], dtype=torch.float64)
+        everyone = torch.empty(dist.get_world_size() * 3, dtype=torch.float64)
+        all_gather_single(everyone, mine)
+        self.history.append(everyone.view(-1, 3).tolist())
+        self._mark = self._read()  # the gather above is this step's last collective: the next interval starts here
+
+
 class _Throughput(pl.Callback):
     """Rank 0 keeps wall time, global tokens and every rank's samples of every step; all saved at the end."""
 
-    def __init__(self, monitor: LoadMonitor, path: Path) -> None:
-        self.monitor, self.path = monitor, path
+    def __init__(self, monitor: LoadMonitor, clock: _StepClock, path: Path) -> None:
+        self.monitor, self.clock, self.path = monitor, clock, path
         self.wall: list[float] = []
         self.tokens: list[float] = []
         self.samples: list[list[list[dict[str, Any]]]] = []
@@ -165,8 +229,8 @@ class _Throughput(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if trainer.global_rank == 0:
-            self.path.write_text(json.dumps({"cpu": self.monitor.history, "wall": self.wall, "tokens": self.tokens,
-                                             "samples": self.samples}))
+            self.path.write_text(json.dumps({"cpu": self.monitor.history, "parts": self.clock.history,
+                                             "wall": self.wall, "tokens": self.tokens, "samples": self.samples}))
 
 
 def encoder_pool(args: argparse.Namespace, cost_model: CostModel) -> int:
@@ -178,6 +242,7 @@ def encoder_pool(args: argparse.Namespace, cost_model: CostModel) -> int:
 def run(name: str, shards: str, args: argparse.Namespace, out: Path, pool: int = 0) -> dict[str, Any]:
     os.environ["MASTER_PORT"] = str(free_port())
     monitor = LoadMonitor()
+    clock = _StepClock()
     record = out / f"{name}.json"
     if name == "e":
         llm_ranks = args.ranks - pool
@@ -204,7 +269,7 @@ def run(name: str, shards: str, args: argparse.Namespace, out: Path, pool: int =
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.ranks, strategy=strategy, max_steps=args.steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        callbacks=[monitor, _Throughput(monitor, record)],
+        callbacks=[monitor, clock, _Throughput(monitor, clock, record)],
     )
     trainer.fit(module, datamodule=data)
     return json.loads(record.read_text())
@@ -215,25 +280,45 @@ def summarize(records: list[dict[str, Any]], args: argparse.Namespace, encoder_r
     and drain.
 
     A repeat trains the same samples with the same plans, so each (step, rank) keeps its least CPU time over the
-    repeats: what the rank's work costs, without the spikes other processes on this shared machine add to one run.
+    repeats (of each part, train, loader and comm, separately): what the rank's work costs, without the spikes other
+    processes on this shared machine add to one run.
     """
     samples = records[0]["samples"][args.warmup:]  # [step][rank] -> SampleMeta.to_json() dicts
     if any(record["samples"][args.warmup:] != samples for record in records[1:]):
         raise SystemExit("a repeat trained other samples than the first: the runs are not deterministic")
-    cpu = np.min([record["cpu"][args.warmup:] for record in records], axis=0)
+    train = np.min([record["cpu"][args.warmup:] for record in records], axis=0)
+    parts = np.min([record["parts"][args.warmup:] for record in records], axis=0)  # [step, rank, part]
+    total = parts.sum(axis=2)
     # Wall-clock rates (for reference) from the fastest repeat, timed from the end of the warm-up.
     seconds = min(float(record["wall"][-1] - record["wall"][args.warmup - 1]) for record in records)
     steps = args.steps - args.warmup
-    fill = cpu[:, -encoder_ranks:].max(axis=1) / STREAMED if encoder_ranks else 0.0
+
+    def modeled(per_rank: np.ndarray) -> float:
+        fill = per_rank[:, -encoder_ranks:].max(axis=1) / STREAMED if encoder_ranks else 0.0
+        return float((per_rank.max(axis=1) + fill).mean())
+
+    slowest = total.argmax(axis=1)  # the rank whose step is the modeled one, per step
     return {
-        "modeled_step_s": float((cpu.max(axis=1) + fill).mean()),
+        "modeled_step_s": modeled(total),
+        "train_only_step_s": modeled(train),
+        # The slowest rank's parts, averaged over the steps: where the modeled step goes.
+        "slowest_parts_s": parts[np.arange(len(slowest)), slowest].mean(axis=0).tolist(),
+        "mean_parts_s": parts.mean(axis=(0, 1)).tolist(),  # the mean rank's: where the CPU goes
+        "mean_rank_cpu_s": float(total.mean()),
         "encoder_ranks": encoder_ranks,
-        "imbalance": float((cpu.max(axis=1) / cpu.mean(axis=1)).mean()),
+        "imbalance": float((total.max(axis=1) / total.mean(axis=1)).mean()),
+        "wall_step_s": seconds / steps,
         "samples_per_s": steps * args.samples_per_step * args.ranks / seconds,
         "tokens_per_s": float(sum(records[0]["tokens"][args.warmup:])) / seconds,
-        "per_rank_step_s": cpu.tolist(),
+        "per_rank_step_s": train.tolist(),
+        "per_rank_total_s": total.tolist(),
         "per_rank_samples": samples,
     }
+
+
+def spread(first: float, second: float) -> float:
+    """How far two measurements of the same thing differ, as a fraction of the smaller."""
+    return abs(first - second) / min(first, second)
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
@@ -247,12 +332,12 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
         return
     figure, axes = plt.subplots(1, len(results), figsize=(4 * len(results), 3), sharey=True)
     for axis, (name, result) in zip(axes, results.items(), strict=True):
-        per_rank = np.array(result["per_rank_step_s"]) * 1e3
+        per_rank = np.array(result["per_rank_total_s"]) * 1e3
         for rank in range(per_rank.shape[1]):
             axis.plot(per_rank[:, rank], label=f"rank {rank}", linewidth=1)
         axis.set_title(f"({name}) max/mean {result['imbalance']:.2f}", fontsize=9)
         axis.set_xlabel("step")
-    axes[0].set_ylabel("compute per step (ms, thread CPU)")
+    axes[0].set_ylabel("CPU per step (ms: train + loader + comm)")
     axes[-1].legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
@@ -283,11 +368,14 @@ def main() -> None:
     parser.add_argument("--max-llm-tokens", type=int, default=512)
     parser.add_argument("--warmup", type=int, default=4, help="first steps left out (allocator and import warm-up)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-pools", action="store_true", help="skip (e), the disaggregated placement")
+    parser.add_argument("--out", default="e2e", help="name of the result files under benchmarks/results/")
     args = parser.parse_args()
     if args.quick:
         args.steps = 12
-    if args.repeats < 1:
-        raise SystemExit(f"--repeats {args.repeats}: every configuration runs at least once")
+    if args.repeats < 2:
+        raise SystemExit(f"--repeats {args.repeats}: every configuration runs at least twice (two runs of (a) are "
+                         "the noise the other configurations are read against)")
     measured_steps = args.steps - args.warmup
     if args.warmup < 1 or args.warmup % args.group_steps or measured_steps < 1 or measured_steps % args.group_steps:
         # A reorder group's samples are spread over its steps: a window that cuts a group would time (c)-(e) on
@@ -308,29 +396,51 @@ def main() -> None:
             for name in records:
                 records[name].append(run(name, shards, args, Path(scratch)))
         results = {name: summarize(runs, args) for name, runs in records.items()}
+        repeats_of_a = [summarize([record], args) for record in records["a"][:2]]
         timed = {name: sorted(json.dumps(meta, sort_keys=True) for step in result["per_rank_samples"]
                               for rank in step for meta in rank) for name, result in results.items()}
         if any(samples != timed["a"] for samples in timed.values()):
             raise SystemExit("(a)-(d) timed different samples: the timed window does not cover whole reorder groups")
-        measured, _ = fit_to_runs(results, ("a", "b", "c"), slice(None))
-        pool = encoder_pool(args, measured)
-        results["e"] = summarize([run("e", shards, args, Path(scratch), pool) for _ in range(args.repeats)], args,
-                                 pool)
+        if not args.no_pools:
+            measured, _ = fit_to_runs(results, ("a", "b", "c"), slice(None))
+            pool = encoder_pool(args, measured)
+            results["e"] = summarize([run("e", shards, args, Path(scratch), pool) for _ in range(args.repeats)],
+                                     args, pool)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "e2e.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
-    plot(results, RESULTS / "e2e.png")
+    (RESULTS / f"{args.out}.json").write_text(json.dumps({"args": vars(args), "results": results,
+                                                           "repeats_of_a": repeats_of_a}, indent=2))
+    plot(results, RESULTS / f"{args.out}.png")
     base = results["a"]["modeled_step_s"]
     print(f"{Path(args.workload).stem}: {args.ranks} ranks, {args.steps} steps, {args.samples_per_step} samples per "
           f"rank and step (first {args.warmup} steps left out), least CPU time of {args.repeats} repeats")
+    print("modeled step: the slowest rank's train + loader + comm CPU per step; train-only: its training thread alone")
     for name, label in CONFIGURATIONS.items():
+        if name not in results:
+            print(f"({name}) {label:<58} skipped (--no-pools)")
+            continue
         r = results[name]
-        print(f"({name}) {label:<58} modeled step {r['modeled_step_s'] * 1e3:7.1f} ms, max/mean {r['imbalance']:.3f}, "
-              f"{r['samples_per_s']:6.1f} samples/s, {r['tokens_per_s']:8.0f} tokens/s (wall), "
-              f"vs (a) {base / r['modeled_step_s']:.3f}x")
-    pools = results["e"]["encoder_ranks"]
-    print(f"(e) ran {pools} encoder rank(s) + {args.ranks - pools} LLM rank(s), as the pool solver sized them with "
-          "the costs (a)-(c) measured")
-    print(f"modeled speedup (d)/(e): {results['e']['modeled_step_s'] / results['d']['modeled_step_s']:.3f}")
+        train, loader, comm = (x * 1e3 for x in r["slowest_parts_s"])
+        print(f"({name}) {label:<58} modeled step {r['modeled_step_s'] * 1e3:7.1f} ms "
+              f"(slowest rank: train {train:.1f} + loader {loader:.1f} + comm {comm:.1f}), "
+              f"train-only {r['train_only_step_s'] * 1e3:7.1f} ms, max/mean {r['imbalance']:.3f}, "
+              f"mean rank CPU {r['mean_rank_cpu_s'] * 1e3:7.1f} ms "
+              f"({' + '.join(f'{x * 1e3:.1f}' for x in r['mean_parts_s'])}); "
+              f"wall {r['wall_step_s'] * 1e3:7.1f} ms/step, "
+              f"{r['samples_per_s']:6.1f} samples/s, {r['tokens_per_s']:8.0f} tokens/s; "
+              f"vs (a) {base / r['modeled_step_s']:.3f}x modeled, "
+              f"{results['a']['train_only_step_s'] / r['train_only_step_s']:.3f}x train-only, "
+              f"{results['a']['wall_step_s'] / r['wall_step_s']:.3f}x wall")
+    first, second = repeats_of_a
+    print(f"noise (a) vs (a): {spread(first['modeled_step_s'], second['modeled_step_s']) * 100:.1f}% modeled step, "
+          f"{spread(first['mean_rank_cpu_s'], second['mean_rank_cpu_s']) * 100:.1f}% mean rank CPU, "
+          f"{spread(first['wall_step_s'], second['wall_step_s']) * 100:.1f}% wall (two repeats, each alone)")
+    print("mean per-rank CPU vs (a): " + ", ".join(
+        f"({name}) {results[name]['mean_rank_cpu_s'] / results['a']['mean_rank_cpu_s']:.3f}x" for name in "bcd"))
+    if "e" in results:
+        pools = results["e"]["encoder_ranks"]
+        print(f"(e) ran {pools} encoder rank(s) + {args.ranks - pools} LLM rank(s), as the pool solver sized them "
+              "with the costs (a)-(c) measured")
+        print(f"modeled speedup (d)/(e): {results['e']['modeled_step_s'] / results['d']['modeled_step_s']:.3f}")
     print(f"modeled speedup (d)/(a): {base / results['d']['modeled_step_s']:.3f}")
 
 

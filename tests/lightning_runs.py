@@ -174,8 +174,12 @@ def fit(
     datamodule: pl.LightningDataModule | None = None,
     **trainer_kwargs: Any,
 ) -> None:
-    """Fit the tiny reference MLLM (or ``module``) on ``devices`` fork-started CPU ranks."""
+    """Fit the tiny reference MLLM (or ``module``) on ``devices`` fork-started CPU ranks.
+
+    The resharder plans on compute alone unless ``layout`` says otherwise: priced for Gloo, the tiny model's items
+    would mostly stay home, and these runs check that moved and split items train exactly as one process does."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    layout = {"link_cost": "compute_only", **layout}
     os.environ["MASTER_PORT"] = str(free_port())  # Lightning reuses the parent's port otherwise
     trainer = pl.Trainer(
         accelerator="cpu",

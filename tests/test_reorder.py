@@ -21,11 +21,13 @@ from omni_lightning.balance.reorder import (
     GroupPlan,
     PipelineOrder,
     ReorderConfig,
+    exchange_cost,
     lower_bound,
     plan_in_place,
     plan_reorder_group,
     reorder_group_ranks,
 )
+from omni_lightning.balance.reshard import LinkCost
 from omni_lightning.sim import replay_pipeline
 from omni_lightning.sim.schedules import one_f_one_b
 
@@ -380,3 +382,50 @@ def test_forward_share_is_a_fraction(share: float) -> None:
 def test_bad_config(name: str, value: int) -> None:
     with pytest.raises(ValueError, match=name):
         ReorderConfig(**{"steps": 1, name: value})
+
+
+def _group_time(step_cost: np.ndarray) -> float:
+    """Ranks step together: a group lasts the sum over its steps of the slowest rank's step."""
+    return float(step_cost.max(axis=0).sum())
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), n_ranks=st.integers(2, 6), steps=st.integers(1, 4), per_rank=st.integers(1, 30),
+       per_byte=st.sampled_from([0.0, 1e-4, 1e-3, 1e-2, 1.0]), per_message=st.sampled_from([0.0, 0.5, 5.0]))
+def test_a_priced_plan_never_takes_longer_than_the_naive_split(seed: int, n_ranks: int, steps: int, per_rank: int,
+                                                               per_byte: float, per_message: float) -> None:
+    costs, tokens, owners, nbytes = _inputs(seed, n_ranks, per_rank, sigma=1.5)
+    link = LinkCost(bandwidth=1.0 / per_byte if per_byte else 1e18, latency=per_message, flops_per_s=1.0)
+    config = ReorderConfig(steps=steps, link=link)
+    plan = plan_reorder_group(costs, tokens, owners, nbytes, n_ranks=n_ranks, config=config, seed=0, epoch=0,
+                              group_index=0)
+    home = plan_in_place(costs, tokens, owners, n_ranks=n_ranks, config=config)
+    priced = plan.step_cost + exchange_cost(plan, owners, nbytes, link)
+    # What the plan costs, its exchange included, is never more than keeping every sample where it was read ...
+    assert _group_time(priced) <= _group_time(home.step_cost) + 1e-9
+    # ... and a plan that moves samples must win by more than 1% to be chosen over that.
+    if plan.samples_moved:
+        assert _group_time(priced) * 1.01 < _group_time(home.step_cost)
+    assert sorted(_placed(plan) + plan.leftover) == list(range(costs.size))
+
+
+def test_samples_stay_home_when_the_exchange_costs_more_than_balance_saves() -> None:
+    costs, tokens, owners, nbytes = _inputs(4, 4, 16, sigma=1.5)
+    unpriced = plan_reorder_group(costs, tokens, owners, nbytes, n_ranks=4, config=ReorderConfig(steps=2), seed=0,
+                                  epoch=0, group_index=0)
+    assert unpriced.samples_moved > 0
+    dear = ReorderConfig(steps=2, link=LinkCost(bandwidth=1.0, latency=1e3, flops_per_s=1.0))
+    plan = plan_reorder_group(costs, tokens, owners, nbytes, n_ranks=4, config=dear, seed=0, epoch=0, group_index=0)
+    assert plan.samples_moved == 0 and plan.micro_batches == plan_in_place(costs, tokens, owners, n_ranks=4,
+                                                                           config=dear).micro_batches
+    cheap = ReorderConfig(steps=2, link=LinkCost(bandwidth=1e12, latency=0.0, flops_per_s=1.0))
+    again = plan_reorder_group(costs, tokens, owners, nbytes, n_ranks=4, config=cheap, seed=0, epoch=0, group_index=0)
+    assert again.micro_batches == unpriced.micro_batches  # a free exchange changes nothing
+
+
+def test_the_exchange_is_charged_to_both_ends_on_the_first_step() -> None:
+    # Rank 0 read samples 0 and 1 (3 and 5 bytes), rank 1 sample 2 (7 bytes); the plan trains sample 1 on rank 1.
+    plan = GroupPlan([[[[0]], [[]]], [[[1]], [[2]]]], np.zeros((2, 2)), [], 1, 5)
+    added = exchange_cost(plan, np.array([0, 0, 1]), np.array([3, 5, 7]),
+                          LinkCost(bandwidth=1.0, latency=2.0, flops_per_s=10.0))
+    np.testing.assert_allclose(added, [[(5 + 2) * 10, 0], [(5 + 2) * 10, 0]])

@@ -141,11 +141,12 @@ def _reference(case: str, world: int, state: dict[str, torch.Tensor]) -> tuple[f
     return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def _check_parity(rank: int, world: int, layout: dict[str, int], case: str) -> None:
+def _check_parity(rank: int, world: int, layout: dict[str, int], case: str, link: str) -> None:
     config = ReferenceMLLMConfig.tiny()
     state = initial_state_dict(config, seed=3)
     dims = ParallelDims(world_size=world, **layout)
-    layout = build_layout(dims, "cpu", pipeline=PipelineSettings(), placement=PlacementSettings(), reshard=True)
+    layout = build_layout(dims, "cpu", pipeline=PipelineSettings(), placement=PlacementSettings(), reshard=True,
+                          link_cost=link)
     meshes = layout.meshes
     with torch.device("meta"):
         model = ReferenceMLLM(config)
@@ -173,7 +174,8 @@ def _check_parity(rank: int, world: int, layout: dict[str, int], case: str) -> N
     for name, ref in ref_grads.items():
         error = (grads[name] - ref).norm().item()
         assert error <= 1e-4 * ref.norm().item() + 1e-8, f"gradient of {name} differs by {error:.3g}"
-    if case in ("text_only", "even"):
+    if case in ("text_only", "even") or link == "auto":
+        # Priced for Gloo on a CPU, the tiny model's items cost far less to encode than to move: all stay home.
         assert stats["items_moved"] == 0 and stats.get("bytes_moved", 0.0) == 0.0
     else:  # the huge image of "mixed" can only be evened out by splitting it; "two_big" by moving one whole
         # Tensor-parallel peers split the items first and each reshards its share: the plan that moved the huge
@@ -187,18 +189,21 @@ def _check_parity(rank: int, world: int, layout: dict[str, int], case: str) -> N
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("layout", "case"),
+    ("layout", "case", "link"),
     [
-        ({"dp_shard": 4, "enc_sp": 2}, "mixed"),
-        ({"dp_shard": 4, "enc_sp": 4}, "mixed"),
-        ({"dp_shard": 4}, "two_big"),
-        ({"dp_shard": 2, "tp": 2, "enc_sp": 2}, "mixed"),
-        ({"dp_shard": 4, "enc_sp": 4}, "text_only"),
-        ({"dp_shard": 4, "enc_sp": 2}, "even"),
+        ({"dp_shard": 4, "enc_sp": 2}, "mixed", "compute_only"),
+        ({"dp_shard": 4, "enc_sp": 4}, "mixed", "compute_only"),
+        ({"dp_shard": 4}, "two_big", "compute_only"),
+        ({"dp_shard": 2, "tp": 2, "enc_sp": 2}, "mixed", "compute_only"),
+        ({"dp_shard": 4, "enc_sp": 4}, "text_only", "compute_only"),
+        ({"dp_shard": 4, "enc_sp": 2}, "even", "compute_only"),
+        ({"dp_shard": 4, "enc_sp": 2}, "mixed", "auto"),
     ],
-    ids=["sp2", "sp4", "whole_items_only", "tp2_sp2", "text_only_step", "balanced_already"],
+    ids=["sp2", "sp4", "whole_items_only", "tp2_sp2", "text_only_step", "balanced_already", "priced_keeps_home"],
 )
-def test_resharded_step_matches_one_process(layout: dict[str, int], case: str) -> None:
+def test_resharded_step_matches_one_process(layout: dict[str, int], case: str, link: str) -> None:
     """Loss and every gradient of one step with resharding (and long-short SP) on 4 ranks equal one process
-    running the union of the data-parallel ranks' micro-batches (TP peers read the same samples)."""
-    run_distributed(_check_parity, 4, layout, case)
+    running the union of the data-parallel ranks' micro-batches (TP peers read the same samples). The resharder
+    plans on compute alone (``link_cost="compute_only"``), so that items move and split, except in the priced case,
+    where the default CPU pricing keeps every item of the tiny model home."""
+    run_distributed(_check_parity, 4, layout, case, link)

@@ -10,7 +10,9 @@ micro-batches. With pipeline parallelism, ``ReorderConfig.pipeline_order`` shape
 of LPT's even micro-batches, or a split towards the cost profile whose 1F1B step is shortest (light micro-batches
 where the pipeline fills and drains, :mod:`omni_lightning.balance.pipeline_order`), optionally refined by a local
 search on a 1F1B replay of the predicted costs. Bins of one step are finally matched to the ranks that already hold
-most of their payload bytes, which keeps the exchange small.
+most of their payload bytes, which keeps the exchange small. With ``ReorderConfig.link`` the exchange is priced too
+(each rank's payload bytes out and in, and the collective, on the group's first step, which waits for it), and the
+plan falls back to keeping every sample where it was read when balancing would not pay for its exchange.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from omni_lightning.balance.pipeline_order import (
     refine_for_1f1b,
     split_to_profile,
 )
+from omni_lightning.balance.reshard import LinkCost
 
 __all__ = [
     "ReorderConfig",
+    "exchange_cost",
     "GroupPlan",
     "plan_reorder_group",
     "plan_in_place",
@@ -65,6 +69,8 @@ class ReorderConfig:
             percent of the step where it holds a few).
         forward_share: the share of a micro-batch's cost its forward takes, for the ramp and the search (1/3 in
             FLOPs: the backward computes input and weight gradients; a measured step gives the real share).
+        link: what moving payload bytes between the group's ranks costs, in the units of the sample costs
+            (``LinkCost.flops_per_s`` converts seconds into them); ``None`` prices compute alone.
     """
 
     steps: int
@@ -73,6 +79,7 @@ class ReorderConfig:
     pp: int = 1
     pipeline_order: PipelineOrder = "disttrain"
     forward_share: float = 1 / 3
+    link: LinkCost | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batches", "pp"):
@@ -201,7 +208,35 @@ def plan_reorder_group(
             away = [s for s in placed if owners[s] != rank]
             moved += len(away)
             moved_bytes += int(nbytes[away].sum()) if away else 0
-    return GroupPlan(plan, step_cost, sorted(leftover), moved, moved_bytes)
+    balanced = GroupPlan(plan, step_cost, sorted(leftover), moved, moved_bytes)
+    if config.link is None or not moved:
+        return balanced
+    # Ranks step together, so a group lasts the sum over its steps of the slowest rank's step.
+    home = plan_in_place(costs, tokens, owners, n_ranks=n_ranks, config=config)
+    priced = balanced.step_cost + exchange_cost(balanced, owners, nbytes, config.link)
+    if home.step_cost.max(axis=0).sum() <= priced.max(axis=0).sum() * 1.01:
+        return home
+    return balanced
+
+
+def exchange_cost(plan: GroupPlan, owners: np.ndarray, nbytes: np.ndarray, link: LinkCost) -> np.ndarray:
+    """What ``plan``'s payload exchange costs each rank, as a ``(ranks, steps)`` addition to its step costs: the
+    bytes it sends and receives and the one collective (on every rank once anything moves), all on the group's
+    first step, which cannot start before the exchange is done."""
+    n_ranks, steps = len(plan.micro_batches), len(plan.micro_batches[0]) if plan.micro_batches else 0
+    added = np.zeros((n_ranks, steps))
+    if not steps:
+        return added
+    owners, nbytes = np.asarray(owners, dtype=np.int64), np.asarray(nbytes, dtype=np.float64)
+    through = np.zeros(n_ranks)  # bytes through each rank's link, out and in
+    for rank, rank_steps in enumerate(plan.micro_batches):
+        for samples in (s for step in rank_steps for mb in step for s in mb):
+            if owners[samples] != rank:
+                through[rank] += nbytes[samples]
+                through[owners[samples]] += nbytes[samples]
+    if through.any():
+        added[:, 0] = link.cost(through, 1)
+    return added
 
 
 def _assign_bins(

@@ -13,6 +13,13 @@ rank from all-gathered item sizes, where each item is encoded:
 
 The long/short boundary is relative to the step's own fair share, so it adapts to the workload: a text-heavy step
 splits nothing, a step with a huge image or long clip splits it.
+
+Moving and splitting are not free: an item that travels sends its stem tokens out and its outputs back (and their
+gradients the other way), a split item's block runs four Ulysses all-to-alls per attention layer each way, and any
+exchange at all costs every rank the resharder's all-to-alls. :func:`item_prices` turns those bytes and messages
+into the planner's cost units over a :class:`LinkCost`; with them the plan charges a moved item to its sender and
+its receiver, splits an item only over a degree whose per-member share plus its traffic is cheaper, and keeps every
+item where it was loaded when no priced plan beats that.
 """
 
 from __future__ import annotations
@@ -23,9 +30,124 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
-    "EncoderPlan", "ItemExchange", "SplitChunk", "encoder_lower_bound", "plan_encoder_work", "plan_item_exchange",
-    "split_lengths",
+    "CPU_GLOO", "GPU_NVLINK", "EncoderPlan", "EncoderTraffic", "ItemExchange", "ItemPrices", "LinkCost", "SplitChunk",
+    "encoder_lower_bound", "item_prices", "plan_encoder_work", "plan_item_exchange", "resolve_link", "split_lengths",
 ]
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """What the encoder group's links cost, to price data movement against compute.
+
+    Args:
+        bandwidth: bytes per second one rank sends (or receives) in a collective.
+        latency: seconds one collective costs a rank however little it carries (launch, synchronisation and, on a
+            CPU, the framework's per-call work).
+        flops_per_s: the compute rate that turns the planner's FLOP costs into seconds, so that seconds of traffic
+            and FLOPs of compute compare (a device's achieved, not peak, rate).
+    """
+
+    bandwidth: float
+    latency: float
+    flops_per_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("bandwidth", "flops_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"LinkCost.{name}={getattr(self, name)} must be positive")
+        if not self.latency >= 0:
+            raise ValueError(f"LinkCost.latency={self.latency} must be non-negative")
+
+    def cost(self, nbytes: float | np.ndarray, messages: float = 0.0) -> float | np.ndarray:
+        """The planner's cost (FLOP-equivalents) of sending ``nbytes`` in ``messages`` collectives."""
+        return (nbytes / self.bandwidth + messages * self.latency) * self.flops_per_s
+
+
+# Gloo between processes of one host, as benchmarks/link_cost.py measures it in whole-process CPU time on the
+# 2-core dev machine (4 ranks, two runs in benchmarks/results/link_cost.txt; it depends on what else runs): 0.7-0.8
+# ms a small collective when the ranks arrive together and 1.6-2.0 ms when they arrive up to 20 ms apart, as ranks
+# of a training step do (a rank waiting in Gloo is not idle); 1.5-2.4 GB/s a rank. The rate is the
+# marginal one the reference model trains at there (benchmarks/e2e.py's (a) on vlm_dynres: 2.8e-11 s of
+# training-thread CPU per FLOP over its rank-steps), not the 50-75 GFLOP/s of one large matmul.
+CPU_GLOO = LinkCost(bandwidth=2.2e9, latency=2e-3, flops_per_s=3.5e10)
+# NCCL inside an NVLink node: ~100 GB/s achieved per rank in all-to-all, ~20 us a call, ~300 TFLOP/s in bf16.
+GPU_NVLINK = LinkCost(bandwidth=1e11, latency=2e-5, flops_per_s=3e14)
+
+
+def resolve_link(link: LinkCost | str, device_type: str) -> LinkCost | None:
+    """The link a plan prices: ``link`` itself, the device's default for ``"auto"`` (:data:`GPU_NVLINK` on CUDA,
+    :data:`CPU_GLOO` else), or ``None`` for ``"compute_only"`` (traffic is free)."""
+    if isinstance(link, LinkCost):
+        return link
+    if link == "auto":
+        return GPU_NVLINK if device_type == "cuda" else CPU_GLOO
+    if link == "compute_only":
+        return None
+    raise ValueError(f"link_cost={link!r} must be a LinkCost, 'auto' or 'compute_only'")
+
+
+@dataclass(frozen=True)
+class EncoderTraffic:
+    """The bytes one encoder's items put on the links, per stem token, and its Ulysses collectives.
+
+    Args:
+        stem_bytes: one stem token's row (it travels out forward, its gradient back in backward).
+        output_bytes: encoder output per stem token (back forward, its gradient out in backward).
+        ulysses_bytes: what a split item's Ulysses all-to-alls carry per token over the whole encoder, forward and
+            backward (q, k, v and the output each layer: ``8 * layers * dim * element size``) before the
+            ``(degree - 1) / degree`` that leaves a member.
+        ulysses_messages: those all-to-alls (``8 * layers``).
+    """
+
+    stem_bytes: float
+    output_bytes: float
+    ulysses_bytes: float
+    ulysses_messages: int
+
+
+@dataclass(frozen=True)
+class ItemPrices:
+    """What moving and splitting each item costs, in the planner's cost units.
+
+    ``move[i]``: what sending item ``i`` whole to another rank costs its sender and, again, its receiver.
+    ``split[i, k]``: what item ``i`` split over ``2 ** (k + 1)`` ranks costs each member on top of its share of the
+    compute (its chunk's travel and the Ulysses all-to-alls). ``exchange``: what any resharding costs every rank
+    (the resharder's all-to-alls out and back, forward and backward), paid once a step whatever moves.
+    """
+
+    move: np.ndarray
+    split: np.ndarray
+    exchange: float
+
+    @classmethod
+    def free(cls, n_items: int, enc_sp: int) -> ItemPrices:
+        """No price on anything: the compute-only plan."""
+        return cls(np.zeros(n_items), np.zeros((n_items, _degrees(enc_sp))), 0.0)
+
+
+def _degrees(enc_sp: int) -> int:
+    """How many split degrees (2, 4, ..., enc_sp) an SP limit allows."""
+    return max(int(enc_sp).bit_length() - 1, 0)
+
+
+def item_prices(lengths: np.ndarray, traffic: EncoderTraffic, link: LinkCost, *, enc_sp: int) -> ItemPrices:
+    """Price moving and splitting items of ``lengths`` stem tokens over ``link`` (pure; same on every rank).
+
+    A moved item's bytes cross its sender's and its receiver's links: its stem rows and output rows, each once
+    forward and once (as gradients) backward. A member of a split item's block receives its chunk (the owner's own
+    chunk stays, which this does not credit: a safe over-estimate) and, per Ulysses all-to-all, sends and
+    receives ``(degree - 1) / degree`` of its chunk's activations.
+    """
+    lengths = np.asarray(lengths, dtype=np.float64)
+    per_token = 2.0 * (traffic.stem_bytes + traffic.output_bytes)
+    move = np.asarray(link.cost(lengths * per_token), dtype=np.float64)
+    split = np.zeros((lengths.size, _degrees(enc_sp)))
+    for k in range(split.shape[1]):
+        degree = 2 ** (k + 1)
+        chunk = lengths / degree
+        ulysses = chunk * traffic.ulysses_bytes * (degree - 1) / degree
+        split[:, k] = link.cost(chunk * per_token + ulysses, traffic.ulysses_messages)
+    return ItemPrices(move, split, float(link.cost(0.0, 4)))
 
 
 @dataclass
@@ -34,8 +156,8 @@ class EncoderPlan:
 
     ``rank_of[i]`` is the rank that encodes item ``i`` whole, or ``-1`` if it is split; a split item runs on ranks
     ``sp_start[i] .. sp_start[i] + sp_degree[i] - 1`` (``sp_degree`` is 1 for a whole item). ``rank_cost`` is each
-    rank's predicted encoder cost; ``moved`` counts items that leave the rank that loaded them (a split item
-    counts once).
+    rank's predicted encoder cost, with its priced traffic where the plan was priced; ``moved`` counts items that
+    leave the rank that loaded them (a split item counts once).
     """
 
     rank_of: np.ndarray
@@ -61,7 +183,8 @@ def encoder_lower_bound(costs: np.ndarray, n_ranks: int, enc_sp: int) -> float:
 
 
 def plan_encoder_work(
-    costs: np.ndarray, owners: np.ndarray, *, n_ranks: int, enc_sp: int = 1, reshard: bool = True
+    costs: np.ndarray, owners: np.ndarray, *, n_ranks: int, enc_sp: int = 1, reshard: bool = True,
+    prices: ItemPrices | None = None,
 ) -> EncoderPlan:
     """Plan one step of encoder work for an encoder group of ``n_ranks`` ranks.
 
@@ -71,35 +194,44 @@ def plan_encoder_work(
         n_ranks: ranks in the encoder group.
         enc_sp: sequence-parallel degree; SP groups are ``enc_sp`` consecutive ranks (``n_ranks`` must be a multiple).
         reshard: ``False`` is the baseline without resharding: every rank encodes what it loaded.
+        prices: what moving and splitting each item costs (:func:`item_prices`); ``None`` prices compute only.
+            The plan's ``rank_cost`` then includes each rank's traffic, and the plan keeps every item in place
+            unless a resharded plan has a lower priced peak.
     """
     costs = np.asarray(costs, dtype=np.float64)
     owners = np.asarray(owners, dtype=np.int64)
     if enc_sp < 1 or n_ranks % enc_sp:
         raise ValueError(f"enc_sp={enc_sp} must be positive and divide the encoder group size {n_ranks}")
-    rank_of = owners.copy()
-    sp_start = np.full(costs.size, -1, dtype=np.int64)
-    sp_degree = np.ones(costs.size, dtype=np.int64)
+    prices = ItemPrices.free(costs.size, enc_sp) if prices is None else prices
+    if prices.move.shape != costs.shape or prices.split.shape != (costs.size, _degrees(enc_sp)):
+        raise ValueError(f"prices for {prices.move.shape} items and {prices.split.shape} splits do not fit "
+                         f"{costs.size} items with enc_sp={enc_sp}")
     load = np.zeros(n_ranks)
+    np.add.at(load, owners, costs)
+    in_place = EncoderPlan(owners.copy(), np.full(costs.size, -1, dtype=np.int64), np.ones(costs.size, dtype=np.int64),
+                           load, 0)
     if not reshard:
-        np.add.at(load, owners, costs)
-        return EncoderPlan(rank_of, sp_start, sp_degree, load, 0)
+        return in_place
 
     fair_share = float(costs.sum()) / n_ranks
     # Descending cost; ties by item index, so every rank orders identically.
     order = np.lexsort((np.arange(costs.size), -costs)).tolist()
     # Splitting costs communication, so split as little as balance allows: try split thresholds from the fair
-    # share down, and keep the first plan whose peak is within 1% of the lowest.
-    candidates = [_plan_with_threshold(costs, owners, order, n_ranks, enc_sp, fair_share / 2**k)
-                  for k in range(0, 4 if enc_sp > 1 else 1)]
+    # share down, and keep the first plan whose peak is within 1% of the lowest. Keeping every item home comes
+    # first: a resharded plan must beat it by more than that, its traffic and exchange included.
+    candidates = [in_place] + [_plan_with_threshold(costs, owners, order, n_ranks, enc_sp, fair_share / 2**k, prices)
+                               for k in range(0, 4 if enc_sp > 1 else 1)]
     best = min(float(plan.rank_cost.max()) for plan in candidates)
     return next(plan for plan in candidates if plan.rank_cost.max() <= best * 1.01)
 
 
 def _plan_with_threshold(
-    costs: np.ndarray, owners: np.ndarray, order: list[int], n_ranks: int, enc_sp: int, threshold: float
+    costs: np.ndarray, owners: np.ndarray, order: list[int], n_ranks: int, enc_sp: int, threshold: float,
+    prices: ItemPrices,
 ) -> EncoderPlan:
     """Split every item costlier than ``threshold`` over the fewest aligned ranks that bring its shares under it
-    (at most ``enc_sp``), then place the whole items by LPT."""
+    (at most ``enc_sp``) where the split pays, then place the whole items by LPT, each staying home unless moving
+    it, priced, lowers the peak."""
     rank_of = owners.copy()
     sp_start = np.full(costs.size, -1, dtype=np.int64)
     sp_degree = np.ones(costs.size, dtype=np.int64)
@@ -110,28 +242,45 @@ def _plan_with_threshold(
         degree = 2
         while degree < enc_sp and costs[item] / degree > threshold:
             degree *= 2
+        share = costs[item] / degree + prices.split[item, degree.bit_length() - 2]
+        if share >= costs[item]:  # the traffic eats what the split saves: the item stays whole
+            continue
         # Aligned blocks of ``degree`` consecutive ranks lie inside one SP group (degree divides enc_sp).
         block = int(np.argmin(load.reshape(-1, degree).max(axis=1)))
         sp_start[item], sp_degree[item], rank_of[item] = block * degree, degree, -1
-        load[block * degree : (block + 1) * degree] += costs[item] / degree
+        load[block * degree : (block + 1) * degree] += share
+        owner = int(owners[item])
+        # The owner sends the chunks of other members (all of them when it is outside the block).
+        load[owner] += prices.move[item] * (1 - 1 / degree if owner // degree == block else 1)
 
     heap = [(load[r], r) for r in range(n_ranks)]
     heapq.heapify(heap)
     for item in order:
         if sp_degree[item] > 1:
             continue
-        # Least-loaded rank; among equal loads, the one that already holds the item, so it need not travel.
         current, rank = heapq.heappop(heap)
-        if rank != owners[item] and load[owners[item]] <= current:
-            heap.remove((load[owners[item]], owners[item]))
+        owner = int(owners[item])
+        move = prices.move[item]
+        # The least-loaded rank, unless the item costs no more at home than it would there, its move's price
+        # included (the receiver pays it; so does the sender, which only staying avoids).
+        if rank != owner and (load[owner] <= current + move or costs[item] <= move):
+            heap.remove((load[owner], owner))
             heapq.heapify(heap)
             heapq.heappush(heap, (current, rank))
-            rank = int(owners[item])
+            rank = owner
+        elif rank != owner:
+            heap.remove((load[owner], owner))
+            heapq.heapify(heap)
+            load[owner] += move
+            heapq.heappush(heap, (load[owner], owner))
+            load[rank] += move
         rank_of[item] = rank
         load[rank] += costs[item]
         heapq.heappush(heap, (load[rank], rank))
     split = sp_degree > 1
     moved = int(np.count_nonzero((rank_of != owners) & ~split)) + int(np.count_nonzero(split))
+    if moved:  # any exchange at all costs every rank the resharder's collectives
+        load += prices.exchange
     return EncoderPlan(rank_of, sp_start, sp_degree, load, moved)
 
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.digest import plan_digest
 from omni_lightning.balance.reorder import GroupPlan, PipelineOrder, ReorderConfig, plan_in_place, plan_reorder_group
+from omni_lightning.balance.reshard import LinkCost
 from omni_lightning.batch import IGNORE_INDEX, PackingSpec, PendingMedia
 from omni_lightning.data.failure_notice import FailureNotice
 from omni_lightning.data.packing import (
@@ -69,6 +70,7 @@ class ReorderSettings:
             refined by a search).
         llm_micro_batches: balance a step's micro-batches on their LLM cost alone: under the joint pipeline the
             encoder work of a micro-batch is spread over every stage and does not shape the pipeline.
+        link: prices the payload exchange (``ReorderConfig.link``); ``None``: compute alone.
     """
 
     samples_per_step: int
@@ -81,6 +83,7 @@ class ReorderSettings:
     pp: int = 1
     pipeline_order: PipelineOrder = "disttrain"
     llm_micro_batches: bool = False
+    link: LinkCost | None = None
 
     def __post_init__(self) -> None:
         if self.samples_per_step < 1 or self.group_steps < 1 or self.micro_batches < 1:
@@ -488,6 +491,7 @@ class ReorderedStream:
             token_budget=self.settings.token_budget,
             pp=self.settings.pp,
             pipeline_order=self.settings.pipeline_order,
+            link=self.settings.link,
         )
         features = gathered[valid, self._features].astype(np.float64)
         costs = features @ self.cost_model.coefficients

@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.reorder import PIPELINE_ORDERS, PipelineOrder
+from omni_lightning.balance.reshard import resolve_link
 from omni_lightning.data.layouts import Layout
 from omni_lightning.data.relay import StageRelay
 from omni_lightning.data.reorder_stream import LengthPolicy, ReorderedStream, ReorderSettings
@@ -211,6 +212,9 @@ class OmniDataModule(WebDataModule):
                 )
         if self.cost_model is None:
             self.cost_model = self._model_cost_model()
+        if layout is not None:  # the strategy's price of moving bytes, so the plan moves payloads only where it pays
+            device = self.trainer.strategy.root_device.type if self.trainer is not None else "cpu"
+            self.settings = replace(self.settings, link=resolve_link(layout.link_cost, device))
         if stage == "fit" and self.dp_size > 1:
             self._create_reorder_groups()
 

@@ -10,7 +10,7 @@ order; a second request returns the same group.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from omni_lightning.parallel.settings import PipelineSettings, PlacementSettings
 
 if TYPE_CHECKING:
     from omni_lightning.balance.cost import CostModel
+    from omni_lightning.balance.reshard import LinkCost
     from omni_lightning.batch import PackingSpec
 
 __all__ = ["JOINT_STREAMS", "POOL_STREAMS", "EncoderPool", "ModelGroups", "OmniLayout", "OmniMeshes",
@@ -248,7 +249,9 @@ class OmniLayout:
     ``dims`` are the LLM's degrees (the whole world, or the LLM pool of the disaggregated placement); ``meshes``
     this rank's LLM mesh and encoder groups; ``pool`` the encoder pool's groups (disaggregated only). ``reshard``:
     each step's encoder items are resharded over the encoder group. ``cost_model`` and ``packing`` are the model's,
-    for the loader's plans.
+    for the loader's plans. ``link_cost`` prices the resharder's and the loader's traffic: ``"auto"`` (the device's
+    default, :data:`~omni_lightning.balance.reshard.CPU_GLOO` or :data:`~omni_lightning.balance.reshard.GPU_NVLINK`),
+    a :class:`~omni_lightning.balance.reshard.LinkCost`, or ``"compute_only"`` (moves are free to the plan).
     """
 
     dims: ParallelDims
@@ -260,6 +263,7 @@ class OmniLayout:
     pool: EncoderPool | None = None
     cost_model: CostModel | None = None
     packing: PackingSpec | None = None
+    link_cost: LinkCost | Literal["auto", "compute_only"] = "auto"
     _created: dict[tuple[object, ...], Any] = field(default_factory=dict, repr=False)  # groups made on first use
 
     @property
@@ -333,8 +337,10 @@ def new_reorder_groups(dp_groups: list[list[int]], dp_rank: int, size: int) -> t
 
 
 def build_layout(dims: ParallelDims, device_type: str, *, pipeline: PipelineSettings, placement: PlacementSettings,
-                 reshard: bool, pool: PoolLayout | None = None, pool_enc_sp: int = 1) -> OmniLayout:
+                 reshard: bool, pool: PoolLayout | None = None, pool_enc_sp: int = 1,
+                 link_cost: LinkCost | Literal["auto", "compute_only"] = "auto") -> OmniLayout:
     """Create the job's groups (collective: every rank calls it with the same arguments) and this rank's layout."""
     meshes = build_meshes(dims, device_type, pool=pool)
     encoder_pool = build_encoder_pool(pool, pool_enc_sp, device_type) if pool is not None else None
-    return OmniLayout(dims, meshes, pipeline, placement, dist.get_rank(), reshard, encoder_pool)
+    return OmniLayout(dims, meshes, pipeline, placement, dist.get_rank(), reshard, encoder_pool,
+                      link_cost=link_cost)

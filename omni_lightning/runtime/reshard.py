@@ -28,7 +28,14 @@ from torch import nn
 
 from omni_lightning.balance.cost import ModuleCost
 from omni_lightning.balance.digest import plan_digest
-from omni_lightning.balance.reshard import ItemExchange, plan_encoder_work, plan_item_exchange
+from omni_lightning.balance.reshard import (
+    EncoderTraffic,
+    ItemExchange,
+    LinkCost,
+    item_prices,
+    plan_encoder_work,
+    plan_item_exchange,
+)
 from omni_lightning.parallel.agreement import check_plans_agree
 from omni_lightning.parallel.attention import cu_seqlens_from_lengths
 from omni_lightning.parallel.compat import all_gather_single
@@ -63,6 +70,10 @@ class Resharder:
         enc_sp: largest SP degree (1: whole items only, resharded by LPT).
         min_gain: reshard only when it lowers the slowest rank's predicted encoder cost by more than this fraction;
             otherwise each rank encodes its own items and nothing travels.
+        traffic: each encoder's bytes per stem token and Ulysses collectives; with ``link``, the plan prices moving
+            and splitting items (:func:`~omni_lightning.balance.reshard.item_prices`) and keeps them in place where
+            resharding would not pay. Either ``None``: compute alone is priced.
+        link: what the encoder group's links cost (bandwidth, latency, compute rate to compare them with).
     """
 
     def __init__(
@@ -73,12 +84,16 @@ class Resharder:
         *,
         enc_sp: int = 1,
         min_gain: float = 0.05,
+        traffic: Mapping[str, EncoderTraffic] | None = None,
+        link: LinkCost | None = None,
     ) -> None:
         self.group = group
         self.sp_groups = dict(sp_groups)
         self.costs = dict(costs)
         self.enc_sp = enc_sp
         self.min_gain = min_gain
+        self.traffic = dict(traffic) if traffic is not None else None
+        self.link = link
         self.rank = dist.get_rank(group)
         self.n_ranks = dist.get_world_size(group)
         self.stats: dict[str, float] = {}
@@ -119,9 +134,12 @@ class Resharder:
         owners = np.repeat(np.arange(self.n_ranks), [len(x) for x in per_rank])
         cost = self.costs[name]
         item_costs = cost.linear * item_lengths + cost.quadratic * item_lengths.astype(np.float64) ** 2
-        plan = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, enc_sp=self.enc_sp)
+        prices = None
+        if self.traffic is not None and self.link is not None:
+            prices = item_prices(item_lengths, self.traffic[name], self.link, enc_sp=self.enc_sp)
+        plan = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, enc_sp=self.enc_sp, prices=prices)
         unbalanced = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, reshard=False)
-        if unbalanced.rank_cost.max() <= plan.rank_cost.max() * (1.0 + self.min_gain):
+        if plan.moved == 0 or unbalanced.rank_cost.max() <= plan.rank_cost.max() * (1.0 + self.min_gain):
             # Already about as even as resharding would make it (e.g. the loader balanced the samples): every rank
             # encodes its own items and nothing travels.
             return EncoderStep(None, own, unbalanced.rank_cost, unbalanced.rank_cost, 0, 0), [1]

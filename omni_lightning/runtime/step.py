@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from omni_lightning.balance.reshard import EncoderTraffic, resolve_link
 from omni_lightning.batch import IGNORE_INDEX, PackedBatch
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.models.parallelize import check_model_fits_layout, parallelize_reference
@@ -389,7 +390,8 @@ def build_step(model: ReferenceMLLM, layout: OmniLayout | None, *, device: torch
         return _pool_step(model, layout, device, options)
     check_model_fits_layout(model, layout.dims, reshard=layout.reshard)
     meshes = layout.meshes
-    resharder = _resharder(model, layout) if layout.reshard and meshes.encoder_group is not None else None
+    resharder = (_resharder(model, layout, device, options) if layout.reshard and meshes.encoder_group is not None
+                 else None)
     if meshes.get("pp") is None:
         _parallelize(model, meshes, options)
         # Context- and tensor-parallel peers hold the same samples: they split the encoder items.
@@ -420,12 +422,38 @@ def _parallelize(model: ReferenceMLLM, meshes: OmniMeshes, options: StepOptions,
                           compile_backend=options.compile_backend)
 
 
-def _resharder(model: ReferenceMLLM, layout: OmniLayout) -> Resharder:
+def _resharder(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, options: StepOptions) -> Resharder:
     """Encoder resharding with long-short SP over this rank's encoder group (its data-parallel peers)."""
     meshes = layout.meshes
     assert meshes.encoder_group is not None
     costs = {name: encoder.cost() for name, encoder in model.encoders.items()}
-    return Resharder(meshes.encoder_group, meshes.encoder_sp_blocks, costs, enc_sp=layout.dims.enc_sp)
+    return Resharder(meshes.encoder_group, meshes.encoder_sp_blocks, costs, enc_sp=layout.dims.enc_sp,
+                     **_reshard_pricing(model, layout, device, options))
+
+
+def _reshard_pricing(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, options: StepOptions
+                     ) -> dict[str, Any]:
+    """The resharder's ``traffic`` and ``link`` for this model and device (none under ``"compute_only"``)."""
+    link = resolve_link(layout.link_cost, device.type)
+    if link is None:
+        return {}
+    element = torch.finfo(options.param_dtype or torch.float32).bits // 8
+    traffic = {name: _encoder_traffic(encoder, model.output_width(name), element)
+               for name, encoder in model.encoders.items()}
+    return {"traffic": traffic, "link": link}
+
+
+def _encoder_traffic(encoder: nn.Module, output_width: int, element_bytes: int) -> EncoderTraffic:
+    """The bytes an encoder's items move per stem token: its stem rows (the attention width, read from the
+    encoder's config where it has one, else the output width, a bound for the usual projector), its output rows
+    shared by the stem tokens merged into each, and its Ulysses all-to-alls (q, k, v and the output per block,
+    forward and backward)."""
+    config = getattr(encoder, "config", None)
+    width = getattr(config, "dim", None) or getattr(config, "hidden_size", None) or output_width
+    layers = len(encoder.blocks)
+    return EncoderTraffic(stem_bytes=width * element_bytes,
+                          output_bytes=output_width * element_bytes / encoder.tokens_per_output,
+                          ulysses_bytes=8 * layers * width * element_bytes, ulysses_messages=8 * layers)
 
 
 def _pipeline_runner(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, options: StepOptions,
@@ -489,7 +517,8 @@ def _pool_step(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, o
         resharder = None
         if pool.group is not None and layout.reshard:
             costs = {name: encoder.cost() for name, encoder in model.encoders.items()}
-            resharder = Resharder(pool.group, pool.sp_blocks, costs, enc_sp=max(pool.sp_blocks, default=1))
+            resharder = Resharder(pool.group, pool.sp_blocks, costs, enc_sp=max(pool.sp_blocks, default=1),
+                                  **_reshard_pricing(model, layout, device, options))
         worker = EncoderPoolWorker(pool.layout, pool.streams, LocalEncoders(model, resharder), model.packing,
                                    device=device, dtype=dtype)
         return PoolEncoderStep(model, worker, side, device)

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from omni_lightning.balance.reshard import LinkCost
 from omni_lightning.data.failure_notice import FailureNotice
 from omni_lightning.data.resumable import commit_consumed
 from omni_lightning.datamodules.omni import OmniDataModule
@@ -84,6 +85,11 @@ class OmniStrategy(ModelParallelStrategy):
             sequence parallelism (see :mod:`omni_lightning.runtime.reshard`); default ``True`` when there are
             several such ranks.
         encoder_balance: deprecated name of ``encoder_reshard`` (warns once).
+        link_cost: what moving bytes between ranks costs, so that the resharder moves and splits items, and
+            ``OmniDataModule``'s reorder moves payloads, only where that pays:
+            ``"auto"`` (Gloo between CPU processes, NCCL over NVLink on GPUs:
+            :data:`~omni_lightning.balance.reshard.CPU_GLOO`, :data:`~omni_lightning.balance.reshard.GPU_NVLINK`), a
+            measured :class:`~omni_lightning.balance.reshard.LinkCost`, or ``"compute_only"`` (traffic is free).
         pp_schedule: pipeline schedule when ``pp > 1``: ``"1F1B"``, ``"GPipe"``, ``"Interleaved1F1B"`` or
             ``"InterleavedZeroBubble"`` (the last two run ``pp_virtual_stages`` stages per rank).
         pp_microbatches: micro-batches per step in the pipeline (default ``pp``); each training batch is cut into
@@ -145,6 +151,7 @@ class OmniStrategy(ModelParallelStrategy):
         enc_sp: int = 1,
         encoder_reshard: bool | None = None,
         encoder_balance: bool | None = None,
+        link_cost: LinkCost | Literal["auto", "compute_only"] = "auto",
         pp_schedule: str = "1F1B",
         pp_microbatches: int | None = None,
         pp_virtual_stages: int = 1,
@@ -188,6 +195,7 @@ class OmniStrategy(ModelParallelStrategy):
         self._launcher_name = launcher
         self._stepping = self._synced = False  # inside an optimizer step's closure; its gradients reduced already
         self._encoder_reshard = encoder_reshard
+        self._link_cost = link_cost
         self._parallel_dims: ParallelDims | None = None
         self._pool_layout: PoolLayout | None = None
         self._layout: OmniLayout | None = None
@@ -339,7 +347,7 @@ class OmniStrategy(ModelParallelStrategy):
                              f"{dist.get_world_size()}")
         layout = build_layout(dims, self.root_device.type, pipeline=self.pipeline_settings,
                               placement=self.placement_settings, reshard=self.encoder_reshard, pool=pool,
-                              pool_enc_sp=self._enc_sp)
+                              pool_enc_sp=self._enc_sp, link_cost=self._link_cost)
         if isinstance(module, OmniModule):  # what the data module's plans price and pack by
             layout.cost_model, layout.packing = module.cost_model(), module.packing()
             module.omni_layout = layout

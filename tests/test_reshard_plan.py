@@ -1,0 +1,128 @@
+"""The encoder plan prices its traffic: moved and split items cost their links, and it never plans a slower step than
+keeping every item where it was loaded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from omni_lightning.balance.reshard import (
+    GPU_NVLINK,
+    EncoderPlan,
+    EncoderTraffic,
+    ItemPrices,
+    LinkCost,
+    item_prices,
+    plan_encoder_work,
+)
+
+TRAFFIC = EncoderTraffic(stem_bytes=384.0, output_bytes=128.0, ulysses_bytes=6144.0, ulysses_messages=16)
+
+
+def priced_load(plan: EncoderPlan, costs: np.ndarray, owners: np.ndarray, prices: ItemPrices,
+                n_ranks: int) -> np.ndarray:
+    """Each rank's cost under ``plan``, recomputed from its decisions alone: compute, a moved item's price on its
+    sender and receiver, a split item's share and traffic on every member (and on its owner the chunks it sends
+    away), and the exchange on every rank once anything travels."""
+    load = np.zeros(n_ranks)
+    travelled = False
+    for item, cost in enumerate(costs):
+        owner, degree = int(owners[item]), int(plan.sp_degree[item])
+        if degree == 1:
+            rank = int(plan.rank_of[item])
+            load[rank] += cost
+            if rank != owner:
+                load[rank] += prices.move[item]
+                load[owner] += prices.move[item]
+                travelled = True
+            continue
+        start = int(plan.sp_start[item])
+        load[start : start + degree] += cost / degree + prices.split[item, degree.bit_length() - 2]
+        load[owner] += prices.move[item] * ((degree - 1) / degree if start <= owner < start + degree else 1.0)
+        travelled = True
+    return load + (prices.exchange if travelled else 0.0)
+
+
+@settings(max_examples=120, deadline=None)
+@given(seed=st.integers(0, 10_000), groups=st.integers(1, 4), enc_sp=st.sampled_from([1, 2, 4]),
+       items=st.integers(0, 40), price_scale=st.sampled_from([0.0, 0.01, 0.3, 1.0, 10.0]))
+def test_the_priced_plan_is_never_slower_than_keeping_items_home(seed: int, groups: int, enc_sp: int, items: int,
+                                                                 price_scale: float) -> None:
+    n_ranks = groups * enc_sp
+    rng = np.random.default_rng(seed)
+    costs = rng.lognormal(0.0, 1.5, items)
+    owners = np.sort(rng.integers(0, n_ranks, items))
+    degrees = max(enc_sp.bit_length() - 1, 0)
+    prices = ItemPrices(move=price_scale * costs * rng.uniform(0.1, 1.0, items),
+                        split=price_scale * costs[:, None] * rng.uniform(0.05, 0.5, (items, degrees)),
+                        exchange=price_scale * float(rng.uniform(0.0, 2.0)))
+    plan = plan_encoder_work(costs, owners, n_ranks=n_ranks, enc_sp=enc_sp, prices=prices)
+    home = plan_encoder_work(costs, owners, n_ranks=n_ranks, enc_sp=enc_sp, reshard=False)
+    # The plan's own figures are what its decisions cost, traffic included ...
+    np.testing.assert_allclose(plan.rank_cost, priced_load(plan, costs, owners, prices, n_ranks), rtol=1e-9,
+                               atol=1e-9)
+    # ... and its slowest rank is never slower than the slowest without resharding.
+    assert plan.rank_cost.max(initial=0.0) <= home.rank_cost.max(initial=0.0) + 1e-9
+    if plan.moved:  # a plan that moves anything beats home by more than the 1% it must
+        assert plan.rank_cost.max() * 1.01 < home.rank_cost.max()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), enc_sp=st.sampled_from([1, 2, 4]), items=st.integers(1, 40))
+def test_items_stay_home_when_moving_any_costs_more_than_encoding_it(seed: int, enc_sp: int, items: int) -> None:
+    rng = np.random.default_rng(seed)
+    costs = rng.lognormal(0.0, 1.5, items)
+    owners = np.zeros(items, dtype=np.int64)  # the worst imbalance: one rank loaded everything
+    prices = ItemPrices(move=costs * 1.5, split=np.repeat(costs[:, None], max(enc_sp.bit_length() - 1, 0), axis=1),
+                        exchange=0.0)
+    plan = plan_encoder_work(costs, owners, n_ranks=4, enc_sp=enc_sp, prices=prices)
+    assert plan.moved == 0 and (plan.rank_of == 0).all()
+
+
+def test_free_traffic_plans_as_compute_alone() -> None:
+    rng = np.random.default_rng(3)
+    costs, owners = rng.lognormal(0, 1.5, 40), np.sort(rng.integers(0, 8, 40))
+    free = plan_encoder_work(costs, owners, n_ranks=8, enc_sp=4, prices=ItemPrices.free(40, 4))
+    unpriced = plan_encoder_work(costs, owners, n_ranks=8, enc_sp=4)
+    np.testing.assert_array_equal(free.rank_of, unpriced.rank_of)
+    np.testing.assert_array_equal(free.sp_degree, unpriced.sp_degree)
+
+
+def test_a_huge_item_is_still_split_over_a_fast_link_but_not_over_a_slow_one() -> None:
+    lengths = np.array([4096] + [64] * 20)
+    costs = 6e9 * lengths + 1e5 * lengths.astype(np.float64) ** 2  # training FLOPs of a ViT-1B
+    owners = np.zeros(lengths.size, dtype=np.int64)
+    fast = plan_encoder_work(costs, owners, n_ranks=4, enc_sp=4,
+                             prices=item_prices(lengths, TRAFFIC, GPU_NVLINK, enc_sp=4))
+    assert fast.sp_degree[0] == 4
+    slow_link = LinkCost(bandwidth=1e3, latency=1.0, flops_per_s=1e12)  # a second a collective: nothing pays
+    slow = plan_encoder_work(costs, owners, n_ranks=4, enc_sp=4,
+                             prices=item_prices(lengths, TRAFFIC, slow_link, enc_sp=4))
+    assert slow.moved == 0 and slow.items_split == 0
+
+
+def test_item_prices_count_bytes_both_ways_and_ulysses_per_member() -> None:
+    link = LinkCost(bandwidth=1.0, latency=0.5, flops_per_s=2.0)  # 2 cost units a byte, 1 a collective
+    prices = item_prices(np.array([8, 16]), TRAFFIC, link, enc_sp=4)
+    per_token = 2 * (TRAFFIC.stem_bytes + TRAFFIC.output_bytes)  # stem out and output back, each forward + backward
+    np.testing.assert_allclose(prices.move, 2.0 * per_token * np.array([8, 16]))
+    for k, degree in enumerate((2, 4)):
+        chunk = np.array([8, 16]) / degree
+        expected = 2.0 * (chunk * per_token + chunk * TRAFFIC.ulysses_bytes * (degree - 1) / degree) + 16
+        np.testing.assert_allclose(prices.split[:, k], expected)
+    assert prices.exchange == pytest.approx(4.0)  # two all-to-alls forward, two backward
+
+
+@pytest.mark.parametrize("kwargs", [{"bandwidth": 0.0, "latency": 0.0, "flops_per_s": 1.0},
+                                    {"bandwidth": 1.0, "latency": -1.0, "flops_per_s": 1.0},
+                                    {"bandwidth": 1.0, "latency": 0.0, "flops_per_s": float("nan")}])
+def test_link_cost_rejects_nonsense(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="LinkCost"):
+        LinkCost(**kwargs)
+
+
+def test_prices_must_fit_the_items() -> None:
+    with pytest.raises(ValueError, match="do not fit"):
+        plan_encoder_work(np.ones(3), np.zeros(3, dtype=np.int64), n_ranks=2, enc_sp=2, prices=ItemPrices.free(2, 2))
