@@ -237,7 +237,8 @@ def _assign_bins(
     Samples worth more than a quarter of a bin's fair share go one by one to the least-loaded bin that fits
     (exact LPT, a heap). The many small ones that follow go in vectorised rounds: each round hands the next
     largest samples to the bins still below the fair share, the largest to the least loaded, except that a
-    sample goes to a bin of its own rank (bin ``b`` belongs to rank ``b % n_ranks``) when the round has one: the
+    sample goes to a bin of its own rank (bin ``b`` belongs to rank ``b % n_ranks``) when the round has one (a bin
+    takes several samples a round where its room under the fair share holds several of the round's largest): the
     samples of a round are of similar size, so this keeps payloads home at almost no cost in balance. That keeps
     LPT's behaviour where it matters and plans a 512-rank group in a fraction of the time. The refinement after
     it spends at most ``budget``.
@@ -269,7 +270,11 @@ def _assign_bins(
     while pending.size:
         by_load = np.argsort(bin_load, kind="stable")
         below = by_load[bin_load[by_load] < fair_share]
-        targets = (below if below.size else by_load)[: pending.size]
+        targets = below if below.size else by_load
+        # Each target takes as many of the next samples as fit under the fair share at the round's largest one
+        # (at least one): few bins below the share, as where a few samples are giants, then take many a round.
+        per = 1 if not below.size else max(1, int((fair_share - bin_load[targets].max()) // costs[pending[0]]))
+        targets = np.tile(targets, per)[: pending.size]
         chunk, pending = pending[: targets.size], pending[targets.size :]
         targets = _pair_with_home_bins(chunk, targets, owners, n_ranks)
         fits = np.ones(chunk.size, dtype=bool) if capacity is None else bin_tokens[targets] + tokens[chunk] <= capacity
