@@ -31,7 +31,13 @@ __all__ = [
     "assign_encoder_items",
     "lpt_ranks",
     "stage_shares_of",
+    "JOINT_ITEM_EVALUATIONS",
 ]
+
+# The joint item plan's default work budget: candidate plans replayed per step. Every pipeline rank replays each
+# candidate over the step's whole program (4 actions per stage and micro-batch), so this bounds its planning at
+# about 20,000 x 4 x pp x m array updates a step.
+JOINT_ITEM_EVALUATIONS = 20_000
 
 
 def order_for_1f1b(micro_batch_costs: list[float], pp: int) -> list[int]:
@@ -297,9 +303,10 @@ def assign_encoder_items(llm_costs: np.ndarray, micro_batch: np.ndarray, item_co
             modelled step; the others by LPT.
         max_rounds: most moves of the descent.
         budget: most candidate plans the greedy placement and the descents may replay, together (default
-            100,000): each replayed candidate spends one evaluation. Where the budget cannot pay, the greedy
-            placement places the remaining large items by LPT and a descent stops with its best plan so far, so
-            the cost is bounded whatever the number of large items, and every rank stops at the same plan.
+            :data:`JOINT_ITEM_EVALUATIONS`): each replayed candidate spends one evaluation. Where the budget
+            cannot pay, the greedy placement places the remaining large items by LPT and a descent stops with its
+            best plan so far, so the cost is bounded whatever the number of large items, and every rank stops at
+            the same plan.
 
     The step is modelled by :func:`joint_1f1b_makespans` (1F1B with the encoder insertions of
     :func:`joint_1f1b_orders`), which puts the insertions into the objective: an image too large for the slack of
@@ -324,7 +331,7 @@ def assign_encoder_items(llm_costs: np.ndarray, micro_batch: np.ndarray, item_co
     costs = np.asarray(item_costs, dtype=np.float64)
     if pp == 1 or costs.size == 0:
         return np.zeros(costs.size, dtype=np.int64)
-    budget = WorkBudget(100_000) if budget is None else budget
+    budget = WorkBudget(JOINT_ITEM_EVALUATIONS) if budget is None else budget
     model = _JointModel(llm, micro_batch, costs, pp, forward_share, encoder_forward_share, stage_shares)
     big = costs >= large * float(llm.mean()) / pp
     plans = [model.descend(model.lpt(np.ones(costs.size, dtype=bool)), big, max_rounds, budget),

@@ -182,6 +182,9 @@ class Simulation:
         self.llm_params = llm_params(config)
         # The loader plan of a (step, reorder group) is the same for omni and the ablations that keep reordering.
         self._loader_plans: dict[tuple[int, int], _LoaderPlan] = {}
+        # Each replica-step's stage and peer of every item (the joint pipeline's plan), by (step, replica, multiplex,
+        # reorder).
+        self._item_plans: dict[tuple[int, int, bool, bool], tuple[np.ndarray, np.ndarray]] = {}
 
     # ------------------------------------------------------------------------------------------------ helpers
     @property
@@ -400,7 +403,11 @@ class Simulation:
                     placed += float(llm_cost[r].sum() + pool.encoder[samples].sum())
                     items, position = pool.items_of(samples)
                     mb = np.array(batch_of, dtype=np.int64)[position]
-                    stage, peer = self._stage_and_peer(llm_cost[r], mb, pool.item_cost[items], options)
+                    # LSSP does not change where items go before the resharder: its ablation reuses omni's.
+                    key = (step, r, options.multiplex, options.reorder)
+                    if key not in self._item_plans:
+                        self._item_plans[key] = self._stage_and_peer(llm_cost[r], mb, pool.item_cost[items], options)
+                    stage, peer = self._item_plans[key]
                     all_items.append(items)
                     all_replica.append(np.full(items.size, r))
                     all_position.append((stage * peers + peer) * micro + mb)
