@@ -1,9 +1,17 @@
 """Does the simulator's cost model predict what the CPU runs of ``e2e.py`` measured, rank by rank?
 
 Reads ``results/e2e.json`` (written by ``python benchmarks/e2e.py --quick``: every rank's samples and measured
-compute seconds per step, for configurations (a)-(d)), calibrates a cost model on the first half of the steps of
-(a)-(c) with :func:`omni_lightning.balance.cost.fit_cost_model`, and predicts every (rank, step) of the second
-half of all four configurations the way the simulator does: a rank's LLM cost is that of the samples it trained
+compute seconds per step, for configurations (a)-(d)) and predicts every (rank, step) of the second half of the
+steps of all four configurations with two cost models:
+
+* the simulator's own: :func:`omni_lightning.models.flops.reference_cost_model` of e2e's model, training FLOPs,
+  turned into seconds by one throughput (FLOP/s of this CPU: measured seconds over predicted FLOPs of the first
+  half of (a)-(c)), as the simulator divides FLOPs by a cluster's effective FLOP/s; nothing else is fitted, so
+  this says how far the simulator's model of where time goes is from the CPU's;
+* for comparison, a cost model fitted per module to the first half of (a)-(c)
+  (:func:`omni_lightning.balance.cost.fit_cost_model`), what a calibrated run would use.
+
+Either way the prediction goes the way the simulator's goes: a rank's LLM cost is that of the samples it trained
 on; its encoder cost is that of its own items, except under (d), where
 :func:`omni_lightning.balance.reshard.plan_encoder_work` (the runtime's planner, long-short SP over the ranks)
 decides which rank encodes which item. Reports Pearson r of predicted against measured per-rank seconds and the
@@ -11,8 +19,8 @@ relative error of the predicted step time (the slowest rank) per configuration.
 
     python benchmarks/sim_validate.py [--results benchmarks/results/e2e.json]
 
-Its last line is ``pearson r: X, step-time relative error: Y`` (held-out steps, all configurations; the error is
-the mean absolute one over steps).
+Its last line is ``simulator FLOPs model: pearson r X, step-time relative error Y; fitted model: pearson r Z,
+step-time relative error W`` (held-out steps, all configurations; the error is the mean absolute one over steps).
 """
 
 from __future__ import annotations
@@ -23,10 +31,12 @@ from pathlib import Path
 
 import numpy as np
 from common import fit_to_runs
+from e2e import CONFIG
 
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.reshard import plan_encoder_work
 from omni_lightning.balance.workload import SampleMeta
+from omni_lightning.models.flops import reference_cost_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -66,25 +76,38 @@ def main() -> None:
     measured = {name: np.array(run["per_rank_step_s"]) for name, run in runs.items()}
     steps = len(measured["a"])
     half = steps // 2
-    model, seen = fit_to_runs(runs, ("a", "b", "c"), slice(0, half))
+    fitted, seen = fit_to_runs(runs, ("a", "b", "c"), slice(0, half))
+    flops = reference_cost_model(CONFIG)
 
-    lines = [f"calibrated on steps 0-{half - 1} of (a)-(c) ({seen} rank-steps); held out: steps "
-             f"{half}-{steps - 1}",
-             f"{'config':<8}{'pearson r':>10}{'pred step':>12}{'meas step':>12}{'rel err':>9}"]
-    all_pred, all_meas, errors = [], [], []
-    for name in ("a", "b", "c", "d"):  # the multiplexed runs; (e)'s pools are the simulator's other placement
-        pred = np.array([predict_step(samples[name][s], model, reshard=name == "d", enc_sp=enc_sp)
-                         for s in range(half, steps)])
-        meas = measured[name][half:]
-        step_error = np.abs(pred.max(axis=1) - meas.max(axis=1)) / meas.max(axis=1)
-        r = float(np.corrcoef(pred.ravel(), meas.ravel())[0, 1])
-        lines.append(f"({name}){'':<5}{r:>10.3f}{pred.max(axis=1).mean() * 1e3:>10.1f}ms"
-                     f"{meas.max(axis=1).mean() * 1e3:>10.1f}ms{step_error.mean():>9.3f}")
-        all_pred.append(pred.ravel())
-        all_meas.append(meas.ravel())
-        errors.append(step_error)
-    r_all = float(np.corrcoef(np.concatenate(all_pred), np.concatenate(all_meas))[0, 1])
-    lines.append(f"pearson r: {r_all:.3f}, step-time relative error: {np.concatenate(errors).mean():.3f}")
+    def predict(model: CostModel, name: str, step_range: range) -> np.ndarray:
+        return np.array([predict_step(samples[name][s], model, reshard=name == "d", enc_sp=enc_sp)
+                         for s in step_range])
+
+    # One throughput for the FLOPs model, from the calibration half (what a cluster's effective FLOP/s is to it).
+    calibration = [(predict(flops, name, range(half)), measured[name][:half]) for name in ("a", "b", "c")]
+    flop_rate = sum(float(f.sum()) for f, _ in calibration) / sum(float(m.sum()) for _, m in calibration)
+    lines = [f"held out: steps {half}-{steps - 1}; simulator FLOPs model at {flop_rate / 1e9:.2f} GFLOP/s (training "
+             f"FLOPs over measured seconds, steps 0-{half - 1} of (a)-(c)); fitted model calibrated on the same "
+             f"{seen} rank-steps"]
+    summary = []
+    for label, model, scale in (("simulator FLOPs model", flops, 1 / flop_rate), ("fitted model", fitted, 1.0)):
+        lines.append(label)
+        lines.append(f"{'config':<8}{'pearson r':>10}{'pred step':>12}{'meas step':>12}{'rel err':>9}")
+        all_pred, all_meas, errors = [], [], []
+        for name in ("a", "b", "c", "d"):  # the multiplexed runs; (e)'s pools are the simulator's other placement
+            pred = predict(model, name, range(half, steps)) * scale
+            meas = measured[name][half:]
+            step_error = np.abs(pred.max(axis=1) - meas.max(axis=1)) / meas.max(axis=1)
+            r = float(np.corrcoef(pred.ravel(), meas.ravel())[0, 1])
+            lines.append(f"({name}){'':<5}{r:>10.3f}{pred.max(axis=1).mean() * 1e3:>10.1f}ms"
+                         f"{meas.max(axis=1).mean() * 1e3:>10.1f}ms{step_error.mean():>9.3f}")
+            all_pred.append(pred.ravel())
+            all_meas.append(meas.ravel())
+            errors.append(step_error)
+        r_all = float(np.corrcoef(np.concatenate(all_pred), np.concatenate(all_meas))[0, 1])
+        summary.append(f"{label}: pearson r {r_all:.3f}, step-time relative error "
+                       f"{np.concatenate(errors).mean():.3f}")
+    lines.append("; ".join(summary))
     text = "\n".join(lines)
     print(text)
     (RESULTS / "sim_validate.txt").write_text(text + "\n")

@@ -31,14 +31,20 @@ def sim() -> Simulation:
     return Simulation(_scenario())
 
 
-def test_coupled_is_slower_than_omni_on_a_long_tail(sim: Simulation) -> None:
+# What the simulator credited omni with before it modelled only what the runtime runs (issue 25).
+OLD_MODEL = frozenset({"cp_sample_split", "replica_encoder_plan"})
+
+
+def test_coupled_is_slower_than_omni_on_a_long_tail_with_the_old_assumptions() -> None:
+    sim = Simulation(replace(_scenario(), assume=OLD_MODEL))
     coupled, omni = sim.coupled(), sim.omni()
     assert not coupled.oom and not omni.oom
     assert coupled.step_s >= omni.step_s
     assert coupled.imbalance > omni.imbalance
 
 
-def test_each_ablation_is_no_better_balanced(sim: Simulation) -> None:
+def test_each_ablation_is_no_better_balanced_with_the_old_assumptions() -> None:
+    sim = Simulation(replace(_scenario(), assume=OLD_MODEL))
     omni = sim.omni()
     for options in (OmniOptions(multiplex=False), OmniOptions(reorder=False), OmniOptions(lssp=False)):
         ablated = sim.omni(options)
@@ -135,10 +141,13 @@ def test_omni_plans_group_steps_at_a_time_as_the_loader_does(monkeypatch: pytest
     assert ids.size == sum(d.samples[r].size for d in sim.draws[:2] for r in range(sim.group))
 
 
-def test_omni_spares_the_first_stage_the_last_micro_batches_encoder_work(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("even", [False, True])
+def test_omni_spares_the_first_stage_the_last_micro_batches_encoder_work(monkeypatch: pytest.MonkeyPatch,
+                                                                         even: bool) -> None:
     """As JointEncoders plans it: stage 0's encoder backward of the last pp micro-batches would follow its last LLM
-    backward, so the simulated first stage has no encoder work there; its GPUs' work goes into the insertions before,
-    and the other stages keep theirs spread over every micro-batch."""
+    backward, so the simulated first stage has no encoder work there. With ``even_encoder_slices`` its GPUs' work
+    goes evenly into the insertions before, and the other stages keep theirs spread over every micro-batch; by
+    default each insertion holds the whole items planned there, so insertions differ."""
     from omni_lightning.sim import placements
 
     inserted = []
@@ -149,12 +158,42 @@ def test_omni_spares_the_first_stage_the_last_micro_batches_encoder_work(monkeyp
         return real(forward, backward, encode, encode_backward)
 
     monkeypatch.setattr(placements, "joint_pipeline", spy)
-    Simulation(_scenario(micro_batches=6)).omni()
+    Simulation(replace(_scenario(micro_batches=6),
+                       assume=frozenset({"even_encoder_slices"} if even else set()))).omni()
     assert inserted
     for encode, encode_backward in inserted:
         for work in (encode, encode_backward):
-            assert (work[0, -2:] == 0).all() and work[0, :-2].min() > 0 and np.ptp(work[0, :-2]) == 0
-            assert work[1].min() > 0 and np.ptp(work[1]) == 0
+            assert (work[0, -2:] == 0).all()
+            if even:
+                assert work[0, :-2].min() > 0 and np.ptp(work[0, :-2]) == 0
+                assert work[1].min() > 0 and np.ptp(work[1]) == 0
+    if not even:
+        assert any(np.ptp(encode[1]) > 0 for encode, _ in inserted)  # whole items: uneven insertions
+
+
+def test_omni_by_default_plans_what_the_runtime_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No sample is split over data-parallel ranks, and each insertion's items are planned over the data-parallel
+    ranks (not every GPU of the reorder group); with the assumptions, both come back."""
+    from omni_lightning.sim import placements
+
+    groups: list[int] = []
+    real = placements.reshard.plan_encoder_work
+
+    def spy(costs: np.ndarray, owners: np.ndarray, **kwargs: object) -> reshard.EncoderPlan:
+        groups.append(int(kwargs["n_ranks"]))  # type: ignore[call-overload]
+        return real(costs, owners, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(placements.reshard, "plan_encoder_work", spy)
+    layout = Layout(tp=4, pp=2, micro_batches=4, seq_len=4096, recompute="full")
+    for assume in (frozenset(), OLD_MODEL):
+        groups.clear()
+        sim = Simulation(replace(_scenario(), assume=assume))
+        sim.omni()
+        expected = sim.ranks if not assume else sim.group * layout.model_parallel
+        assert groups and set(groups) == {expected}, assume
+        pieces = [sim._omni_micro_batches(OmniOptions(), step, 0)[1] for step in range(len(sim.draws))]
+        split = any(share < 1.0 for step in pieces for _, share in step)
+        assert split == bool(assume)
 
 
 def test_joint_pipeline_without_encoders_is_1f1b() -> None:

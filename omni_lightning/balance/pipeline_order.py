@@ -15,6 +15,7 @@ from functools import lru_cache
 import numpy as np
 from numpy.typing import ArrayLike
 
+from omni_lightning.balance.budget import WorkBudget
 from omni_lightning.balance.pipeline_replay import waits_for
 
 __all__ = [
@@ -30,7 +31,13 @@ __all__ = [
     "assign_encoder_items",
     "lpt_ranks",
     "stage_shares_of",
+    "JOINT_ITEM_EVALUATIONS",
 ]
+
+# The joint item plan's default work budget: candidate plans replayed per step. Every pipeline rank replays each
+# candidate over the step's whole program (4 actions per stage and micro-batch), so this bounds its planning at
+# about 20,000 x 4 x pp x m array updates a step.
+JOINT_ITEM_EVALUATIONS = 20_000
 
 
 def order_for_1f1b(micro_batch_costs: list[float], pp: int) -> list[int]:
@@ -173,26 +180,63 @@ def lpt_split(samples: list[int], costs: np.ndarray, tokens: np.ndarray, m: int,
     """LPT of ``samples``, costliest first, over ``m`` micro-batches of at most ``budget`` tokens: each goes to the
     least-loaded micro-batch with room, or with ``shares`` (LPT for machines of unequal speed) to the one that
     holding it would fill least relative to its share. Returns the micro-batches, their costs and the samples none
-    had room for."""
-    loads = [0.0] * m
-    used = [0] * m
+    had room for.
+
+    Samples worth more than a quarter of a micro-batch's fair share go one at a time (exact LPT). The many small
+    ones that follow go in vectorised rounds, as :func:`omni_lightning.balance.reorder.plan_reorder_group` places
+    them over bins: each round hands the next largest samples to the micro-batches in order of relative load, the
+    largest to the least filled, and a sample that does not fit its micro-batch's tokens is settled one at a time
+    after the rounds. So a bin of thousands of tiny samples costs a few array operations a round, not a Python
+    scan of every micro-batch per sample.
+    """
+    ids = np.asarray(samples, dtype=np.int64)
+    weight = np.ones(m) if shares is None else np.asarray(shares, dtype=np.float64)
+    loads, used = np.zeros(m), np.zeros(m, dtype=np.int64)
+    where = np.full(ids.size, -1, dtype=np.int64)
+    # Descending cost, ties by position (a bin lists them by the balanced cost, which micro_batch_costs may differ
+    # from).
+    order = np.lexsort((np.arange(ids.size), -costs[ids])) if ids.size else np.zeros(0, dtype=np.int64)
+    c, t = costs[ids].astype(np.float64), tokens[ids].astype(np.int64)
+    large = int(np.count_nonzero(c[order] > float(c.sum()) / (4 * m)))
+    spilled: list[int] = []
+
+    def place_one(k: int) -> None:
+        room = np.arange(m) if budget is None else np.flatnonzero(used + t[k] <= budget)
+        if room.size == 0:
+            spilled.append(int(ids[k]))  # the bin's total fits, its fragments do not
+            return
+        key = loads[room] if shares is None else (loads[room] + c[k]) / weight[room]
+        target = int(room[np.lexsort((room, key))[0]])
+        where[k], loads[target], used[target] = target, loads[target] + c[k], used[target] + t[k]
+
+    for k in order[:large].tolist():
+        place_one(k)
+    level = float(c.sum()) / float(weight.sum())  # every micro-batch's fill when the bin is spread by the shares
+    misfits: list[int] = []
+    pending = order[large:]
+    while pending.size:
+        fill = loads / weight
+        by_fill = np.lexsort((np.arange(m), fill))
+        if budget is not None:  # micro-batches out of room for the next samples sit the round out
+            by_fill = by_fill[used[by_fill] + int(t[pending[:m]].max()) <= budget]
+            if not by_fill.size:
+                misfits.extend(pending.tolist())
+                break
+        below = by_fill[fill[by_fill] < level]
+        target = (below if below.size else by_fill)[: pending.size]
+        chunk, pending = pending[: target.size], pending[target.size :]
+        fits = np.ones(chunk.size, dtype=bool) if budget is None else used[target] + t[chunk] <= budget
+        where[chunk[fits]] = target[fits]
+        loads[target[fits]] += c[chunk[fits]]
+        used[target[fits]] += t[chunk[fits]]
+        misfits.extend(chunk[~fits].tolist())
+    for k in misfits:
+        place_one(k)
     batches: list[list[int]] = [[] for _ in range(m)]
-    spilled = []
-    # Descending cost (a bin lists them by the balanced cost, which micro_batch_costs may differ from).
-    for sample in sorted(samples, key=lambda s: -costs[s]):
-        candidates = [i for i in range(m) if budget is None or used[i] + tokens[sample] <= budget]
-        if not candidates:
-            spilled.append(sample)  # the bin's total fits, its fragments do not
-            continue
-        cost = float(costs[sample])
-        if shares is None:
-            target = min(candidates, key=lambda i: (loads[i], i))
-        else:
-            target = min(candidates, key=lambda i: ((loads[i] + cost) / shares[i], i))
-        batches[target].append(sample)
-        loads[target] += cost
-        used[target] += int(tokens[sample])
-    return batches, loads, spilled
+    for k in order.tolist():
+        if where[k] >= 0:
+            batches[where[k]].append(int(ids[k]))
+    return batches, loads.tolist(), spilled
 
 
 def joint_1f1b_makespans(llm_costs: np.ndarray, encoder_costs: np.ndarray, *, forward_share: float = 1 / 3,
@@ -244,7 +288,7 @@ def joint_1f1b_orders(pp: int, m: int) -> tuple[tuple[tuple[str, int], ...], ...
 def assign_encoder_items(llm_costs: np.ndarray, micro_batch: np.ndarray, item_costs: np.ndarray, pp: int, *,
                          forward_share: float = 1 / 3, encoder_forward_share: float = 1 / 3,
                          stage_shares: np.ndarray | None = None, large: float = 1 / 16,
-                         max_rounds: int = 64) -> np.ndarray:
+                         max_rounds: int = 64, budget: WorkBudget | None = None) -> np.ndarray:
     """The pipeline rank that encodes each item of a joint-pipeline 1F1B step, chosen on the step's time (pure).
 
     Args:
@@ -258,6 +302,11 @@ def assign_encoder_items(llm_costs: np.ndarray, micro_batch: np.ndarray, item_co
         large: items costing at least this share of a micro-batch's mean LLM cost on one stage are placed on the
             modelled step; the others by LPT.
         max_rounds: most moves of the descent.
+        budget: most candidate plans the greedy placement and the descents may replay, together (default
+            :data:`JOINT_ITEM_EVALUATIONS`): each replayed candidate spends one evaluation. Where the budget
+            cannot pay, the greedy placement places the remaining large items by LPT and a descent stops with its
+            best plan so far, so the cost is bounded whatever the number of large items, and every rank stops at
+            the same plan.
 
     The step is modelled by :func:`joint_1f1b_makespans` (1F1B with the encoder insertions of
     :func:`joint_1f1b_orders`), which puts the insertions into the objective: an image too large for the slack of
@@ -282,10 +331,11 @@ def assign_encoder_items(llm_costs: np.ndarray, micro_batch: np.ndarray, item_co
     costs = np.asarray(item_costs, dtype=np.float64)
     if pp == 1 or costs.size == 0:
         return np.zeros(costs.size, dtype=np.int64)
+    budget = WorkBudget(JOINT_ITEM_EVALUATIONS) if budget is None else budget
     model = _JointModel(llm, micro_batch, costs, pp, forward_share, encoder_forward_share, stage_shares)
     big = costs >= large * float(llm.mean()) / pp
-    plans = [model.descend(model.lpt(np.ones(costs.size, dtype=bool)), big, max_rounds),
-             model.descend(model.greedy(model.lpt(~big), big), big, max_rounds)]
+    plans = [model.descend(model.lpt(np.ones(costs.size, dtype=bool)), big, max_rounds, budget),
+             model.descend(model.greedy(model.lpt(~big), big, budget), big, max_rounds, budget)]
     spans = model.makespans(np.stack(plans))
     return plans[1] if spans[1] < spans[0] * (1 - 1e-9) else plans[0]
 
@@ -336,8 +386,9 @@ class _JointModel:
             owner[mine] = lpt_ranks(self.costs[mine], loads, self.ranks(j))
         return owner
 
-    def greedy(self, owner: np.ndarray, items: np.ndarray) -> np.ndarray:
-        """``owner`` with ``items`` (a mask), heaviest first, each where the modelled step is shortest."""
+    def greedy(self, owner: np.ndarray, items: np.ndarray, budget: WorkBudget) -> np.ndarray:
+        """``owner`` with ``items`` (a mask), heaviest first, each where the modelled step is shortest; once
+        ``budget`` cannot pay for an item's trials, it and the items after it by LPT."""
         owner = owner.copy()
         program, share = self.program, self.shares["encoder_forward_share"]
         index = {(stage, kind, j): i for i, (stage, kind, j, _, _) in enumerate(program)}
@@ -348,6 +399,9 @@ class _JointModel:
         for item in placing[np.lexsort((placing, -self.costs[placing]))].tolist():
             j = int(self.micro_batch[item])
             ranks = self.ranks(j)
+            if not budget.take(ranks.size):
+                owner[item] = lpt_ranks(self.costs[item : item + 1], loads, ranks)[0]
+                continue
             forward = [index[(int(r), "E", j)] for r in ranks]
             trial = np.repeat(durations, ranks.size, axis=1)
             trial[forward, np.arange(ranks.size)] += self.costs[item] * share
@@ -363,8 +417,9 @@ class _JointModel:
             durations, end = trial[:, pick : pick + 1].copy(), ends[:, pick : pick + 1].copy()
         return owner
 
-    def descend(self, owner: np.ndarray, items: np.ndarray, max_rounds: int) -> np.ndarray:
-        """``owner`` improved by moving one of ``items`` (a mask) at a time while the modelled step shortens."""
+    def descend(self, owner: np.ndarray, items: np.ndarray, max_rounds: int, budget: WorkBudget) -> np.ndarray:
+        """``owner`` improved by moving one of ``items`` (a mask) at a time while the modelled step shortens and
+        ``budget`` pays for the round's candidates."""
         owner, micro_batch, costs = owner.copy(), self.micro_batch, self.costs
         movable = np.flatnonzero(items)
         movable = movable[np.lexsort((movable, -costs[movable]))]  # heaviest first: it wins ties between moves
@@ -376,7 +431,7 @@ class _JointModel:
         now = float(self.spans(work[None])[0])
         for _ in range(max_rounds):
             moves = np.flatnonzero(rank != owner[item])
-            if moves.size == 0:  # no large item, or each has a single rank it may go to
+            if moves.size == 0 or not budget.take(moves.size):  # nothing to move, or no budget left to price it
                 break
             candidates = np.repeat(work[None], moves.size, axis=0)
             rows, j = np.arange(moves.size), micro_batch[item[moves]]
@@ -444,16 +499,35 @@ def _replay(program: tuple[tuple[int, str, int, int, tuple[int, ...]], ...], dur
     """End times ``[action + 1, k]`` of ``program``'s actions with ``durations[action, k]``: each starts when its
     rank is free and what it waits for has ended. With ``end`` (whose rows before ``first`` hold the end times of
     actions no duration of which changed) only the actions from ``first`` on are replayed, in place. The last row
-    stays 0: it stands for "no action"."""
+    stays 0: it stands for "no action". Actions go a wave at a time (:func:`_waves`), the same arithmetic as one
+    at a time in program order, with far fewer array operations."""
     if end is None:
         end = np.zeros((len(program) + 1, durations.shape[1]))
-    for i in range(first, len(program)):
-        _, _, _, before, needs = program[i]
-        start = end[before]
-        for need in needs:
-            start = np.maximum(start, end[need])
-        end[i] = start + durations[i]
+    inputs, waves = _waves(program)
+    for wave in waves:
+        if first:
+            wave = wave[wave >= first]
+            if not wave.size:
+                continue
+        start = end[inputs[wave, 0]]
+        for column in range(1, inputs.shape[1]):
+            start = np.maximum(start, end[inputs[wave, column]])
+        end[wave] = start + durations[wave]
     return end
+
+
+@lru_cache(maxsize=64)
+def _waves(program: tuple[tuple[int, str, int, int, tuple[int, ...]], ...]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Each action's inputs ``[action, k]`` (the action before it on its rank, then those it waits for; -1, the
+    zero row of the end times, pads) and the actions in waves that depend only on earlier waves."""
+    width = 1 + max((len(a[4]) for a in program), default=0)
+    inputs = np.full((len(program), width), -1, dtype=np.int64)
+    level = np.zeros(len(program) + 1, dtype=np.int64)
+    for i, (_, _, _, before, needs) in enumerate(program):
+        inputs[i, : 1 + len(needs)] = (before, *needs)
+        level[i] = 1 + level[inputs[i]].max()
+    inputs.flags.writeable = False  # cached: shared by every caller
+    return inputs, [np.flatnonzero(level[:-1] == k) for k in range(1, int(level.max(initial=0)) + 1)]
 
 
 @lru_cache(maxsize=64)
@@ -499,14 +573,16 @@ def _program(orders: tuple[tuple[tuple[str, int], ...], ...]) -> tuple[tuple[int
 
 
 def search_1f1b_order(micro_batch_costs: list[float], pp: int, *, forward_share: float = 1 / 3,
-                      max_rounds: int = 64) -> list[int]:
+                      max_rounds: int = 64, budget: WorkBudget | None = None) -> list[int]:
     """The order of a step's micro-batches whose 1F1B step (:func:`one_f_one_b_makespans`) is the shortest found.
 
     Indivisible samples leave micro-batches of unequal cost however they are grouped, and 1F1B then stalls in its
     steady state wherever a heavy micro-batch follows light ones (a stage waits for the heavy forward or backward
     further down the pipeline). Which order hides that best depends on the costs, so the order is searched:
     steepest descent over all swaps and moves of one micro-batch, from DistTrain's order, ascending and
-    descending order, keeping the best. Deterministic; returns indices into ``micro_batch_costs``.
+    descending order, keeping the best. Each candidate order replayed spends one evaluation of ``budget``
+    (``None``: unbounded but for ``max_rounds``); a round it cannot pay for is not run. Deterministic; returns
+    indices into ``micro_batch_costs``.
     """
     costs = np.asarray(micro_batch_costs, dtype=np.float64)
     m = costs.size
@@ -519,6 +595,8 @@ def search_1f1b_order(micro_batch_costs: list[float], pp: int, *, forward_share:
         order = np.array(start)
         now = float(one_f_one_b_makespans(costs[order], pp, forward_share=forward_share)[0])
         for _ in range(max_rounds):
+            if budget is not None and not budget.take(len(moves)):
+                break
             candidates = order[moves]
             spans = one_f_one_b_makespans(costs[candidates], pp, forward_share=forward_share)
             k = int(np.argmin(spans))
@@ -542,7 +620,8 @@ def _order_moves(m: int) -> np.ndarray:
 
 def refine_for_1f1b(batches: list[list[int]], costs: np.ndarray, tokens: np.ndarray, *, pp: int,
                     forward_share: float = 1 / 3, token_budget: int | None = None,
-                    max_rounds: int = 256) -> list[list[int]]:
+                    max_rounds: int = 256, budget: WorkBudget | None = None,
+                    swap_pool: int = 512) -> list[list[int]]:
     """Micro-batches (lists of sample ids, in run order) reshaped for a shorter 1F1B step (pure, deterministic).
 
     Even micro-batches leave the bubble of the pipeline's fill and drain, and a sample larger than their fair share
@@ -554,6 +633,12 @@ def refine_for_1f1b(batches: list[list[int]], costs: np.ndarray, tokens: np.ndar
     Micro-batches never exceed ``token_budget`` and no move empties one. A move that a critical path of a step already
     replayed shows cannot win is not replayed (:func:`_best_candidate`): the choices stay the same, and a round
     gets cheap as the descent nears a local optimum.
+
+    Bounded: swaps pair only the ``swap_pool`` costliest samples (a swap of two tiny samples barely moves a step;
+    all pairs of thousands of them would not fit in memory), and every candidate of a round, moves and swaps, spends
+    one evaluation of ``budget`` (default: 2,000,000), as does every order :func:`search_1f1b_order` replays; a round
+    that the budget cannot pay for is not run, and the best plan so far is kept. The count depends on the inputs
+    alone, so every rank that runs the search stops at the same plan.
     """
     m = len(batches)
     assign = np.full(costs.size, -1, dtype=np.int64)
@@ -562,9 +647,11 @@ def refine_for_1f1b(batches: list[list[int]], costs: np.ndarray, tokens: np.ndar
     ids = np.flatnonzero(assign >= 0)
     if pp <= 1 or m <= 1 or ids.size <= 1:
         return batches
+    budget = WorkBudget(2_000_000) if budget is None else budget
     c, t = costs[ids].astype(np.float64), tokens[ids].astype(np.int64)
     where = assign[ids]
-    first, second = np.triu_indices(ids.size, k=1)
+    pool = np.sort(np.lexsort((np.arange(ids.size), -c))[:swap_pool])  # the costliest, in id order
+    first, second = (pool[k] for k in np.triu_indices(pool.size, k=1))
     steps = _OneFOneB.of(pp, m, forward_share)
     now = float(one_f_one_b_makespans(np.bincount(where, weights=c, minlength=m), pp, forward_share=forward_share)[0])
     paths = np.zeros((0, m))  # critical paths of the steps replayed so far (see below)
@@ -583,6 +670,8 @@ def refine_for_1f1b(batches: list[list[int]], costs: np.ndarray, tokens: np.ndar
         src, dst = where[leaving], np.concatenate([target, where[second[swap]]])
         delta = c[leaving] - np.where(returning >= 0, c[returning], 0.0)
         token_delta = t[leaving] - np.where(returning >= 0, t[returning], 0)
+        if not budget.take(leaving.size):
+            break
         if token_budget is not None:
             fits = (used[dst] + token_delta <= token_budget) & (used[src] - token_delta <= token_budget)
             leaving, returning, src, dst, delta = leaving[fits], returning[fits], src[fits], dst[fits], delta[fits]
@@ -593,7 +682,7 @@ def refine_for_1f1b(batches: list[list[int]], costs: np.ndarray, tokens: np.ndar
                 where[returning[best]] = src[best]
             where[leaving[best]] = dst[best]
             continue
-        order = search_1f1b_order(list(load), pp, forward_share=forward_share)
+        order = search_1f1b_order(list(load), pp, forward_share=forward_share, budget=budget)
         span = float(one_f_one_b_makespans(load[order], pp, forward_share=forward_share)[0])
         if not span < now * (1 - 1e-9):  # neither a sample nor the order can move for the better
             break

@@ -23,6 +23,7 @@ from typing import Literal
 
 import numpy as np
 
+from omni_lightning.balance.budget import WorkBudget
 from omni_lightning.balance.pipeline_order import (
     lpt_split,
     one_f_one_b_makespans,
@@ -47,6 +48,7 @@ __all__ = [
 
 PipelineOrder = Literal["disttrain", "ramp", "search"]
 PIPELINE_ORDERS: tuple[str, ...] = ("disttrain", "ramp", "search")
+_NEIGHBOURS = 4  # swap partners priced per sample of the heavier bin, on either side of the ideal cost
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,10 @@ class ReorderConfig:
             FLOPs: the backward computes input and weight gradients; a measured step gives the real share).
         link: what moving payload bytes between the group's ranks costs, in the units of the sample costs
             (``LinkCost.flops_per_s`` converts seconds into them); ``None`` prices compute alone.
+        balance_evaluations: most candidate exchanges the balancing of the bins may price for the whole group
+            (a :class:`~omni_lightning.balance.budget.WorkBudget`: every rank stops at the same plan).
+        search_evaluations: most candidates the 1F1B search may evaluate for one rank-step
+            (:func:`~omni_lightning.balance.pipeline_order.refine_for_1f1b`).
     """
 
     steps: int
@@ -80,6 +86,8 @@ class ReorderConfig:
     pipeline_order: PipelineOrder = "disttrain"
     forward_share: float = 1 / 3
     link: LinkCost | None = None
+    balance_evaluations: int = 4_000_000
+    search_evaluations: int = 2_000_000
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batches", "pp"):
@@ -91,6 +99,9 @@ class ReorderConfig:
             raise ValueError(f"forward_share={self.forward_share} must be strictly between 0 and 1")
         if self.pipeline_order not in PIPELINE_ORDERS:
             raise ValueError(f"pipeline_order={self.pipeline_order!r} must be one of {PIPELINE_ORDERS}")
+        for name in ("balance_evaluations", "search_evaluations"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 0")
 
 
 @dataclass
@@ -100,7 +111,8 @@ class GroupPlan:
     ``micro_batches[rank][step][m]`` lists sample ids (positions in the gathered metadata arrays) in the order to
     pack them (planned with ``searched_rank``, the other ranks' micro-batches hold the right samples but were not
     searched); ``step_cost[rank, step]`` is the predicted cost of that rank's step; ``leftover`` are ids that did
-    not fit any micro-batch's token budget and wait for the next group.
+    not fit any micro-batch's token budget and wait for the next group. ``evaluations`` counts the candidates
+    the plan's searches evaluated (bounded by the config's budgets).
     """
 
     micro_batches: list[list[list[list[int]]]]
@@ -108,6 +120,7 @@ class GroupPlan:
     leftover: list[int]
     samples_moved: int
     bytes_moved: int
+    evaluations: int = 0
 
     @property
     def imbalance(self) -> float:
@@ -184,7 +197,10 @@ def plan_reorder_group(
     # Descending cost; the seeded permutation decides among equal costs.
     order = tie_break[np.argsort(-costs[tie_break], kind="stable")]
 
-    members, leftover = _assign_bins(order, costs, tokens, n_bins, capacity, np.asarray(owners), n_ranks)
+    balance_budget = WorkBudget(config.balance_evaluations)
+    members, leftover = _assign_bins(order, costs, tokens, n_bins, capacity, np.asarray(owners), n_ranks,
+                                     balance_budget)
+    evaluations = balance_budget.used
 
     micro: list[list[list[int]]] = []
     for b in range(n_bins):
@@ -202,13 +218,15 @@ def plan_reorder_group(
         step_bins = list(range(step * n_ranks, (step + 1) * n_ranks))
         for b, rank in zip(step_bins, _match_bins_to_ranks(step_bins, members, owners, nbytes, n_ranks), strict=True):
             search = config.pipeline_order == "search" and searched_rank in (None, rank)
-            plan[rank][step] = _order_bin(micro[b], split_costs, tokens, config, search)
+            search_budget = WorkBudget(config.search_evaluations)  # per rank-step: a rank searches only its own
+            plan[rank][step] = _order_bin(micro[b], split_costs, tokens, config, search, search_budget)
+            evaluations += search_budget.used
             placed = sorted(s for mb in micro[b] for s in mb)  # one order, whichever ranks were searched
             step_cost[rank, step] = costs[placed].sum() if placed else 0.0
             away = [s for s in placed if owners[s] != rank]
             moved += len(away)
             moved_bytes += int(nbytes[away].sum()) if away else 0
-    balanced = GroupPlan(plan, step_cost, sorted(leftover), moved, moved_bytes)
+    balanced = GroupPlan(plan, step_cost, sorted(leftover), moved, moved_bytes, evaluations)
     if config.link is None or not moved:
         return balanced
     # Ranks step together, so a group lasts the sum over its steps of the slowest rank's step.
@@ -247,15 +265,18 @@ def _assign_bins(
     capacity: int | None,
     owners: np.ndarray,
     n_ranks: int,
+    budget: WorkBudget,
 ) -> tuple[list[list[int]], list[int]]:
     """LPT of samples (given in descending cost order) over ``n_bins`` bins of ``capacity`` tokens.
 
     Samples worth more than a quarter of a bin's fair share go one by one to the least-loaded bin that fits
     (exact LPT, a heap). The many small ones that follow go in vectorised rounds: each round hands the next
     largest samples to the bins still below the fair share, the largest to the least loaded, except that a
-    sample goes to a bin of its own rank (bin ``b`` belongs to rank ``b % n_ranks``) when the round has one: the
+    sample goes to a bin of its own rank (bin ``b`` belongs to rank ``b % n_ranks``) when the round has one (a bin
+    takes several samples a round where its room under the fair share holds several of the round's largest): the
     samples of a round are of similar size, so this keeps payloads home at almost no cost in balance. That keeps
-    LPT's behaviour where it matters and plans a 512-rank group in a fraction of the time.
+    LPT's behaviour where it matters and plans a 512-rank group in a fraction of the time. The refinement after
+    it spends at most ``budget``.
     """
     bin_load = np.zeros(n_bins)
     bin_tokens = np.zeros(n_bins, dtype=np.int64)
@@ -284,13 +305,19 @@ def _assign_bins(
     while pending.size:
         by_load = np.argsort(bin_load, kind="stable")
         below = by_load[bin_load[by_load] < fair_share]
-        targets = (below if below.size else by_load)[: pending.size]
+        targets = below if below.size else by_load
+        # Each target takes as many of the next samples as fit under the fair share at the round's largest one
+        # (at least one): few bins below the share, as where a few samples are giants, then take many a round.
+        per = 1 if not below.size else max(1, int((fair_share - bin_load[targets].max()) // costs[pending[0]]))
+        targets = np.tile(targets, per)[: pending.size]
         chunk, pending = pending[: targets.size], pending[targets.size :]
         targets = _pair_with_home_bins(chunk, targets, owners, n_ranks)
-        fits = np.ones(chunk.size, dtype=bool) if capacity is None else bin_tokens[targets] + tokens[chunk] <= capacity
+        # Samples of a round sharing a bin must fit together: each is checked with those before it in its bin.
+        fits = (np.ones(chunk.size, dtype=bool) if capacity is None
+                else bin_tokens[targets] + _running_totals(targets, tokens[chunk]) <= capacity)
         assigned_bin[chunk[fits]] = targets[fits]
-        bin_load[targets[fits]] += costs[chunk[fits]]
-        bin_tokens[targets[fits]] += tokens[chunk[fits]]
+        np.add.at(bin_load, targets[fits], costs[chunk[fits]])  # a bin may take several samples a round
+        np.add.at(bin_tokens, targets[fits], tokens[chunk[fits]])
         if not fits.all():
             misfits = chunk[~fits]
             if fits.any():
@@ -313,9 +340,21 @@ def _assign_bins(
     by_bin = placed[np.argsort(assigned_bin[placed], kind="stable")]
     bounds = np.searchsorted(assigned_bin[by_bin], np.arange(n_bins + 1))
     members = [by_bin[bounds[b] : bounds[b + 1]].tolist() for b in range(n_bins)]
-    for b in _refine(members, bin_load, bin_tokens, costs, tokens, capacity):
+    for b in _refine(members, bin_load, bin_tokens, costs, tokens, capacity, budget):
         members[b].sort(key=lambda s: -costs[s])  # the refinement appended out of order
     return members, leftover
+
+
+def _running_totals(bins: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """For each entry, the sum of ``values`` of the entries up to and including it that share its bin."""
+    order = np.argsort(bins, kind="stable")
+    ordered = values[order]
+    running = np.cumsum(ordered)
+    starts = np.flatnonzero(np.r_[True, bins[order][1:] != bins[order][:-1]]) if bins.size else np.zeros(0, int)
+    before = np.repeat(running[starts] - ordered[starts], np.diff(np.r_[starts, bins.size]))
+    totals = np.empty_like(running)
+    totals[order] = running - before
+    return totals
 
 
 def _refine(
@@ -325,12 +364,14 @@ def _refine(
     costs: np.ndarray,
     tokens: np.ndarray,
     capacity: int | None,
+    budget: WorkBudget,
 ) -> set[int]:
     """Lower the peak: move a sample, or swap two, between the most- and the least-loaded bin while that helps.
 
     The rounds of :func:`_assign_bins` can overshoot by a small sample, and a bin filled with large samples alone
     can sit above the fair share; a move or swap that shifts about half the gap between the two bins fixes both.
-    Lazy heaps keep each step O(log bins). Returns the bins it changed.
+    Lazy heaps keep each step O(log bins). It stops when ``budget`` cannot pay for the next exchange's
+    evaluations (:func:`_best_exchange`), keeping what it has. Returns the bins it changed.
     """
     n_bins = bin_load.size
     version = [0] * n_bins
@@ -348,7 +389,7 @@ def _refine(
         if hi == lo:
             return changed
         exchange = _best_exchange(members[hi], members[lo], bin_load[hi] - bin_load[lo], bin_tokens[lo],
-                                  bin_tokens[hi], costs, tokens, capacity)
+                                  bin_tokens[hi], costs, tokens, capacity, budget)
         if exchange is None:
             return changed
         changed.update((hi, lo))
@@ -426,13 +467,13 @@ def _split_bin(
 
 
 def _order_bin(batches: list[list[int]], costs: np.ndarray, tokens: np.ndarray, config: ReorderConfig,
-               search: bool) -> list[list[int]]:
+               search: bool, budget: WorkBudget) -> list[list[int]]:
     """A bin's micro-batches from :func:`_split_bin`, already in their 1F1B run order, refined on the 1F1B step
-    of their costs when ``search``."""
+    of their costs when ``search`` (spending at most ``budget``)."""
     if config.pp <= 1 or not search:
         return batches
     return refine_for_1f1b(batches, costs, tokens, pp=config.pp, forward_share=config.forward_share,
-                           token_budget=config.token_budget)
+                           token_budget=config.token_budget, budget=budget)
 
 
 def _match_bins_to_ranks(
@@ -466,22 +507,42 @@ def _best_exchange(
     costs: np.ndarray,
     tokens: np.ndarray,
     capacity: int | None,
+    budget: WorkBudget,
 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """The move (one sample high -> low) or swap (one each way) whose cost shift is nearest ``gap / 2``, among
-    those that lower the peak (shift strictly between 0 and ``gap``) and respect the token capacity."""
-    best: tuple[float, tuple[int, ...], tuple[int, ...]] | None = None
-    for x in high:
-        for y in (None, *low):
-            shift = costs[x] - (0.0 if y is None else costs[y])
-            moved_tokens = tokens[x] - (0 if y is None else tokens[y])
-            if not 0.0 < shift < gap:
-                continue
-            if capacity is not None and (low_tokens + moved_tokens > capacity or high_tokens - moved_tokens > capacity):
-                continue
-            score = abs(shift - gap / 2)
-            if best is None or score < best[0]:
-                best = (score, (x,), () if y is None else (y,))
-    return None if best is None else (best[1], best[2])
+    those that lower the peak (shift strictly between 0 and ``gap``) and respect the token capacity.
+
+    Each sample of ``high`` is priced as a move and against the ``_NEIGHBOURS`` samples of ``low`` on either side of
+    the cost that would shift exactly ``gap / 2`` (the nearest in cost, where the best swap is unless the token
+    capacity rules it out): ``2 * _NEIGHBOURS + 1`` evaluations a sample instead of ``len(low) + 1``, so that bins of
+    thousands of tiny samples cost a sort, not their product. ``None`` also when ``budget`` cannot pay for them.
+    """
+    hi = np.asarray(high, dtype=np.int64)
+    lo = np.asarray(low, dtype=np.int64)
+    if not budget.take(hi.size * (2 * _NEIGHBOURS + 1)):
+        return None
+    by_cost = np.lexsort((np.arange(lo.size), costs[lo]))  # ascending; ties by position in ``low``
+    at = np.searchsorted(costs[lo[by_cost]], costs[hi] - gap / 2)
+    # Column 0 is the move; the others the neighbours in cost (position -1: none).
+    pos = at[:, None] + np.arange(-_NEIGHBOURS, _NEIGHBOURS)[None]
+    valid = (pos >= 0) & (pos < lo.size)
+    low_pos = np.where(valid, by_cost[np.clip(pos, 0, max(lo.size - 1, 0))] if lo.size else -1, -1)
+    low_pos = np.concatenate([np.full((hi.size, 1), -1), low_pos], axis=1)
+    valid = np.concatenate([np.ones((hi.size, 1), dtype=bool), valid], axis=1)
+    y = np.where(low_pos >= 0, lo[np.maximum(low_pos, 0)] if lo.size else 0, -1)
+    shift = costs[hi][:, None] - np.where(y >= 0, costs[np.maximum(y, 0)], 0.0)
+    moved_tokens = tokens[hi][:, None] - np.where(y >= 0, tokens[np.maximum(y, 0)], 0)
+    ok = valid & (shift > 0.0) & (shift < gap)
+    if capacity is not None:
+        ok &= (low_tokens + moved_tokens <= capacity) & (high_tokens - moved_tokens <= capacity)
+    if not ok.any():
+        return None
+    x_pos = np.broadcast_to(np.arange(hi.size)[:, None], ok.shape)[ok]
+    score = np.abs(shift - gap / 2)[ok]
+    # The first of equal scores in the order of ``high``, the move before the swaps, then the order of ``low``.
+    k = int(np.lexsort((low_pos[ok], x_pos, score))[0])
+    x, y_best = int(hi[x_pos[k]]), int(y[ok][k])
+    return (x,), () if y_best < 0 else (y_best,)
 
 
 def plan_in_place(costs: np.ndarray, tokens: np.ndarray, owners: np.ndarray, *, n_ranks: int,

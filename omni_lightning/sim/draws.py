@@ -120,6 +120,10 @@ def draw_step(pool: SamplePool, *, ranks: int, micro_batches: int, seq_len: int,
     weights = pool.weights if not concentration else rng.dirichlet(concentration * pool.weights)
     mean_tokens = float(sum(w * pool.tokens[ix].mean() for w, ix in zip(weights, pool.by_modality, strict=True)))
     chunk = int(2 * micro_batches * seq_len / max(mean_tokens, 1.0)) + 16
+    # The pools of all modalities end to end, so that a chunk's picks are one vectorised draw.
+    sizes = np.array([ix.size for ix in pool.by_modality], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    by_modality = np.concatenate(pool.by_modality)
     samples, packed = [], []
     for _ in range(ranks):
         read: list[int] = []
@@ -127,7 +131,7 @@ def draw_step(pool: SamplePool, *, ranks: int, micro_batches: int, seq_len: int,
         used = 0
         while True:
             modality = rng.choice(len(weights), size=chunk, p=weights)
-            picks = [int(pool.by_modality[m][rng.integers(pool.by_modality[m].size)]) for m in modality]
+            picks = by_modality[starts[modality] + rng.integers(sizes[modality])].tolist()
             full = False
             for sample in picks:
                 tokens = int(pool.tokens[sample])

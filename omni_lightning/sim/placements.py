@@ -44,6 +44,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from omni_lightning.balance import allocation, reorder, reshard
+from omni_lightning.balance.pipeline_order import assign_encoder_items, lpt_ranks
 from omni_lightning.balance.pipeline_replay import Action, replay_pipeline
 from omni_lightning.balance.workload import WorkloadSpec
 from omni_lightning.models.flops import reference_cost_model
@@ -61,7 +62,18 @@ from omni_lightning.sim.cluster import (
 from omni_lightning.sim.draws import SamplePool, StepDraw, draw_step
 from omni_lightning.sim.schedules import joint_pipeline, one_f_one_b
 
-__all__ = ["OmniOptions", "PlacementResult", "Scenario", "Simulation"]
+__all__ = ["ASSUMPTIONS", "OmniOptions", "PlacementResult", "Scenario", "Simulation"]
+
+# Capabilities the runtime lacks, which omni may be credited with only when a scenario names them:
+# * ``cp_sample_split``: a sequence costlier than a micro-batch's fair share split into context-parallel pieces
+#   over the data-parallel ranks of its reorder group (the runtime's CP is a fixed mesh degree, and the loader never
+#   splits a sample);
+# * ``replica_encoder_plan``: a step's encoder items planned once over every GPU of the reorder group (the runtime
+#   plans each insertion's items over the data-parallel ranks, a rank's context- and tensor-parallel peers
+#   splitting its items); implies ``even_encoder_slices``, since such a plan says nothing about insertions;
+# * ``even_encoder_slices``: each GPU's encoder work of the step spread evenly over its insertions (the runtime
+#   inserts whole items at the micro-batch they belong to).
+ASSUMPTIONS: tuple[str, ...] = ("cp_sample_split", "replica_encoder_plan", "even_encoder_slices")
 
 _SELECTIVE_BYTES = 34  # bytes per token, layer and hidden unit of a layer's full activations
 # One step of a reorder group's loader plan: each rank's micro-batches of pieces, the pieces (read, LLM share), and
@@ -81,7 +93,8 @@ class Scenario:
     ``OmniDataModule`` does by default (``pipeline_order="search"``); without it the simulator plans the ramp alone
     (``"ramp"``), since the search costs up to a second per rank-step at pp 8 with 32 micro-batches and every
     rank-step of every reorder group is planned, while at these scales a micro-batch holds enough samples for
-    the ramp to get within half a percent of it (``benchmarks/README.md``).
+    the ramp to get within half a percent of it (``benchmarks/README.md``). ``assume``: capabilities the runtime
+    does not have, simulated only when named here (:data:`ASSUMPTIONS`).
     """
 
     model: ModelSpec
@@ -93,6 +106,12 @@ class Scenario:
     concentration: float | None = 10.0
     seed: int = 0
     pipeline_search: bool = False
+    assume: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        unknown = set(self.assume) - set(ASSUMPTIONS)
+        if unknown:
+            raise ValueError(f"unknown assumption(s) {sorted(unknown)}; known: {list(ASSUMPTIONS)}")
 
 
 @dataclass(frozen=True)
@@ -163,6 +182,9 @@ class Simulation:
         self.llm_params = llm_params(config)
         # The loader plan of a (step, reorder group) is the same for omni and the ablations that keep reordering.
         self._loader_plans: dict[tuple[int, int], _LoaderPlan] = {}
+        # Each replica-step's stage and peer of every item (the joint pipeline's plan), by (step, replica, multiplex,
+        # reorder).
+        self._item_plans: dict[tuple[int, int, bool, bool], tuple[np.ndarray, np.ndarray]] = {}
 
     # ------------------------------------------------------------------------------------------------ helpers
     @property
@@ -320,7 +342,157 @@ class Simulation:
 
     # ------------------------------------------------------------------------------------------------ omni
     def omni(self, options: OmniOptions = OmniOptions()) -> PlacementResult:
-        """OmniStrategy, or one of its ablations (``options``).
+        """OmniStrategy, or one of its ablations (``options``): what the runtime executes for this layout, unless
+        the scenario assumes more (``Scenario.assume``; ``replica_encoder_plan`` selects
+        :meth:`_omni_replica_plan`)."""
+        if "replica_encoder_plan" in self.scenario.assume:
+            return self._omni_replica_plan(options)
+        return self._omni_runtime(options)
+
+    def _omni_runtime(self, options: OmniOptions) -> PlacementResult:
+        """OmniStrategy as the runtime runs it.
+
+        The loader's plan (:meth:`_omni_micro_batches`) gives each data-parallel replica its micro-batches of
+        whole samples. In each replica, the joint pipeline places every item of the step on a pipeline stage
+        (:func:`~omni_lightning.balance.pipeline_order.assign_encoder_items`, as ``JointEncoders`` does, on the
+        item's cost over the stage's context- and tensor-parallel peers), and the stage's peers split its items by
+        LPT over the step (``lpt_ranks``, as ``JointEncoders._assign_peers``). With multiplexing off, every item is
+        the first stage's. Then, per insertion (stage, peer, micro-batch), the resharder plans the items of that
+        position of every data-parallel replica over the data-parallel ranks
+        (:func:`~omni_lightning.balance.reshard.plan_encoder_work`, long items split over ``enc_sp`` consecutive
+        data-parallel ranks, which sit ``cp * tp`` GPUs apart), keeping each rank's own items unless that lowers
+        the slowest rank's work by more than 5% (the runtime resharder's ``min_gain``). Each insertion runs the
+        items planned there, whole or as their SP shares, at the micro-batch they belong to (with
+        ``even_encoder_slices``: each GPU's step of encoder work spread evenly over its insertions), and a stage
+        moves at the pace of its busiest peer. Not modelled: the resharder's collectives make the replicas wait
+        for each other at every insertion; each replica's pipeline is replayed on its own.
+        """
+        layout, pool = self.scenario.layout, self.pool
+        pp, micro, peers = layout.pp, layout.micro_batches, layout.cp * layout.tp
+        even = "even_encoder_slices" in self.scenario.assume
+        replicas = self.ranks
+        enc_sp = math.gcd(layout.enc_sp, replicas) if options.lssp else 1  # SP blocks tile the data-parallel ranks
+        fractions = self.stage_fractions(layout, encoders_on_first=not options.multiplex)
+        llm_memory = self._llm_memory(layout, self.dp, fractions)
+        window = min(2 * pp if options.multiplex else pp, micro) / micro  # share of a step in flight
+        slots = np.ones((pp, micro))  # each stage's share of its step's encoder work, by insertion (even slices)
+        if options.multiplex and pp > 1 and micro > pp:
+            slots[0, micro - pp :] = 0.0
+        slots /= slots.sum(axis=1, keepdims=True)
+        # Data-parallel rank r's GPU at one (stage, peer) position; only which node it is on matters.
+        dp_gpu = np.arange(replicas) * peers
+        makespans_of_steps, syncs, imbalance, memory, placed, drawn = [], [], [], 0.0, 0.0, 0.0
+        for step, draw in enumerate(self.draws):
+            llm_cost, llm_tokens = np.zeros((replicas, micro)), np.zeros((replicas, micro))
+            all_items, all_replica, all_position = [], [], []
+            for g in range(replicas // self.group):
+                read = np.concatenate([draw.samples[r] for r in range(g * self.group, (g + 1) * self.group)])
+                drawn += float(pool.llm[read].sum() + pool.encoder[read].sum())
+                micro_batches, pieces, ids = self._omni_micro_batches(options, step, g)
+                for i in range(self.group):
+                    r = g * self.group + i
+                    occurrences, batch_of = [], []
+                    for m, batch in enumerate(micro_batches[i]):
+                        for piece in batch:
+                            occurrence, share = pieces[piece]
+                            llm_cost[r, m] += pool.llm[ids[occurrence]] * share
+                            llm_tokens[r, m] += pool.tokens[ids[occurrence]] * share
+                            occurrences.append(occurrence)
+                            batch_of.append(m)
+                    samples = ids[np.array(occurrences, dtype=np.int64)]
+                    placed += float(llm_cost[r].sum() + pool.encoder[samples].sum())
+                    items, position = pool.items_of(samples)
+                    mb = np.array(batch_of, dtype=np.int64)[position]
+                    # LSSP does not change where items go before the resharder: its ablation reuses omni's.
+                    key = (step, r, options.multiplex, options.reorder)
+                    if key not in self._item_plans:
+                        self._item_plans[key] = self._stage_and_peer(llm_cost[r], mb, pool.item_cost[items], options)
+                    stage, peer = self._item_plans[key]
+                    all_items.append(items)
+                    all_replica.append(np.full(items.size, r))
+                    all_position.append((stage * peers + peer) * micro + mb)
+            items, replica, position = (np.concatenate(a) for a in (all_items, all_replica, all_position))
+            # Encoder seconds (forward, backward) and tokens of every GPU: [replica, stage, peer, micro-batch].
+            enc_f, enc_b = np.zeros((replicas, pp * peers * micro)), np.zeros((replicas, pp * peers * micro))
+            enc_tokens, enc_flops = np.zeros((replicas, pp * peers * micro)), np.zeros((replicas, pp * peers * micro))
+            largest = 0.0
+            by_position = np.argsort(position, kind="stable")
+            bounds = np.flatnonzero(np.diff(position[by_position])) + 1
+            for chunk in np.split(by_position, bounds) if by_position.size else []:
+                key = int(position[chunk[0]])
+                costs = pool.item_cost[items[chunk]]
+                plan = reshard.plan_encoder_work(costs, replica[chunk], n_ranks=replicas, enc_sp=enc_sp)
+                kept = np.bincount(replica[chunk], weights=costs, minlength=replicas)
+                if kept.max() <= plan.rank_cost.max() * 1.05:  # the runtime resharder's min_gain: nothing moves
+                    plan = reshard.EncoderPlan(replica[chunk].copy(), np.full(chunk.size, -1), np.ones(chunk.size,
+                                               dtype=np.int64), kept, 0)
+                comm, tokens, big = self._encoder_traffic(plan, items[chunk], dp_gpu[replica[chunk]], dp_gpu)
+                f, b = self._split_work(plan.rank_cost, layout)
+                enc_f[:, key] += f + comm / 2
+                enc_b[:, key] += b + comm / 2
+                enc_tokens[:, key] += tokens
+                enc_flops[:, key] += plan.rank_cost
+                largest = max(largest, big)
+            shape = (replicas, pp, peers, micro)
+            # A stage's peers meet at every TP/CP collective of the LLM: the stage runs at its busiest peer's pace.
+            stage_f, stage_b = enc_f.reshape(shape).max(axis=2), enc_b.reshape(shape).max(axis=2)
+            if even:
+                stage_f = stage_f.sum(axis=2, keepdims=True) * slots[None]
+                stage_b = stage_b.sum(axis=2, keepdims=True) * slots[None]
+            flops_of_gpu = enc_flops.reshape(shape).sum(axis=3)  # [replica, stage, peer]
+            tokens_of_gpu = enc_tokens.reshape(shape).sum(axis=3)
+            makespans, gpu_busy = [], []
+            for r in range(replicas):
+                if options.multiplex:
+                    actions = self._actions(llm_cost[r].tolist(), llm_tokens[r].tolist(), layout, fractions,
+                                            stage_f[r], stage_b[r], joint=True)
+                else:
+                    actions = self._actions(llm_cost[r].tolist(), llm_tokens[r].tolist(), layout, fractions,
+                                            stage_f[r, 0], stage_b[r, 0], joint=False)
+                makespans.append(replay_pipeline(actions).makespan)
+                busy = np.repeat(llm_cost[r].sum() * fractions / (peers * self.flops), peers)
+                busy += flops_of_gpu[r].ravel() / self.flops
+                gpu_busy.extend((busy * layout.recompute_factor).tolist())
+                in_flight = tokens_of_gpu[r].max() * window
+                memory = max(memory, llm_memory.max() + self._encoder_state_bytes(1, self.dp * peers * pp)
+                             + self._encoder_activations(in_flight, largest, layout, 1))
+            makespans_of_steps.append(max(makespans))
+            syncs.append(self._sync(self.llm_params / (layout.tp * layout.pp), self.dp * layout.cp, layout.tp)
+                         + self._sync(self.encoder_params, self.dp * peers * pp, 1))
+            imbalance.append(max(gpu_busy) / float(np.mean(gpu_busy)))
+        steps = [m * drawn / placed + sync for m, sync in zip(makespans_of_steps, syncs, strict=True)]
+        return self._result(self._omni_name(options), steps, memory, imbalance,
+                            f"items planned per insertion over {replicas} data-parallel ranks, {peers} peers "
+                            f"splitting a rank's, enc_sp {enc_sp}{', even slices' if even else ''}")
+
+    def _stage_and_peer(self, llm_cost: np.ndarray, micro_batch: np.ndarray, costs: np.ndarray,
+                        options: OmniOptions) -> tuple[np.ndarray, np.ndarray]:
+        """The pipeline stage and the context/tensor-parallel peer that encode each item of a replica's step, as
+        ``JointEncoders`` plans them."""
+        layout = self.scenario.layout
+        pp, peers = layout.pp, layout.cp * layout.tp
+        if options.multiplex and pp > 1:
+            stage = assign_encoder_items(llm_cost, micro_batch, costs / peers, pp)
+        else:
+            stage = np.zeros(costs.size, dtype=np.int64)
+        peer = np.zeros(costs.size, dtype=np.int64)
+        loads = np.zeros((pp, peers))
+        for m in range(layout.micro_batches):
+            for s in range(pp):
+                mine = np.flatnonzero((micro_batch == m) & (stage == s))
+                if mine.size:
+                    peer[mine] = lpt_ranks(costs[mine], loads[s], np.arange(peers))
+        return stage, peer
+
+    @staticmethod
+    def _omni_name(options: OmniOptions) -> str:
+        off = [label for label, on in (("multiplexing", options.multiplex), ("reordering", options.reorder),
+                                       ("LSSP", options.lssp)) if not on]
+        return "omni" + "".join(f", no {label}" for label in off)
+
+    def _omni_replica_plan(self, options: OmniOptions) -> PlacementResult:
+        """OmniStrategy with ``--assume replica_encoder_plan`` (and so even slices): a step's encoder items planned
+        over every GPU of the reorder group.
 
         Encoder work is inserted uniformly: each GPU's planned encoder work of the step is spread evenly over its
         insertions (an encoder pass can pause between layers), and a stage's GPUs, which meet at every TP collective
@@ -364,7 +536,8 @@ class Simulation:
                 owner_rank = np.array(list(home.values()), dtype=np.int64)[position]
                 plan = reshard.plan_encoder_work(pool.item_cost[items], owner_rank * enc_gpus,
                                                  n_ranks=self.group * enc_gpus, enc_sp=enc_sp)
-                enc_comm, enc_tokens, largest = self._encoder_traffic(plan, items, owner_rank, enc_gpus)
+                enc_comm, enc_tokens, largest = self._encoder_traffic(plan, items, owner_rank * enc_gpus,
+                                                                      np.arange(self.group * enc_gpus))
                 placed += float(llm_cost.sum() + pool.encoder[samples].sum())
                 enc_flops = plan.rank_cost.reshape(self.group, stages, -1)
                 comm = enc_comm.reshape(self.group, stages, -1)
@@ -394,10 +567,7 @@ class Simulation:
             imbalance.append(max(gpu_busy) / float(np.mean(gpu_busy)))
         # A plan moves samples between the steps it plans together, so leftovers are scaled out over all steps.
         steps = [m * drawn / placed + sync for m, sync in zip(makespans_of_steps, syncs, strict=True)]
-        off = [label for label, on in (("multiplexing", options.multiplex), ("reordering", options.reorder),
-                                       ("LSSP", options.lssp)) if not on]
-        name = "omni" + "".join(f", no {label}" for label in off)
-        return self._result(name, steps, memory, imbalance,
+        return self._result(self._omni_name(options), steps, memory, imbalance,
                             f"{self.group * enc_gpus} encoder ranks per reorder group, enc_sp {enc_sp}")
 
     def _omni_micro_batches(self, options: OmniOptions, step: int, group: int) -> _LoaderPlan:
@@ -407,9 +577,9 @@ class Simulation:
         Balanced: as the runtime's loader, each reorder group plans ``layout.group_steps`` steps together (every
         rank buffers that many steps of reads; ``OmniDataModule(group_steps=8)``), so a sample may train in another
         step of its group than the one it was read in. ``plan_reorder_group`` runs over the group on the LLM cost
-        (each rank-step's micro-batches shaped for 1F1B as ``Scenario.pipeline_search`` says), after splitting any
-        sequence whose LLM cost exceeds a micro-batch's fair share into context-parallel pieces (at most the balance
-        group's size).
+        (each rank-step's micro-batches shaped for 1F1B as ``Scenario.pipeline_search`` says), samples whole; with
+        ``--assume cp_sample_split``, after splitting any sequence whose LLM cost exceeds a micro-batch's fair share
+        into context-parallel pieces (at most the balance group's size).
         Unbalanced: what each rank read in this step, in arrival order, whole.
         """
         layout, pool = self.scenario.layout, self.pool
@@ -431,7 +601,10 @@ class Simulation:
                                  for i, r in enumerate(ranks)])
         cost, tokens = pool.llm[ids], pool.tokens[ids]
         share = float(cost.sum()) / (self.group * layout.micro_batches * len(planned))
-        degree = _split(cost, tokens, share, self.group)
+        if "cp_sample_split" in self.scenario.assume:
+            degree = _split(cost, tokens, share, self.group)
+        else:  # the runtime trains every sample whole on its rank (its context parallelism is the mesh's cp)
+            degree = np.ones(cost.size, dtype=np.int64)
         piece_read = np.repeat(np.arange(ids.size), degree)
         piece_share = np.repeat(1.0 / degree, degree)
         piece_tokens = np.ceil(np.repeat(tokens / degree, degree)).astype(np.int64)
@@ -447,29 +620,32 @@ class Simulation:
             self._loader_plans[k, group] = [plan.micro_batches[i][k - first] for i in range(self.group)], pieces, ids
         return self._loader_plans[step, group]
 
-    def _encoder_traffic(self, plan: reshard.EncoderPlan, items: np.ndarray, owner_rank: np.ndarray,
-                         enc_gpus: int) -> tuple[np.ndarray, np.ndarray, float]:
-        """Per encoder GPU: communication seconds (Ulysses all-to-alls of split items inside the node; encoder
-        outputs and their gradients between the encoding GPU and the LLM rank) and encoder tokens; and the largest
-        item share any GPU holds (its full activations are alive while its layer runs)."""
+    def _encoder_traffic(self, plan: reshard.EncoderPlan, items: np.ndarray, home: np.ndarray, gpu_of: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray, float]:
+        """Per encoder rank of ``plan``: communication seconds (Ulysses all-to-alls of split items, inside a node
+        where the SP block is, else over the network; encoder outputs and their gradients between the encoding GPU
+        and ``home``, the GPU of the item's LLM rank) and encoder tokens; and the largest item share any rank holds
+        (its full activations are alive while its layer runs). ``gpu_of[rank]`` is the GPU of each encoder rank."""
         cluster, config, pool = self.scenario.cluster, self.scenario.model.config, self.pool
         passes = 3 if self.scenario.layout.recompute == "full" else 2  # forward, backward (+ recomputed forward)
         intra, inter = cluster.intra_node_gbps * 1e9, cluster.inter_node_gbps * 1e9
+        node = cluster.gpus_per_node
         degree = plan.sp_degree
         n = pool.item_tokens[items]
         out_bytes = 2 * pool.item_llm_tokens[items] * config.llm.dim * 2 / degree
         ulysses = passes * 4 * (n / degree) * config.vision.dim * 2 * (degree - 1) / degree * config.vision.n_layers
-        # Every GPU an item runs on: itself when whole, its SP block when split.
-        gpu = np.where(degree == 1, plan.rank_of, plan.sp_start)
+        # Every rank an item runs on: itself when whole, its SP block when split.
+        first = np.where(degree == 1, plan.rank_of, plan.sp_start)
+        block_intra = gpu_of[first] // node == gpu_of[first + degree - 1] // node
         item = np.repeat(np.arange(items.size), degree)
-        gpu = np.repeat(gpu, degree) + (np.arange(item.size) - np.repeat(np.cumsum(degree) - degree, degree))
-        home = owner_rank[item] * enc_gpus
-        node = cluster.gpus_per_node
-        bandwidth = np.where(gpu // node == home // node, intra, inter)
-        seconds = ulysses[item] / intra + np.where(gpu == home, 0.0, out_bytes[item] / bandwidth)
+        rank = np.repeat(first, degree) + (np.arange(item.size) - np.repeat(np.cumsum(degree) - degree, degree))
+        gpu = gpu_of[rank]
+        bandwidth = np.where(gpu // node == home[item] // node, intra, inter)
+        seconds = (ulysses[item] / np.where(block_intra[item], intra, inter)
+                   + np.where(gpu == home[item], 0.0, out_bytes[item] / bandwidth))
         size = plan.rank_cost.size
-        comm = np.bincount(gpu, weights=seconds, minlength=size)
-        tokens = np.bincount(gpu, weights=(n / degree)[item], minlength=size)
+        comm = np.bincount(rank, weights=seconds, minlength=size)
+        tokens = np.bincount(rank, weights=(n / degree)[item], minlength=size)
         return comm, tokens, float((n / degree).max(initial=0.0))
 
     # ------------------------------------------------------------------------------------------------ disaggregated

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from omni_lightning.balance.workload import WorkloadSpec, load_workload
 from omni_lightning.sim.cluster import Cluster
-from omni_lightning.sim.placements import OmniOptions, PlacementResult, Scenario, Simulation
+from omni_lightning.sim.placements import ASSUMPTIONS, OmniOptions, PlacementResult, Scenario, Simulation
 from omni_lightning.sim.presets import PRESETS, preset_for
 
 __all__ = ["format_speedups", "image_text_mix", "simulate_main"]
@@ -77,6 +77,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--concentration", type=float, default=10.0,
                         help="Dirichlet concentration of the per-step modality mix (0: the spec's fixed mix)")
     parser.add_argument("--sweep", action="store_true", help="also sweep image:text from 1:9 to 9:1")
+    parser.add_argument("--assume", action="append", choices=ASSUMPTIONS, default=[],
+                        help="credit omni with a capability the runtime does not have (repeatable): cp_sample_split "
+                             "(samples split over data-parallel ranks as context-parallel pieces), "
+                             "replica_encoder_plan (encoder items planned over every GPU of a reorder group; implies "
+                             "even slices), even_encoder_slices (encoder work spread evenly over the insertions)")
     parser.add_argument("--seed", type=int, default=0)
     for flag in _LAYOUT_FLAGS:
         kind = str if flag == "recompute" else int
@@ -102,7 +107,7 @@ def simulate_main(argv: list[str]) -> None:
     spec = load_workload(args.workload)
     scenario = Scenario(model=preset.model, cluster=cluster, layout=layout, workload=spec, steps=args.steps,
                         max_groups=args.groups or None, concentration=args.concentration or None, seed=args.seed,
-                        pipeline_search=args.pipeline_search)
+                        pipeline_search=args.pipeline_search, assume=frozenset(args.assume))
     sim = Simulation(scenario)
     print(f"workload {spec.name}; model {preset.model.name} ({preset.name} layout); {args.gpus} GPUs: tp {layout.tp}, "
           f"pp {layout.pp}, cp {layout.cp}, dp {sim.dp}, {layout.micro_batches} x {layout.seq_len} tokens per "
@@ -110,6 +115,8 @@ def simulate_main(argv: list[str]) -> None:
           f"{args.memory_gib:g} GiB, {args.intra_gbps:g}/{args.inter_gbps:g} GB/s intra/inter-node")
     print(f"{sim.sampling_note}; modality mix per step ~ Dirichlet({args.concentration:g} x spec weights)"
           if args.concentration else sim.sampling_note)
+    print(f"omni assumes: {', '.join(sorted(args.assume))} (capabilities the runtime does not have)" if args.assume
+          else "omni as the runtime runs it (no --assume)")
     coupled, disaggregated, omni = sim.coupled(), sim.disaggregated(), sim.omni()
     print(f"{'placement':<28}{'step s':>9}{'vs omni':>9}{'max/mean':>10}{'GiB/GPU':>9}  detail")
     for result in (coupled, disaggregated, omni):
