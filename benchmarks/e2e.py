@@ -106,7 +106,7 @@ CONFIGURATIONS = {
 STREAMED = 4  # micro-batches a step of (e) streams from the encoder pool to the LLM pool
 
 
-class _ForkedModelParallel(ModelParallelStrategy):
+class ForkedModelParallel(ModelParallelStrategy):
     """Lightning's strategy, started by fork like the other runs (its default re-runs the script)."""
 
     def _configure_launcher(self) -> None:
@@ -256,7 +256,7 @@ def run(name: str, shards: str, args: argparse.Namespace, out: Path, pool: int =
                               group_steps=args.group_steps, reorder="grouped", reorder_group_size=None,
                               seed=args.seed)
     elif name == "a":
-        strategy: Any = _ForkedModelParallel(data_parallel_size=args.ranks, tensor_parallel_size=1)
+        strategy: Any = ForkedModelParallel(data_parallel_size=args.ranks, tensor_parallel_size=1)
         module: OmniModule = _UserFSDPModule(CONFIG, init_seed=args.seed)
         data: pl.LightningDataModule = WebDataModule(shards, batch_size=args.samples_per_step, seed=args.seed)
     else:

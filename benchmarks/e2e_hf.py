@@ -45,14 +45,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from common import free_port
-from lightning.pytorch.strategies import ModelParallelStrategy
+from e2e import ForkedModelParallel
 from PIL import Image
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
 from omni_lightning import OmniDataModule, OmniModule, OmniStrategy
 from omni_lightning.data.jsonl import write_shards
-from omni_lightning.strategies.launcher import NoWeightsMultiProcessingLauncher
 
 RESULTS = Path(__file__).resolve().parent / "results"
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -180,13 +179,6 @@ class ProcessorCollator:
         return {"input_ids": input_ids, "attention_mask": attention, "labels": labels, **vision}
 
 
-class _ForkedModelParallel(ModelParallelStrategy):
-    """Lightning's strategy, started by fork like the other runs (its default re-runs the script)."""
-
-    def _configure_launcher(self) -> None:
-        self._launcher = NoWeightsMultiProcessingLauncher(self, start_method="fork")
-
-
 class UserHFModule(pl.LightningModule):
     """A Lightning user's module for the HF model: FSDP2 on its decoder layers, vision blocks and root."""
 
@@ -251,7 +243,7 @@ def run(name: str, checkpoint: Path, shards: str, dialogue_files: list[dict[str,
     record = out / f"{name}.json"
     steps_per_epoch = len(dialogue_files) // (args.ranks * args.samples_per_step)
     if name == "f":
-        strategy: Any = _ForkedModelParallel(data_parallel_size=args.ranks, tensor_parallel_size=1)
+        strategy: Any = ForkedModelParallel(data_parallel_size=args.ranks, tensor_parallel_size=1)
         module: pl.LightningModule = UserHFModule(checkpoint)
         loader = DataLoader(_Dialogues(dialogue_files), batch_size=args.samples_per_step, shuffle=True, drop_last=True,
                             collate_fn=ProcessorCollator(checkpoint))
