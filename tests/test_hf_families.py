@@ -348,11 +348,9 @@ def test_the_loaded_model_prices_reordering_and_throughput(qwen2_vl: Path) -> No
     assert data._model_cost_model().llm == cost.llm
 
 
-# Per family, a checkpoint of one layout resumed under another of the same data-parallel size (4 ranks each):
-# pipeline to none and back, tensor to context parallelism, experts sharded to replicated (a tied head takes
-# neither pipeline nor tensor parallelism).
-# pp -> tp, cp -> pp (joint), tp -> HSDP x cp, pp x ep -> tp (experts re-sharded, tokens split over TP); LLaVA-OneVision
-# loads and saves through the same code.
+# A checkpoint of one layout resumed under another of the same data-parallel size (4 ranks each): pp -> tp, cp -> pp
+# (joint), tp -> HSDP x cp, pp x ep -> tp (experts re-sharded, tokens split over TP). LLaVA-OneVision loads and saves
+# through the same code.
 RESUMES = {
     "qwen2_vl": ({"pp": 2, "dp_shard": 2}, {"dp_shard": 2, "tp": 2}),
     "qwen2_5_vl": ({"dp_shard": 2, "cp": 2}, {"pp": 2, "dp_shard": 2}),
