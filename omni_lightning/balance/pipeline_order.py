@@ -253,7 +253,9 @@ def joint_1f1b_makespans(llm_costs: np.ndarray, encoder_costs: np.ndarray, *, fo
     encoder = np.asarray(encoder_costs, dtype=np.float64)
     encoder = encoder[None] if encoder.ndim == 2 else encoder
     stage_shares = None if stage_shares is None else stage_shares_of(stage_shares, encoder.shape[1])
-    llm = np.broadcast_to(np.atleast_2d(np.asarray(llm_costs, dtype=np.float64)), (encoder.shape[0], encoder.shape[2]))
+    llm = np.atleast_2d(np.asarray(llm_costs, dtype=np.float64))
+    if llm.shape[0] != 1:
+        llm = np.broadcast_to(llm, (encoder.shape[0], encoder.shape[2]))
     program = _program(joint_1f1b_orders(encoder.shape[1], encoder.shape[2]))
     durations = _joint_durations(program, llm, encoder, forward_share, encoder_forward_share, stage_shares)
     return _replay(program, durations).max(axis=0)
@@ -370,8 +372,8 @@ class _JointModel:
 
     def spans(self, work: np.ndarray) -> np.ndarray:
         """:func:`joint_1f1b_makespans` of encoder work ``[plan, rank, micro-batch]``, shares normalised already."""
-        llm = np.broadcast_to(self.llm, (work.shape[0], self.llm.size))
-        return _replay(self.program, _joint_durations(self.program, llm, work, **self.shares)).max(axis=0)
+        durations = _joint_durations(self.program, self.llm[None], work, **self.shares)
+        return _replay(self.program, durations).max(axis=0)
 
     def lpt(self, items: np.ndarray) -> np.ndarray:
         """``items`` (a mask) by LPT over the step, micro-batch by micro-batch in run order; the rest on rank 0.
@@ -465,10 +467,15 @@ def _joint_durations(program: tuple[tuple[int, str, int, int, tuple[int, ...]], 
     :func:`stage_shares_of`)."""
     stage, micro_batch, share, is_encoder = _program_columns(program, forward_share, encoder_forward_share)
     pp = encoder.shape[1]
+    # The LLM's actions are computed for llm's rows only (one, broadcast, when every assignment shares them), and
+    # only the encoder's actions gathered from the assignments: the search prices thousands of these a step.
     per_stage = (llm.T[micro_batch] / pp if stage_shares is None
                  else llm.T[micro_batch] * stage_shares[stage][:, None])
-    durations = np.where(is_encoder[:, None], encoder[:, stage, micro_batch].T, per_stage)
-    return np.ascontiguousarray(durations * share[:, None])
+    durations = np.empty((len(program), encoder.shape[0]))
+    durations[:] = per_stage * share[:, None]
+    rows = np.flatnonzero(is_encoder)
+    durations[rows] = encoder[:, stage[rows], micro_batch[rows]].T * share[rows, None]
+    return durations
 
 
 def stage_shares_of(stage_shares: ArrayLike, pp: int) -> np.ndarray:
@@ -500,34 +507,40 @@ def _replay(program: tuple[tuple[int, str, int, int, tuple[int, ...]], ...], dur
     rank is free and what it waits for has ended. With ``end`` (whose rows before ``first`` hold the end times of
     actions no duration of which changed) only the actions from ``first`` on are replayed, in place. The last row
     stays 0: it stands for "no action". Actions go a wave at a time (:func:`_waves`), the same arithmetic as one
-    at a time in program order, with far fewer array operations."""
+    at a time in program order, with a handful of array operations per wave: replanning calls this thousands of
+    times a step, so the per-operation overhead, not the arithmetic, is its cost."""
     if end is None:
         end = np.zeros((len(program) + 1, durations.shape[1]))
-    inputs, waves = _waves(program)
-    for wave in waves:
+    for actions, inputs in _waves(program):
         if first:
-            wave = wave[wave >= first]
-            if not wave.size:
+            if actions[-1] < first:
                 continue
-        start = end[inputs[wave, 0]]
-        for column in range(1, inputs.shape[1]):
-            start = np.maximum(start, end[inputs[wave, column]])
-        end[wave] = start + durations[wave]
+            if actions[0] < first:
+                keep = int(np.searchsorted(actions, first))
+                actions, inputs = actions[keep:], inputs[keep:]
+        end[actions] = end[inputs].max(axis=1) + durations[actions]
     return end
 
 
 @lru_cache(maxsize=64)
-def _waves(program: tuple[tuple[int, str, int, int, tuple[int, ...]], ...]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Each action's inputs ``[action, k]`` (the action before it on its rank, then those it waits for; -1, the
-    zero row of the end times, pads) and the actions in waves that depend only on earlier waves."""
-    width = 1 + max((len(a[4]) for a in program), default=0)
-    inputs = np.full((len(program), width), -1, dtype=np.int64)
+def _waves(program: tuple[tuple[int, str, int, int, tuple[int, ...]], ...]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The actions in waves that depend only on earlier waves, each wave's actions ascending with their inputs
+    ``[action, width]`` (the action before it on its rank, then those it waits for; -1, the zero row of the end
+    times, pads to the wave's widest)."""
+    inputs = [(before, *needs) for _, _, _, before, needs in program]
     level = np.zeros(len(program) + 1, dtype=np.int64)
-    for i, (_, _, _, before, needs) in enumerate(program):
-        inputs[i, : 1 + len(needs)] = (before, *needs)
-        level[i] = 1 + level[inputs[i]].max()
-    inputs.flags.writeable = False  # cached: shared by every caller
-    return inputs, [np.flatnonzero(level[:-1] == k) for k in range(1, int(level.max(initial=0)) + 1)]
+    for i, needs in enumerate(inputs):
+        level[i] = 1 + level[list(needs)].max()
+    waves = []
+    for k in range(1, int(level.max(initial=0)) + 1):
+        actions = np.flatnonzero(level[:-1] == k)
+        width = max(len(inputs[a]) for a in actions)
+        padded = np.full((actions.size, width), -1, dtype=np.int64)
+        for row, a in enumerate(actions.tolist()):
+            padded[row, : len(inputs[a])] = inputs[a]
+        actions.flags.writeable = padded.flags.writeable = False  # cached: shared by every caller
+        waves.append((actions, padded))
+    return waves
 
 
 @lru_cache(maxsize=64)
