@@ -253,24 +253,25 @@ def _plan_with_threshold(
         # The owner sends the chunks of other members (all of them when it is outside the block).
         load[owner] += prices.move[item] * (1 - 1 / degree if owner // degree == block else 1)
 
+    # A heap of (load, rank) with lazy deletion: a rank whose load changed is pushed again, and an entry whose load
+    # is no longer its rank's is dropped when it surfaces (loads only grow), so a pop is the least-loaded rank (on
+    # ties the lowest) in O(log ranks) instead of a linear removal per item.
     heap = [(load[r], r) for r in range(n_ranks)]
     heapq.heapify(heap)
     for item in order:
         if sp_degree[item] > 1:
             continue
         current, rank = heapq.heappop(heap)
+        while current != load[rank]:
+            current, rank = heapq.heappop(heap)
         owner = int(owners[item])
         move = prices.move[item]
         # The least-loaded rank, unless the item costs no more at home than it would there, its move's price
         # included (the receiver pays it; so does the sender, which only staying avoids).
         if rank != owner and (load[owner] <= current + move or costs[item] <= move):
-            heap.remove((load[owner], owner))
-            heapq.heapify(heap)
             heapq.heappush(heap, (current, rank))
             rank = owner
         elif rank != owner:
-            heap.remove((load[owner], owner))
-            heapq.heapify(heap)
             load[owner] += move
             heapq.heappush(heap, (load[owner], owner))
             load[rank] += move
