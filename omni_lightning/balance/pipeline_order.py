@@ -452,10 +452,13 @@ def lpt_ranks(costs: np.ndarray, loads: np.ndarray, ranks: np.ndarray) -> np.nda
     """Longest item first onto the rank of ``ranks`` with the least work so far (``loads``, updated in place);
     on ties the higher rank (pure). Returns each item's rank."""
     owner = np.zeros(costs.size, dtype=np.int64)
+    # Python floats, not numpy scalars, for the per-item choice among a handful of ranks: the same IEEE additions.
+    load, cost, candidates = loads.tolist(), costs.tolist(), [int(r) for r in ranks]
     for item in np.lexsort((np.arange(costs.size), -costs)).tolist():
-        rank = int(ranks[np.lexsort((-ranks, loads[ranks]))[0]])
+        rank = min(candidates, key=lambda r: (load[r], -r))
         owner[item] = rank
-        loads[rank] += costs[item]
+        load[rank] += cost[item]
+    loads[:] = load
     return owner
 
 

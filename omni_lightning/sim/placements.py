@@ -391,15 +391,18 @@ class Simulation:
                 micro_batches, pieces, ids = self._omni_micro_batches(options, step, g)
                 for i in range(self.group):
                     r = g * self.group + i
-                    occurrences, batch_of = [], []
+                    occurrences, batch_of, shares = [], [], []
                     for m, batch in enumerate(micro_batches[i]):
                         for piece in batch:
                             occurrence, share = pieces[piece]
-                            llm_cost[r, m] += pool.llm[ids[occurrence]] * share
-                            llm_tokens[r, m] += pool.tokens[ids[occurrence]] * share
                             occurrences.append(occurrence)
                             batch_of.append(m)
+                            shares.append(share)
                     samples = ids[np.array(occurrences, dtype=np.int64)]
+                    # bincount adds each micro-batch's pieces in order: the sums a loop of += would make.
+                    share_of = np.array(shares, dtype=np.float64)
+                    llm_cost[r] = np.bincount(batch_of, weights=pool.llm[samples] * share_of, minlength=micro)
+                    llm_tokens[r] = np.bincount(batch_of, weights=pool.tokens[samples] * share_of, minlength=micro)
                     placed += float(llm_cost[r].sum() + pool.encoder[samples].sum())
                     items, position = pool.items_of(samples)
                     mb = np.array(batch_of, dtype=np.int64)[position]
