@@ -219,7 +219,9 @@ def plan_encoder_work(
     # Splitting costs communication, so split as little as balance allows: try split thresholds from the fair
     # share down, and keep the first plan whose peak is within 1% of the lowest. Keeping every item home comes
     # first: a resharded plan must beat it by more than that, its traffic and exchange included.
-    candidates = [in_place] + [_plan_with_threshold(costs, owners, order, n_ranks, enc_sp, fair_share / 2**k, prices)
+    placed: dict[bytes, EncoderPlan] = {}  # thresholds that split the same items share one whole-item placement
+    candidates = [in_place] + [_plan_with_threshold(costs, owners, order, n_ranks, enc_sp, fair_share / 2**k, prices,
+                                                    placed)
                                for k in range(0, 4 if enc_sp > 1 else 1)]
     best = min(float(plan.rank_cost.max()) for plan in candidates)
     return next(plan for plan in candidates if plan.rank_cost.max() <= best * 1.01)
@@ -227,11 +229,12 @@ def plan_encoder_work(
 
 def _plan_with_threshold(
     costs: np.ndarray, owners: np.ndarray, order: list[int], n_ranks: int, enc_sp: int, threshold: float,
-    prices: ItemPrices,
+    prices: ItemPrices, placed: dict[bytes, EncoderPlan],
 ) -> EncoderPlan:
     """Split every item costlier than ``threshold`` over the fewest aligned ranks that bring its shares under it
     (at most ``enc_sp``) where the split pays, then place the whole items by LPT, each staying home unless moving
-    it, priced, lowers the peak."""
+    it, priced, lowers the peak. ``placed`` holds the plans of other thresholds by their splits: the same splits
+    (made in the same order, so with the same loads) give the same placement."""
     rank_of = owners.copy()
     sp_start = np.full(costs.size, -1, dtype=np.int64)
     sp_degree = np.ones(costs.size, dtype=np.int64)
@@ -256,6 +259,9 @@ def _plan_with_threshold(
     # A heap of (load, rank) with lazy deletion: a rank whose load changed is pushed again, and an entry whose load
     # is no longer its rank's is dropped when it surfaces (loads only grow), so a pop is the least-loaded rank (on
     # ties the lowest) in O(log ranks) instead of a linear removal per item.
+    splits = sp_start.tobytes() + sp_degree.tobytes()
+    if splits in placed:
+        return placed[splits]
     heap = [(load[r], r) for r in range(n_ranks)]
     heapq.heapify(heap)
     for item in order:
@@ -282,7 +288,8 @@ def _plan_with_threshold(
     moved = int(np.count_nonzero((rank_of != owners) & ~split)) + int(np.count_nonzero(split))
     if moved:  # any exchange at all costs every rank the resharder's collectives
         load += prices.exchange
-    return EncoderPlan(rank_of, sp_start, sp_degree, load, moved)
+    placed[splits] = EncoderPlan(rank_of, sp_start, sp_degree, load, moved)
+    return placed[splits]
 
 
 def split_lengths(total: int, parts: int, multiple: int = 1) -> list[int]:
