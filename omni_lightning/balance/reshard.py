@@ -256,12 +256,12 @@ def _plan_with_threshold(
         # The owner sends the chunks of other members (all of them when it is outside the block).
         load[owner] += prices.move[item] * (1 - 1 / degree if owner // degree == block else 1)
 
-    # A heap of (load, rank) with lazy deletion: a rank whose load changed is pushed again, and an entry whose load
-    # is no longer its rank's is dropped when it surfaces (loads only grow), so a pop is the least-loaded rank (on
-    # ties the lowest) in O(log ranks) instead of a linear removal per item.
     splits = sp_start.tobytes() + sp_degree.tobytes()
     if splits in placed:
         return placed[splits]
+    # A heap of (load, rank) with lazy deletion: a rank whose load changed is pushed again, and an entry whose load
+    # is no longer its rank's is dropped when it surfaces (loads only grow), so a pop is the least-loaded rank (on
+    # ties the lowest) in O(log ranks) instead of a linear removal per item.
     heap = [(load[r], r) for r in range(n_ranks)]
     heapq.heapify(heap)
     for item in order:
