@@ -126,3 +126,34 @@ def test_link_cost_rejects_nonsense(kwargs: dict[str, float]) -> None:
 def test_prices_must_fit_the_items() -> None:
     with pytest.raises(ValueError, match="do not fit"):
         plan_encoder_work(np.ones(3), np.zeros(3, dtype=np.int64), n_ranks=2, enc_sp=2, prices=ItemPrices.free(2, 2))
+
+
+def _whole_item_lpt(costs: np.ndarray, owners: np.ndarray, move: np.ndarray, n_ranks: int) -> np.ndarray:
+    """The whole-item placement as its rule reads, one linear scan per item: heaviest first (ties by index), onto
+    the least-loaded rank (ties: the lowest), unless home costs no more once the move is priced."""
+    load, rank_of = [0.0] * n_ranks, np.empty(costs.size, dtype=np.int64)
+    for item in np.lexsort((np.arange(costs.size), -costs)).tolist():
+        least, owner = min(range(n_ranks), key=lambda r: (load[r], r)), int(owners[item])
+        if least != owner and (load[owner] <= load[least] + move[item] or costs[item] <= move[item]):
+            least = owner
+        elif least != owner:
+            load[owner] += move[item]
+            load[least] += move[item]
+        rank_of[item] = least
+        load[least] += costs[item]
+    return rank_of
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 10_000), n_ranks=st.integers(1, 9), items=st.integers(1, 60), priced=st.booleans())
+def test_whole_items_go_where_the_plain_rule_puts_them(seed: int, n_ranks: int, items: int, priced: bool) -> None:
+    """The placement's heap (lazy deletion, shared between split thresholds) picks what a linear scan would, with
+    ties and zero-cost items (equal loads, entries pushed twice) common."""
+    rng = np.random.default_rng(seed)
+    costs = rng.integers(0, 4, items).astype(np.float64) * rng.choice([1.0, 10.0], items)
+    owners = rng.integers(0, n_ranks, items)
+    move = rng.integers(0, 3, items).astype(np.float64) if priced else np.zeros(items)
+    prices = ItemPrices(move, np.zeros((items, 0)), 0.0)
+    plan = plan_encoder_work(costs, owners, n_ranks=n_ranks, enc_sp=1, prices=prices)
+    if plan.moved:  # the in-place plan wins when the placement would not lower the peak
+        np.testing.assert_array_equal(plan.rank_of, _whole_item_lpt(costs, owners, move, n_ranks))
