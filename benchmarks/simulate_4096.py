@@ -39,7 +39,7 @@ def _run(workload: str, gpus: int) -> tuple[float, float, list[str]]:
         raise SystemExit(f"simulate on {workload} failed (exit {done.returncode}):\n{done.stderr}")
     shown = ["$ omni-lightning simulate --workload " + os.path.relpath(workload) + f" --gpus {gpus}",
              *done.stdout.splitlines(),
-             f"exit 0; wall {wall:.2f} s, CPU {cpu:.2f} s; load average at the end (2 shared cores): "
+             f"exit 0; wall {wall:.2f} s, CPU {cpu:.2f} s; load average at the end ({os.cpu_count()} shared cores): "
              + " ".join(f"{x:.2f}" for x in os.getloadavg())]
     return wall, cpu, shown
 

@@ -253,9 +253,7 @@ def joint_1f1b_makespans(llm_costs: np.ndarray, encoder_costs: np.ndarray, *, fo
     encoder = np.asarray(encoder_costs, dtype=np.float64)
     encoder = encoder[None] if encoder.ndim == 2 else encoder
     stage_shares = None if stage_shares is None else stage_shares_of(stage_shares, encoder.shape[1])
-    llm = np.atleast_2d(np.asarray(llm_costs, dtype=np.float64))
-    if llm.shape[0] != 1:
-        llm = np.broadcast_to(llm, (encoder.shape[0], encoder.shape[2]))
+    llm = np.atleast_2d(np.asarray(llm_costs, dtype=np.float64))  # one row, or one per assignment
     program = _program(joint_1f1b_orders(encoder.shape[1], encoder.shape[2]))
     durations = _joint_durations(program, llm, encoder, forward_share, encoder_forward_share, stage_shares)
     return _replay(program, durations).max(axis=0)
