@@ -25,13 +25,16 @@ def apply_fsdp(
     ``mesh`` is 1-D for FSDP or 2-D ``(dp_replicate, dp_shard_cp)`` for HSDP. Gradients are averaged over all of
     its ranks, which is why the loss is scaled by the data-parallel size (see ``OmniModule``).
     ``ignored_params`` (expert-parallel weights) are left to their own gradient synchronisation.
+    ``reshard_after_forward`` applies to the blocks: the root keeps its parameters gathered from its first forward
+    (or forward method, e.g. the encoder stage) to its backward, as ``fully_shard`` does for a root by default, so
+    that a step running several of its forward methods gathers them once, not once per method and again for the
+    backward (the root holds the embeddings and the head, a model's largest weights).
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
                     ignored_params=ignored_params)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
-                ignored_params=ignored_params)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False, ignored_params=ignored_params)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
