@@ -77,9 +77,10 @@ class ReferenceMLLM(nn.Module):
         self.groups = groups
         # Routing statistics for the load-balance loss are global: over the batch and the peers splitting tokens.
         stats_groups = tuple(group for group in (groups.batch, groups.tp) if group is not None)
-        moe = any(hasattr(module, "token_split_group") for module in self.llm.modules())
+        #: The MoE layers (found once: walking every module for them costs about half a millisecond a step).
+        self.moe_layers = [module for module in self.llm.modules() if hasattr(module, "token_split_group")]
         #: The tensor-parallel peers the MoE layers split their tokens over (``None``: no split).
-        self.moe_token_split_group = groups.tp if moe else None
+        self.moe_token_split_group = groups.tp if self.moe_layers else None
         for module in self.llm.modules():
             if isinstance(module, MoEFeedForward):
                 module.stats_groups = stats_groups

@@ -85,8 +85,9 @@ class Step(Protocol):
 
 def _sync_moe_gradients(model: ReferenceMLLM) -> None:
     """Experts' gradients summed over their replicas, MoE layers' over the tensor-parallel peers splitting tokens."""
-    sync_expert_gradients(model)
-    sync_token_split_gradients(model)
+    for layer in model.moe_layers:
+        sync_expert_gradients(layer)
+        sync_token_split_gradients(layer)
 
 
 def _whole_aux(model: ReferenceMLLM, aux: torch.Tensor) -> torch.Tensor:
