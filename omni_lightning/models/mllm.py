@@ -107,7 +107,7 @@ class ReferenceMLLM(nn.Module):
                       ) -> dict[str, tuple[torch.Tensor, ...]]:
         """Run an encoder stage (the runtime's ``run``: plan, move, encode, move back) as part of this model: the
         parallelize plan hooks this method, so that what the model's own FSDP unit holds (the encoders' stems and
-        projectors) is gathered while it runs and again for its backward (hooked on the tensors it returns)."""
+        projectors) is gathered while it runs, and stays gathered for the forward and the backward."""
         return run()
 
     def encode(self, batch: PackedBatch) -> dict[str, tuple[torch.Tensor, ...]]:
