@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from distributed import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
@@ -16,7 +17,6 @@ from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.models.parallelize import parallelize_reference
 from omni_lightning.runtime.loss import next_token_loss_sum
-from tests.distributed import run_distributed
 
 
 def _batch(seed: int) -> dict[str, Any]:

@@ -42,6 +42,8 @@ from omni_lightning.parallel.compat import all_gather_single
 
 __all__ = ["EncoderStep", "Resharder"]
 
+_INITIAL_CAPACITY = 64
+
 
 @dataclass
 class EncoderStep:
@@ -97,24 +99,16 @@ class Resharder:
         self.rank = dist.get_rank(group)
         self.n_ranks = dist.get_world_size(group)
         self.stats: dict[str, float] = {}
+        # Item lengths a rank sends in the gather's one fixed-width row; grows to the most items a rank has had.
+        self._capacity = _INITIAL_CAPACITY
 
     def plan(self, lengths: Mapping[str, torch.Tensor], multiples: Mapping[str, int]) -> dict[str, EncoderStep]:
-        """All-gather every encoder's item lengths (two small integer collectives) and plan each encoder."""
+        """All-gather every encoder's item lengths (integers only) and plan each encoder; then check that every
+        rank of the group computed the same plan."""
         names = list(lengths)
         device = next(iter(lengths.values())).device  # collectives run where the backend wants their tensors
         local = [lengths[name].to(torch.int64) for name in names]
-        counts = torch.tensor([t.numel() for t in local], dtype=torch.int64, device=device)
-        all_counts = torch.zeros(self.n_ranks * len(names), dtype=torch.int64, device=device)
-        all_gather_single(all_counts, counts, group=self.group)
-        all_counts = all_counts.cpu().view(self.n_ranks, len(names))
-        width = int(all_counts.sum(1).max())
-        gathered = torch.zeros(self.n_ranks * width, dtype=torch.int64, device=device)
-        if width:
-            padded = torch.zeros(width, dtype=torch.int64, device=device)
-            flat = torch.cat(local)
-            padded[: flat.numel()] = flat
-            all_gather_single(gathered, padded, group=self.group)
-        gathered = gathered.cpu().view(self.n_ranks, width)
+        all_counts, gathered = self._gather_lengths(local, device)
         steps, decisions = {}, []
         for m, name in enumerate(names):
             start = all_counts[:, :m].sum(1)
@@ -124,6 +118,34 @@ class Resharder:
         check_plans_agree("encoder resharding plan", plan_digest(decisions), self.group, device=device)
         self.stats = _summary(steps)
         return steps
+
+    def _gather_lengths(self, local: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's item counts per encoder ``[rank, encoder]`` and its lengths, concatenated over the encoders
+        and zero-padded ``[rank, width]`` (on the CPU).
+
+        One collective a micro-batch: each rank sends its counts and up to ``self._capacity`` lengths in a row of
+        fixed width. Only when some rank has more items does a second gather send the rest, and the capacity grows
+        to that on every rank (all of them read the same counts), so a workload's item counts settle it quickly.
+        """
+        n_names = len(local)
+        flat = torch.cat(local)
+        row = torch.zeros(n_names + self._capacity, dtype=torch.int64, device=device)
+        row[:n_names] = torch.tensor([t.numel() for t in local], dtype=torch.int64)
+        head = min(flat.numel(), self._capacity)
+        row[n_names : n_names + head] = flat[:head]
+        rows = torch.empty(self.n_ranks * row.numel(), dtype=torch.int64, device=device)
+        all_gather_single(rows, row, group=self.group)
+        rows = rows.cpu().view(self.n_ranks, -1)
+        all_counts, gathered = rows[:, :n_names], rows[:, n_names:]
+        width = int(all_counts.sum(1).max())
+        if width > self._capacity:
+            rest = torch.zeros(width - self._capacity, dtype=torch.int64, device=device)
+            rest[: max(flat.numel() - self._capacity, 0)] = flat[self._capacity :]
+            tails = torch.empty(self.n_ranks * rest.numel(), dtype=torch.int64, device=device)
+            all_gather_single(tails, rest, group=self.group)
+            gathered = torch.cat([gathered, tails.cpu().view(self.n_ranks, -1)], dim=1)
+            self._capacity = width
+        return all_counts, gathered
 
     def _plan_one(self, name: str, per_rank: list[np.ndarray], multiple: int, own: int
                   ) -> tuple[EncoderStep, list[object]]:

@@ -1,0 +1,52 @@
+"""The encoder resharder's gather of item lengths: one fixed-width collective, a second when a rank has more items
+than the row holds, and every rank reading every rank's lengths either way."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+
+from omni_lightning.balance.cost import ModuleCost
+from omni_lightning.runtime import reshard
+from omni_lightning.runtime.reshard import Resharder
+
+COSTS = {"vision": ModuleCost(1.0, 0.01), "audio": ModuleCost(2.0, 0.0)}
+# Per call, per rank: (vision lengths, audio lengths). The second call's rank 1 overflows the row (capacity 64).
+CALLS = [
+    [([16, 4], [8]), ([4] * 10, []), ([], [12, 12])],
+    [([4], []), ([8] * 70 + [64], [6] * 3), ([16] * 5, [])],
+    [([4] * 70, [2]), ([], []), ([16], [3])],  # fits the grown capacity (74): one gather again
+]
+# Elements each rank sends per gather of lengths: the row (2 counts + the capacity), then any overflow.
+GATHERS = [[2 + 64], [2 + 64, 74 - 64], [2 + 74]]
+
+
+def _expected_cost(lengths: list[int], cost: ModuleCost) -> float:
+    x = np.asarray(lengths, dtype=np.float64)
+    return float((cost.linear * x + cost.quadratic * x**2).sum())
+
+
+def _plan_calls(rank: int, world_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    gathers = []
+    gather = reshard.all_gather_single
+    monkeypatch.setattr(reshard, "all_gather_single", lambda *a, **k: (gathers.append(a[1].numel()), gather(*a, **k)))
+    resharder = Resharder(dist.group.WORLD, {}, COSTS, min_gain=float("inf"))  # plans, never moves: costs stay own
+    for call, expected_gathers in zip(CALLS, GATHERS, strict=True):
+        vision, audio = call[rank]
+        gathers.clear()
+        steps = resharder.plan({"vision": torch.tensor(vision, dtype=torch.int32),
+                                "audio": torch.tensor(audio, dtype=torch.int32)}, {"vision": 4, "audio": 1})
+        assert steps["vision"].own_items == len(vision) and steps["audio"].own_items == len(audio)
+        for name, index in (("vision", 0), ("audio", 1)):
+            expected = [_expected_cost(call[r][index], COSTS[name]) for r in range(world_size)]
+            np.testing.assert_allclose(steps[name].unbalanced_cost, expected, rtol=1e-12)
+        assert gathers == expected_gathers
+
+
+@pytest.mark.distributed
+def test_every_rank_reads_every_ranks_lengths_in_one_gather_unless_a_rank_overflows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    run_distributed(_plan_calls, 3, monkeypatch)
