@@ -14,8 +14,9 @@ steps of all four configurations with two cost models:
 Either way the prediction goes the way the simulator's goes: a rank's LLM cost is that of the samples it trained
 on; its encoder cost is that of its own items, except under (d), where
 :func:`omni_lightning.balance.reshard.plan_encoder_work` (the runtime's planner, long-short SP over the ranks)
-decides which rank encodes which item. Reports Pearson r of predicted against measured per-rank seconds and the
-relative error of the predicted step time (the slowest rank) per configuration.
+decides which rank encodes which item, on top of each rank's LLM work, as the runtime's resharder does. Reports
+Pearson r of predicted against measured per-rank seconds and the relative error of the predicted step time (the
+slowest rank) per configuration.
 
     python benchmarks/sim_validate.py [--results benchmarks/results/e2e.json]
 
@@ -58,7 +59,8 @@ def predict_step(per_rank: list[list[SampleMeta]], model: CostModel, *, reshard:
     items = [encoder_items(metas, model) for metas in per_rank]
     owners = np.concatenate([np.full(c.size, r) for r, c in enumerate(items)])
     costs = np.concatenate(items)
-    plan = plan_encoder_work(costs, owners, n_ranks=n, enc_sp=enc_sp if reshard else 1, reshard=reshard)
+    # As the runtime's resharder plans: encoder work on top of each rank's LLM work.
+    plan = plan_encoder_work(costs, owners, n_ranks=n, enc_sp=enc_sp if reshard else 1, reshard=reshard, base=llm)
     return llm + plan.rank_cost
 
 

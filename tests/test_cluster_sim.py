@@ -196,6 +196,39 @@ def test_omni_by_default_plans_what_the_runtime_runs(monkeypatch: pytest.MonkeyP
         assert split == bool(assume)
 
 
+@pytest.mark.parametrize(("pp", "multiplex"), [(2, True), (2, False), (1, True)])
+def test_omni_prices_samples_and_encoder_work_as_the_runtime_does(monkeypatch: pytest.MonkeyPatch, pp: int,
+                                                                  multiplex: bool) -> None:
+    """The loader balances each sample's whole cost (``OmniDataModule`` prices LLM and encoders); under the joint
+    pipeline a step's micro-batches balance the LLM's alone. Without a pipeline, the resharder plans each GPU's
+    encoder work on top of its share of the micro-batch's LLM work; in a pipeline, the encoder work alone."""
+    from omni_lightning.sim import placements
+
+    loader, bases = [], []
+    real_reorder, real_plan = reorder.plan_reorder_group, placements.reshard.plan_encoder_work
+
+    def spy_reorder(costs: np.ndarray, *args: object, **kwargs: object) -> reorder.GroupPlan:
+        loader.append((np.array(costs), kwargs.get("micro_batch_costs")))
+        return real_reorder(costs, *args, **kwargs)  # type: ignore[arg-type]
+
+    def spy_plan(costs: np.ndarray, owners: np.ndarray, **kwargs: object) -> reshard.EncoderPlan:
+        bases.append(np.array(kwargs["base"]))
+        return real_plan(costs, owners, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(reorder, "plan_reorder_group", spy_reorder)
+    monkeypatch.setattr(placements.reshard, "plan_encoder_work", spy_plan)
+    sim = Simulation(_scenario(pp=pp, micro_batches=4))
+    sim.omni(OmniOptions(multiplex=multiplex))
+    _, _, ids = sim._omni_micro_batches(OmniOptions(multiplex=multiplex), 0, 0)
+    (costs, micro_batch_costs), = loader
+    np.testing.assert_allclose(costs, sim.pool.llm[ids] + sim.pool.encoder[ids])
+    if pp > 1 and multiplex:
+        np.testing.assert_allclose(micro_batch_costs, sim.pool.llm[ids])
+    else:
+        assert micro_batch_costs is None
+    assert bases and all((base > 0).all() if pp == 1 else not base.any() for base in bases)
+
+
 def test_joint_pipeline_without_encoders_is_1f1b() -> None:
     stages, micro = 4, 8
     forward = [[1.0] * micro for _ in range(stages)]

@@ -1,5 +1,5 @@
 """The encoder resharder's gather of item lengths: one fixed-width collective, a second when a rank has more items
-than the row holds, and every rank reading every rank's lengths either way."""
+than the row holds, and every rank reading every rank's lengths (and LLM work) either way."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ CALLS = [
     [([4], []), ([8] * 70 + [64], [6] * 3), ([16] * 5, [])],
     [([4] * 70, [2]), ([], []), ([16], [3])],  # fits the grown capacity (74): one gather again
 ]
-# Elements each rank sends per gather of lengths: the row (2 counts + the capacity), then any overflow.
-GATHERS = [[2 + 64], [2 + 64, 74 - 64], [2 + 74]]
+# Elements each rank sends per gather of lengths: the row (2 counts, the LLM's tokens and pairs, the capacity), then
+# any overflow.
+GATHERS = [[4 + 64], [4 + 64, 74 - 64], [4 + 74]]
 
 
 def _expected_cost(lengths: list[int], cost: ModuleCost) -> float:
@@ -50,3 +51,27 @@ def _plan_calls(rank: int, world_size: int, monkeypatch: pytest.MonkeyPatch) -> 
 def test_every_rank_reads_every_ranks_lengths_in_one_gather_unless_a_rank_overflows(
         monkeypatch: pytest.MonkeyPatch) -> None:
     run_distributed(_plan_calls, 3, monkeypatch)
+
+
+def _llm_work_sways_plan(rank: int, world_size: int) -> None:
+    # Rank 0 holds two images and no LLM work; rank 1 no image and LLM work worth both images. Balancing the encoder
+    # work alone sends one image to rank 1 (whose step then runs 30 against rank 0's 10); with the LLM as its base
+    # the plan keeps both home (20 each).
+    vision = torch.tensor([10, 10] if rank == 0 else [], dtype=torch.int64)
+    llm_work = (0, 0) if rank == 0 else (20, 0)
+    cost = {"vision": ModuleCost(1.0, 0.0)}
+    alone = Resharder(dist.group.WORLD, {}, cost, min_gain=0.0).plan({"vision": vision}, {"vision": 1}, llm_work)
+    assert alone["vision"].items_moved == 1
+    based = Resharder(dist.group.WORLD, {}, cost, min_gain=0.0, llm=ModuleCost(1.0, 0.0))
+    assert based.plan({"vision": vision}, {"vision": 1}, llm_work)["vision"].items_moved == 0
+    # A quarter of a micro-batch's LLM work per rank (four context- and tensor-parallel peers): one image moves
+    # again (peaks 10 and 15 against 20 at home).
+    quartered = Resharder(dist.group.WORLD, {}, cost, min_gain=0.0, llm=ModuleCost(1.0, 0.0), llm_share=0.25)
+    steps = quartered.plan({"vision": vision}, {"vision": 1}, llm_work)
+    assert steps["vision"].items_moved == 1
+    np.testing.assert_allclose(steps["vision"].predicted_cost, [10.0, 10.0])
+
+
+@pytest.mark.distributed
+def test_the_plan_balances_encoder_work_on_top_of_each_ranks_llm_work() -> None:
+    run_distributed(_llm_work_sways_plan, 2)

@@ -157,3 +157,54 @@ def test_whole_items_go_where_the_plain_rule_puts_them(seed: int, n_ranks: int, 
     plan = plan_encoder_work(costs, owners, n_ranks=n_ranks, enc_sp=1, prices=prices)
     if plan.moved:  # the in-place plan wins when the placement would not lower the peak
         np.testing.assert_array_equal(plan.rank_of, _whole_item_lpt(costs, owners, move, n_ranks))
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 10_000), groups=st.integers(1, 4), enc_sp=st.sampled_from([1, 2, 4]),
+       items=st.integers(0, 40), price_scale=st.sampled_from([0.0, 0.3, 10.0]),
+       base_scale=st.sampled_from([0.0, 1.0, 10.0, 100.0]))
+def test_with_a_base_the_plan_never_slows_the_step_each_rank_runs(seed: int, groups: int, enc_sp: int, items: int,
+                                                                  price_scale: float, base_scale: float) -> None:
+    """With each rank's LLM work as its base, the slowest rank's base plus encoder work never grows; the plan's
+    figures are still its decisions' encoder cost, the base left out."""
+    n_ranks = groups * enc_sp
+    rng = np.random.default_rng(seed)
+    costs = rng.lognormal(0.0, 1.5, items)
+    owners = np.sort(rng.integers(0, n_ranks, items))
+    base = base_scale * rng.lognormal(0.0, 1.0, n_ranks)
+    degrees = max(enc_sp.bit_length() - 1, 0)
+    prices = ItemPrices(move=price_scale * costs * rng.uniform(0.1, 1.0, items),
+                        split=price_scale * costs[:, None] * rng.uniform(0.05, 0.5, (items, degrees)),
+                        exchange=price_scale * float(rng.uniform(0.0, 2.0)))
+    plan = plan_encoder_work(costs, owners, n_ranks=n_ranks, enc_sp=enc_sp, prices=prices, base=base)
+    home = plan_encoder_work(costs, owners, n_ranks=n_ranks, enc_sp=enc_sp, reshard=False)
+    np.testing.assert_allclose(plan.rank_cost, priced_load(plan, costs, owners, prices, n_ranks), rtol=1e-9,
+                               atol=1e-9)
+    assert (base + plan.rank_cost).max() <= (base + home.rank_cost).max() + 1e-9
+    if plan.moved:
+        assert (base + plan.rank_cost).max() * 1.01 < (base + home.rank_cost).max()
+
+
+def test_a_base_the_loader_balanced_keeps_every_item_home() -> None:
+    """The loader balanced the ranks' whole steps: two images on the rank with little LLM work, none on the rank
+    with much. Balancing encoder work alone moves an image onto the busy rank; on the LLM's base, nothing moves."""
+    costs, owners, base = np.array([4.0, 4.0]), np.array([0, 0]), np.array([2.0, 10.0])
+    assert plan_encoder_work(costs, owners, n_ranks=2).moved == 1
+    plan = plan_encoder_work(costs, owners, n_ranks=2, base=base)
+    assert plan.moved == 0
+    np.testing.assert_array_equal(plan.rank_cost, [8.0, 0.0])
+
+
+def test_a_long_item_is_split_over_the_ranks_with_room_on_top_of_their_base() -> None:
+    """A huge image on a rank of a 4-rank SP group: split over the block whose busiest member has the least base."""
+    costs, owners = np.array([40.0]), np.array([0])
+    base = np.array([30.0, 30.0, 0.0, 0.0])
+    plan = plan_encoder_work(costs, owners, n_ranks=4, enc_sp=4, base=base)
+    assert plan.sp_degree[0] == 2 and plan.sp_start[0] == 2
+    np.testing.assert_allclose(plan.rank_cost, [0.0, 0.0, 20.0, 20.0])
+
+
+@pytest.mark.parametrize("base", [np.array([1.0]), np.array([1.0, -1.0]), np.array([1.0, np.nan])])
+def test_a_base_must_give_each_rank_a_finite_non_negative_load(base: np.ndarray) -> None:
+    with pytest.raises(ValueError, match="base"):
+        plan_encoder_work(np.array([1.0]), np.array([0]), n_ranks=2, base=base)

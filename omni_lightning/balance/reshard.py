@@ -14,6 +14,11 @@ rank from all-gathered item sizes, where each item is encoded:
 The long/short boundary is relative to the step's own fair share, so it adapts to the workload: a text-heavy step
 splits nothing, a step with a huge image or long clip splits it.
 
+Where the encoders and the LLM run one after the other on every rank, the plan balances what each rank runs, its
+encoder work on top of a *base* (its share of the LLM's work on the micro-batch): the loader has already balanced
+the ranks' whole steps, and evening out the encoder work alone would push it onto the ranks whose samples carry
+more LLM work.
+
 Moving and splitting are not free: an item that travels sends its stem tokens out and its outputs back (and their
 gradients the other way), a split item's block runs four Ulysses all-to-alls per attention layer each way, and any
 exchange at all costs every rank the resharder's all-to-alls. :func:`item_prices` turns those bytes and messages
@@ -184,7 +189,7 @@ def encoder_lower_bound(costs: np.ndarray, n_ranks: int, enc_sp: int) -> float:
 
 def plan_encoder_work(
     costs: np.ndarray, owners: np.ndarray, *, n_ranks: int, enc_sp: int = 1, reshard: bool = True,
-    prices: ItemPrices | None = None,
+    prices: ItemPrices | None = None, base: np.ndarray | None = None,
 ) -> EncoderPlan:
     """Plan one step of encoder work for an encoder group of ``n_ranks`` ranks.
 
@@ -197,6 +202,10 @@ def plan_encoder_work(
         prices: what moving and splitting each item costs (:func:`item_prices`); ``None`` prices compute only.
             The plan's ``rank_cost`` then includes each rank's traffic, and the plan keeps every item in place
             unless a resharded plan has a lower priced peak.
+        base: each rank's other work in the same step (``[n_ranks]``, e.g. its share of the LLM's work on the
+            micro-batch, when the encoders and the LLM run one after the other on every rank): the plan evens out
+            ``base + rank_cost``, what each rank runs, rather than the encoder work alone, so it does not move
+            encoder work onto a rank whose samples already carry more LLM work. ``rank_cost`` leaves it out.
     """
     costs = np.asarray(costs, dtype=np.float64)
     owners = np.asarray(owners, dtype=np.int64)
@@ -206,6 +215,9 @@ def plan_encoder_work(
     if prices.move.shape != costs.shape or prices.split.shape != (costs.size, _degrees(enc_sp)):
         raise ValueError(f"prices for {prices.move.shape} items and {prices.split.shape} splits do not fit "
                          f"{costs.size} items with enc_sp={enc_sp}")
+    base = np.zeros(n_ranks) if base is None else np.asarray(base, dtype=np.float64)
+    if base.shape != (n_ranks,) or not np.all(np.isfinite(base)) or np.any(base < 0):
+        raise ValueError(f"base must hold a finite, non-negative load for each of the {n_ranks} ranks, got {base}")
     load = np.zeros(n_ranks)
     np.add.at(load, owners, costs)
     in_place = EncoderPlan(owners.copy(), np.full(costs.size, -1, dtype=np.int64), np.ones(costs.size, dtype=np.int64),
@@ -213,7 +225,9 @@ def plan_encoder_work(
     if not reshard:
         return in_place
 
-    fair_share = float(costs.sum()) / n_ranks
+    # The most encoder work a rank can take before it passes the level every rank would reach if work split evenly
+    # (without a base: the mean encoder work); an item costlier than that is a long one.
+    fair_share = float(costs.sum() + base.sum()) / n_ranks - float(base.min())
     # Descending cost; ties by item index, so every rank orders identically.
     order = np.lexsort((np.arange(costs.size), -costs)).tolist()
     # Splitting costs communication, so split as little as balance allows: try split thresholds from the fair
@@ -221,24 +235,24 @@ def plan_encoder_work(
     # first: a resharded plan must beat it by more than that, its traffic and exchange included.
     placed: dict[bytes, EncoderPlan] = {}  # thresholds that split the same items share one whole-item placement
     candidates = [in_place] + [_plan_with_threshold(costs, owners, order, n_ranks, enc_sp, fair_share / 2**k, prices,
-                                                    placed)
+                                                    placed, base)
                                for k in range(0, 4 if enc_sp > 1 else 1)]
-    best = min(float(plan.rank_cost.max()) for plan in candidates)
-    return next(plan for plan in candidates if plan.rank_cost.max() <= best * 1.01)
+    best = min(float((base + plan.rank_cost).max()) for plan in candidates)
+    return next(plan for plan in candidates if (base + plan.rank_cost).max() <= best * 1.01)
 
 
 def _plan_with_threshold(
     costs: np.ndarray, owners: np.ndarray, order: list[int], n_ranks: int, enc_sp: int, threshold: float,
-    prices: ItemPrices, placed: dict[bytes, EncoderPlan],
+    prices: ItemPrices, placed: dict[bytes, EncoderPlan], base: np.ndarray,
 ) -> EncoderPlan:
     """Split every item costlier than ``threshold`` over the fewest aligned ranks that bring its shares under it
     (at most ``enc_sp``) where the split pays, then place the whole items by LPT, each staying home unless moving
     it, priced, lowers the peak. ``placed`` holds the plans of other thresholds by their splits: the same splits
-    (made in the same order, so with the same loads) give the same placement."""
+    (made in the same order, so with the same loads) give the same placement. Loads start at ``base``."""
     rank_of = owners.copy()
     sp_start = np.full(costs.size, -1, dtype=np.int64)
     sp_degree = np.ones(costs.size, dtype=np.int64)
-    load = np.zeros(n_ranks)
+    load = base.copy()
     for item in order:
         if enc_sp == 1 or costs[item] <= threshold:
             break
@@ -288,7 +302,7 @@ def _plan_with_threshold(
     moved = int(np.count_nonzero((rank_of != owners) & ~split)) + int(np.count_nonzero(split))
     if moved:  # any exchange at all costs every rank the resharder's collectives
         load += prices.exchange
-    placed[splits] = EncoderPlan(rank_of, sp_start, sp_degree, load, moved)
+    placed[splits] = EncoderPlan(rank_of, sp_start, sp_degree, load - base, moved)
     return placed[splits]
 
 

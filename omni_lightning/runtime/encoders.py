@@ -114,7 +114,8 @@ class LocalEncoders:
         steps = None
         if self.resharder is not None:
             steps = self.resharder.plan({name: share.own_tokens for name, share in shares.items()},
-                                        {name: encoder.tokens_per_output for name, encoder in model.encoders.items()})
+                                        {name: encoder.tokens_per_output for name, encoder in model.encoders.items()},
+                                        llm_work(batch))
         encoded: dict[str, tuple[torch.Tensor, ...]] = {}
         previous: torch.Tensor | None = None  # one chain of data dependencies orders the collectives in backward
         for name, encoder in model.encoders.items():
@@ -134,6 +135,12 @@ class LocalEncoders:
             previous = out
             encoded[name] = (out,)
         return encoded
+
+
+def llm_work(batch: PackedBatch) -> tuple[int, int]:
+    """The LLM's tokens and causal attention pairs in ``batch`` (the cost features of its sequences)."""
+    lengths = np.diff(batch["cu_seqlens"].cpu().numpy()).astype(np.int64)
+    return int(lengths.sum()), int((lengths * (lengths + 1) // 2).sum())
 
 
 class _Share:

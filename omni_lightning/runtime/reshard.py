@@ -70,12 +70,18 @@ class Resharder:
         sp_groups: this rank's aligned SP block of each degree ``2, 4, ..., enc_sp`` (a rank is in one per degree).
         costs: cost of each encoder by name, for an item of ``tokens`` stem tokens and ``tokens ** 2`` pairs.
         enc_sp: largest SP degree (1: whole items only, resharded by LPT).
-        min_gain: reshard only when it lowers the slowest rank's predicted encoder cost by more than this fraction;
+        min_gain: reshard only when it lowers the slowest rank's predicted cost (encoder work, on top of its LLM
+            work with ``llm``) by more than this fraction;
             otherwise each rank encodes its own items and nothing travels.
         traffic: each encoder's bytes per stem token and Ulysses collectives; with ``link``, the plan prices moving
             and splitting items (:func:`~omni_lightning.balance.reshard.item_prices`) and keeps them in place where
             resharding would not pay. Either ``None``: compute alone is priced.
         link: what the encoder group's links cost (bandwidth, latency, compute rate to compare them with).
+        llm: the LLM's cost, where the encoders and the LLM run one after the other on each rank of the group: the
+            plan then evens out each rank's encoder work on top of its share of the LLM's work on the micro-batch
+            (``llm_share`` of the cost of the LLM work :meth:`plan` is given), not the encoder work alone.
+            ``None``: the encoder work alone (e.g. in a pipeline, where encoder work is inserted between stages).
+        llm_share: the part of a micro-batch's LLM work one rank runs (``1 / (cp * tp)``).
     """
 
     def __init__(
@@ -88,6 +94,8 @@ class Resharder:
         min_gain: float = 0.05,
         traffic: Mapping[str, EncoderTraffic] | None = None,
         link: LinkCost | None = None,
+        llm: ModuleCost | None = None,
+        llm_share: float = 1.0,
     ) -> None:
         self.group = group
         self.sp_groups = dict(sp_groups)
@@ -96,47 +104,61 @@ class Resharder:
         self.min_gain = min_gain
         self.traffic = dict(traffic) if traffic is not None else None
         self.link = link
+        self.llm, self.llm_share = llm, llm_share
         self.rank = dist.get_rank(group)
         self.n_ranks = dist.get_world_size(group)
         self.stats: dict[str, float] = {}
         # Item lengths a rank sends in the gather's one fixed-width row; grows to the most items a rank has had.
         self._capacity = _INITIAL_CAPACITY
 
-    def plan(self, lengths: Mapping[str, torch.Tensor], multiples: Mapping[str, int]) -> dict[str, EncoderStep]:
-        """All-gather every encoder's item lengths (integers only) and plan each encoder; then check that every
-        rank of the group computed the same plan."""
+    def plan(self, lengths: Mapping[str, torch.Tensor], multiples: Mapping[str, int],
+             llm_work: tuple[int, int] = (0, 0)) -> dict[str, EncoderStep]:
+        """All-gather every encoder's item lengths and this rank's LLM work on the micro-batch (``llm_work``: its
+        tokens and causal attention pairs; integers only) and plan each encoder in turn, each on top of the LLM's
+        work (with ``llm``) and the encoders planned before it; then check that every rank of the group computed
+        the same plan."""
         names = list(lengths)
         device = next(iter(lengths.values())).device  # collectives run where the backend wants their tensors
         local = [lengths[name].to(torch.int64) for name in names]
-        all_counts, gathered = self._gather_lengths(local, device)
+        all_counts, llm_features, gathered = self._gather_lengths(local, llm_work, device)
+        base = np.zeros(self.n_ranks)
+        if self.llm is not None:
+            base = self.llm_share * (self.llm.linear * llm_features[:, 0] + self.llm.quadratic * llm_features[:, 1])
         steps, decisions = {}, []
         for m, name in enumerate(names):
             start = all_counts[:, :m].sum(1)
             per_rank = [gathered[r, start[r] : start[r] + all_counts[r, m]].numpy() for r in range(self.n_ranks)]
-            steps[name], decision = self._plan_one(name, per_rank, multiples[name], int(all_counts[self.rank, m]))
+            steps[name], decision = self._plan_one(name, per_rank, multiples[name], int(all_counts[self.rank, m]),
+                                                   base)
+            if steps[name].predicted_cost.size:
+                base = base + steps[name].predicted_cost
             decisions += decision
         check_plans_agree("encoder resharding plan", plan_digest(decisions), self.group, device=device)
         self.stats = _summary(steps)
         return steps
 
-    def _gather_lengths(self, local: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every rank's item counts per encoder ``[rank, encoder]`` and its lengths, concatenated over the encoders
-        and zero-padded ``[rank, width]`` (on the CPU).
+    def _gather_lengths(self, local: list[torch.Tensor], llm_work: tuple[int, int], device: torch.device
+                        ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
+        """Every rank's item counts per encoder ``[rank, encoder]``, its LLM work ``[rank, (tokens, pairs)]`` and
+        its lengths, concatenated over the encoders and zero-padded ``[rank, width]`` (on the CPU).
 
-        One collective a micro-batch: each rank sends its counts and up to ``self._capacity`` lengths in a row of
-        fixed width. Only when some rank has more items does a second gather send the rest, and the capacity grows
-        to that on every rank (all of them read the same counts), so a workload's item counts settle it quickly.
+        One collective a micro-batch: each rank sends its counts, its LLM work and up to ``self._capacity`` lengths
+        in a row of fixed width. Only when some rank has more items does a second gather send the rest, and the
+        capacity grows to that on every rank (all of them read the same counts), so a workload's item counts settle
+        it quickly.
         """
         n_names = len(local)
+        head_width = n_names + 2
         flat = torch.cat(local)
-        row = torch.zeros(n_names + self._capacity, dtype=torch.int64, device=device)
-        row[:n_names] = torch.tensor([t.numel() for t in local], dtype=torch.int64)
+        row = torch.zeros(head_width + self._capacity, dtype=torch.int64, device=device)
+        row[:head_width] = torch.tensor([t.numel() for t in local] + list(llm_work), dtype=torch.int64)
         head = min(flat.numel(), self._capacity)
-        row[n_names : n_names + head] = flat[:head]
+        row[head_width : head_width + head] = flat[:head]
         rows = torch.empty(self.n_ranks * row.numel(), dtype=torch.int64, device=device)
         all_gather_single(rows, row, group=self.group)
         rows = rows.cpu().view(self.n_ranks, -1)
-        all_counts, gathered = rows[:, :n_names], rows[:, n_names:]
+        all_counts, gathered = rows[:, :n_names], rows[:, head_width:]
+        llm_features = rows[:, n_names:head_width].numpy().astype(np.float64)
         width = int(all_counts.sum(1).max())
         if width > self._capacity:
             rest = torch.zeros(width - self._capacity, dtype=torch.int64, device=device)
@@ -145,11 +167,12 @@ class Resharder:
             all_gather_single(tails, rest, group=self.group)
             gathered = torch.cat([gathered, tails.cpu().view(self.n_ranks, -1)], dim=1)
             self._capacity = width
-        return all_counts, gathered
+        return all_counts, llm_features, gathered
 
-    def _plan_one(self, name: str, per_rank: list[np.ndarray], multiple: int, own: int
+    def _plan_one(self, name: str, per_rank: list[np.ndarray], multiple: int, own: int, base: np.ndarray
                   ) -> tuple[EncoderStep, list[object]]:
-        """The encoder's step on this rank, and the group-wide decisions behind it (what the ranks must agree on)."""
+        """The encoder's step on this rank, and the group-wide decisions behind it (what the ranks must agree on);
+        ``base``: each rank's work planned before this encoder's."""
         item_lengths = np.concatenate(per_rank)
         if item_lengths.size == 0:
             return EncoderStep(None, own), [0]
@@ -159,9 +182,11 @@ class Resharder:
         prices = None
         if self.traffic is not None and self.link is not None:
             prices = item_prices(item_lengths, self.traffic[name], self.link, enc_sp=self.enc_sp)
-        plan = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, enc_sp=self.enc_sp, prices=prices)
+        plan = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, enc_sp=self.enc_sp, prices=prices,
+                                 base=base)
         unbalanced = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, reshard=False)
-        if plan.moved == 0 or unbalanced.rank_cost.max() <= plan.rank_cost.max() * (1.0 + self.min_gain):
+        peak, peak_in_place = (base + plan.rank_cost).max(), (base + unbalanced.rank_cost).max()
+        if plan.moved == 0 or peak_in_place <= peak * (1.0 + self.min_gain):
             # Already about as even as resharding would make it (e.g. the loader balanced the samples): every rank
             # encodes its own items and nothing travels.
             return EncoderStep(None, own, unbalanced.rank_cost, unbalanced.rank_cost, 0, 0), [1]

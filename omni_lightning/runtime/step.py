@@ -391,9 +391,10 @@ def build_step(model: ReferenceMLLM, layout: OmniLayout | None, *, device: torch
         return _pool_step(model, layout, device, options)
     check_model_fits_layout(model, layout.dims, reshard=layout.reshard)
     meshes = layout.meshes
-    resharder = (_resharder(model, layout, device, options) if layout.reshard and meshes.encoder_group is not None
-                 else None)
-    if meshes.get("pp") is None:
+    pipelined = meshes.get("pp") is not None
+    resharder = (_resharder(model, layout, device, options, on_llm=not pipelined)
+                 if layout.reshard and meshes.encoder_group is not None else None)
+    if not pipelined:
         _parallelize(model, meshes, options)
         # Context- and tensor-parallel peers hold the same samples: they split the encoder items.
         return PlainStep(model, LocalEncoders(model, resharder, sample_peers(meshes)), meshes)
@@ -423,13 +424,16 @@ def _parallelize(model: ReferenceMLLM, meshes: OmniMeshes, options: StepOptions,
                           compile_backend=options.compile_backend)
 
 
-def _resharder(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, options: StepOptions) -> Resharder:
-    """Encoder resharding with long-short SP over this rank's encoder group (its data-parallel peers)."""
+def _resharder(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, options: StepOptions, *,
+               on_llm: bool) -> Resharder:
+    """Encoder resharding with long-short SP over this rank's encoder group (its data-parallel peers); ``on_llm``:
+    each rank runs its encoders and then the LLM on the same micro-batch, so the plan balances the two together."""
     meshes = layout.meshes
     assert meshes.encoder_group is not None
     costs = {name: encoder.cost() for name, encoder in model.encoders.items()}
+    llm = {"llm": model.llm.cost(), "llm_share": 1.0 / (layout.dims.cp * layout.dims.tp)} if on_llm else {}
     return Resharder(meshes.encoder_group, meshes.encoder_sp_blocks, costs, enc_sp=layout.dims.enc_sp,
-                     **_reshard_pricing(model, layout, device, options))
+                     **llm, **_reshard_pricing(model, layout, device, options))
 
 
 def _reshard_pricing(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, options: StepOptions

@@ -15,13 +15,14 @@ there moves the figures here:
   SP); the pools stream micro-batches to each other, so the step is the slower pool plus one micro-batch of encoder
   latency.
 * **omni** (OmniStrategy): grouped reordering in reorder groups of data-parallel ranks, ``group_steps`` steps planned
-  together as the loader does (``plan_reorder_group`` on the LLM cost: the encoder work is placed by the encoder
-  plan, not by the loader; the steps' mean is what compares), each rank-step's micro-batches shaped for 1F1B as
-  ``OmniDataModule`` shapes them under pipeline parallelism (towards the 1F1B cost profile, ``pipeline_order="ramp"``;
-  with ``Scenario.pipeline_search``, refined by the loader's local search), long sequences split by context
-  parallelism where one would exceed a micro-batch's fair share, encoder items (images, frames, clips) planned over
-  *every* GPU of the reorder group with long-short SP (``plan_encoder_work``) and run in the joint pipeline's
-  insertions.
+  together as the loader does (``plan_reorder_group`` on each sample's whole cost, LLM and encoders, as the loader
+  prices it; the steps' mean is what compares), samples whole, each rank-step's micro-batches shaped for 1F1B as
+  ``OmniDataModule`` shapes them under pipeline parallelism (on their LLM cost under the joint pipeline, towards the
+  1F1B cost profile, ``pipeline_order="ramp"``; with ``Scenario.pipeline_search``, refined by the loader's local
+  search); encoder items (images, frames, clips) placed on stages and peers as the joint pipeline places them and
+  planned per insertion over the data-parallel ranks with long-short SP (``plan_encoder_work``; without a pipeline,
+  on top of each rank's LLM work on the micro-batch, as the runtime's resharder plans). ``Scenario.assume`` names
+  capabilities the runtime lacks that a run may simulate instead (see ``ASSUMPTIONS``).
   Its ablations switch off multiplexing (encoders on stage 0's GPUs, still planned with LSSP), reordering (arrival
   order) or LSSP (``enc_sp=1``).
 
@@ -180,8 +181,9 @@ class Simulation:
         self.flops = cluster.effective_flops
         self.encoder_params = encoder_params(config, "vision") + encoder_params(config, "audio")
         self.llm_params = llm_params(config)
-        # The loader plan of a (step, reorder group) is the same for omni and the ablations that keep reordering.
-        self._loader_plans: dict[tuple[int, int], _LoaderPlan] = {}
+        # The loader plan of a (step, reorder group) is the same for omni and the ablations that keep reordering and
+        # shape micro-batches alike (on the LLM's cost under the joint pipeline, on the whole cost else).
+        self._loader_plans: dict[tuple[int, int, bool], _LoaderPlan] = {}
         # Each replica-step's stage and peer of every item (the joint pipeline's plan), by (step, replica, multiplex,
         # reorder).
         self._item_plans: dict[tuple[int, int, bool, bool], tuple[np.ndarray, np.ndarray]] = {}
@@ -360,8 +362,9 @@ class Simulation:
         the first stage's. Then, per insertion (stage, peer, micro-batch), the resharder plans the items of that
         position of every data-parallel replica over the data-parallel ranks
         (:func:`~omni_lightning.balance.reshard.plan_encoder_work`, long items split over ``enc_sp`` consecutive
-        data-parallel ranks, which sit ``cp * tp`` GPUs apart), keeping each rank's own items unless that lowers
-        the slowest rank's work by more than 5% (the runtime resharder's ``min_gain``). Each insertion runs the
+        data-parallel ranks, which sit ``cp * tp`` GPUs apart; without a pipeline, on top of each GPU's share of its
+        micro-batch's LLM work), keeping each rank's own items unless that lowers the slowest rank's work by more
+        than 5% (the runtime resharder's ``min_gain``). Each insertion runs the
         items planned there, whole or as their SP shares, at the micro-batch they belong to (with
         ``even_encoder_slices``: each GPU's step of encoder work spread evenly over its insertions), and a stage
         moves at the pace of its busiest peer. Not modelled: the resharder's collectives make the replicas wait
@@ -424,9 +427,13 @@ class Simulation:
             for chunk in np.split(by_position, bounds) if by_position.size else []:
                 key = int(position[chunk[0]])
                 costs = pool.item_cost[items[chunk]]
-                plan = reshard.plan_encoder_work(costs, replica[chunk], n_ranks=replicas, enc_sp=enc_sp)
+                # Without a pipeline every GPU runs its encoders and then its share of the LLM on the micro-batch,
+                # and the resharder balances the two together.
+                base = llm_cost[:, key % micro] / peers if pp == 1 else np.zeros(replicas)
+                plan = reshard.plan_encoder_work(costs, replica[chunk], n_ranks=replicas, enc_sp=enc_sp, base=base)
                 kept = np.bincount(replica[chunk], weights=costs, minlength=replicas)
-                if kept.max() <= plan.rank_cost.max() * 1.05:  # the runtime resharder's min_gain: nothing moves
+                # The runtime resharder's min_gain: nothing moves.
+                if (base + kept).max() <= (base + plan.rank_cost).max() * 1.05:
                     plan = reshard.EncoderPlan(replica[chunk].copy(), np.full(chunk.size, -1), np.ones(chunk.size,
                                                dtype=np.int64), kept, 0)
                 comm, tokens, big = self._encoder_traffic(plan, items[chunk], dp_gpu[replica[chunk]], dp_gpu)
@@ -579,8 +586,10 @@ class Simulation:
 
         Balanced: as the runtime's loader, each reorder group plans ``layout.group_steps`` steps together (every
         rank buffers that many steps of reads; ``OmniDataModule(group_steps=8)``), so a sample may train in another
-        step of its group than the one it was read in. ``plan_reorder_group`` runs over the group on the LLM cost
-        (each rank-step's micro-batches shaped for 1F1B as ``Scenario.pipeline_search`` says), samples whole; with
+        step of its group than the one it was read in. ``plan_reorder_group`` runs over the group on each sample's
+        whole cost, LLM and encoders, as the runtime's loader prices it (under the joint pipeline a rank-step's
+        micro-batches are balanced on their LLM cost alone and shaped for 1F1B as ``Scenario.pipeline_search``
+        says), samples whole; with
         ``--assume cp_sample_split``, after splitting any sequence whose LLM cost exceeds a micro-batch's fair share
         into context-parallel pieces (at most the balance group's size).
         Unbalanced: what each rank read in this step, in arrival order, whole.
@@ -595,8 +604,9 @@ class Simulation:
                 micro.append([[offset + j for j in batch] for batch in draw.micro_batches[r]])
                 offset += draw.samples[r].size
             return micro, [(j, 1.0) for j in range(ids.size)], ids
-        if (step, group) in self._loader_plans:
-            return self._loader_plans[step, group]
+        joint = layout.pp > 1 and options.multiplex
+        if (step, group, joint) in self._loader_plans:
+            return self._loader_plans[step, group, joint]
         first = step - step % layout.group_steps
         planned = range(first, min(first + layout.group_steps, len(self.draws)))
         ids = np.concatenate([self.draws[k].samples[r] for k in planned for r in ranks])
@@ -604,6 +614,7 @@ class Simulation:
                                  for i, r in enumerate(ranks)])
         cost, tokens = pool.llm[ids], pool.tokens[ids]
         share = float(cost.sum()) / (self.group * layout.micro_batches * len(planned))
+        whole = cost + pool.encoder[ids]
         if "cp_sample_split" in self.scenario.assume:
             degree = _split(cost, tokens, share, self.group)
         else:  # the runtime trains every sample whole on its rank (its context parallelism is the mesh's cp)
@@ -612,16 +623,18 @@ class Simulation:
         piece_share = np.repeat(1.0 / degree, degree)
         piece_tokens = np.ceil(np.repeat(tokens / degree, degree)).astype(np.int64)
         plan = reorder.plan_reorder_group(
-            pool.llm[ids[piece_read]] * piece_share, piece_tokens, np.repeat(owners, degree),
+            whole[piece_read] * piece_share, piece_tokens, np.repeat(owners, degree),
             np.zeros(piece_read.size), n_ranks=self.group,
+            micro_batch_costs=cost[piece_read] * piece_share if joint else None,
             config=reorder.ReorderConfig(steps=len(planned), micro_batches=layout.micro_batches,
                                          token_budget=layout.seq_len, pp=layout.pp,
                                          pipeline_order="search" if self.scenario.pipeline_search else "ramp"),
             seed=self.scenario.seed, epoch=first // layout.group_steps, group_index=group)
         pieces = list(zip(piece_read.tolist(), piece_share.tolist(), strict=True))
         for k in planned:
-            self._loader_plans[k, group] = [plan.micro_batches[i][k - first] for i in range(self.group)], pieces, ids
-        return self._loader_plans[step, group]
+            self._loader_plans[k, group, joint] = ([plan.micro_batches[i][k - first] for i in range(self.group)],
+                                                   pieces, ids)
+        return self._loader_plans[step, group, joint]
 
     def _encoder_traffic(self, plan: reshard.EncoderPlan, items: np.ndarray, home: np.ndarray, gpu_of: np.ndarray
                          ) -> tuple[np.ndarray, np.ndarray, float]:
