@@ -113,9 +113,11 @@ class LocalEncoders:
         shares = {name: _Share(model, batch, name, self.peers) for name in model.encoders}
         steps = None
         if self.resharder is not None:
+            # An encoder pool's resharder plans encoder work alone: its batches carry no LLM sequences.
+            work = llm_work(batch) if self.resharder.llm is not None else (0, 0)
             steps = self.resharder.plan({name: share.own_tokens for name, share in shares.items()},
                                         {name: encoder.tokens_per_output for name, encoder in model.encoders.items()},
-                                        llm_work(batch))
+                                        work)
         encoded: dict[str, tuple[torch.Tensor, ...]] = {}
         previous: torch.Tensor | None = None  # one chain of data dependencies orders the collectives in backward
         for name, encoder in model.encoders.items():
@@ -161,5 +163,8 @@ class _Share:
             self.owner = split_items(cost.linear * tokens + cost.quadratic * tokens.astype(np.float64) ** 2,
                                      peers.size)
             mine = np.flatnonzero(self.owner == peers.rank)
-        self.own_inputs = select_items(inputs, rows, mine) if mine.size else None
+        if mine.size == tokens.size:  # every item is this peer's: the inputs as they are, no copy
+            self.own_inputs: tuple[torch.Tensor, ...] | None = inputs if mine.size else None
+        else:
+            self.own_inputs = select_items(inputs, rows, mine) if mine.size else None
         self.own_tokens = torch.as_tensor(tokens[mine], dtype=torch.int64, device=self.device)

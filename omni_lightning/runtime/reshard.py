@@ -179,14 +179,20 @@ class Resharder:
         owners = np.repeat(np.arange(self.n_ranks), [len(x) for x in per_rank])
         cost = self.costs[name]
         item_costs = cost.linear * item_lengths + cost.quadratic * item_lengths.astype(np.float64) ** 2
+        unbalanced = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, reshard=False)
+        peak_in_place = (base + unbalanced.rank_cost).max()
         prices = None
         if self.traffic is not None and self.link is not None:
             prices = item_prices(item_lengths, self.traffic[name], self.link, enc_sp=self.enc_sp)
-        plan = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, enc_sp=self.enc_sp, prices=prices,
-                                 base=base)
-        unbalanced = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, reshard=False)
-        peak, peak_in_place = (base + plan.rank_cost).max(), (base + unbalanced.rank_cost).max()
-        if plan.moved == 0 or peak_in_place <= peak * (1.0 + self.min_gain):
+        # No plan that moves anything beats the mean rank's work, or the busiest rank's base, plus the exchange it
+        # costs every rank: where keeping every item home is within min_gain of that, there is nothing to plan.
+        floor = max(float(base.sum() + item_costs.sum()) / self.n_ranks, float(base.max()))
+        floor += prices.exchange if prices is not None else 0.0
+        plan = None
+        if peak_in_place > floor * (1.0 + self.min_gain):
+            plan = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, enc_sp=self.enc_sp, prices=prices,
+                                     base=base)
+        if plan is None or plan.moved == 0 or peak_in_place <= (base + plan.rank_cost).max() * (1.0 + self.min_gain):
             # Already about as even as resharding would make it (e.g. the loader balanced the samples): every rank
             # encodes its own items and nothing travels.
             return EncoderStep(None, own, unbalanced.rank_cost, unbalanced.rank_cost, 0, 0), [1]

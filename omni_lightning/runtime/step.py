@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from omni_lightning.balance.cost import ModuleCost
 from omni_lightning.balance.reshard import EncoderTraffic, resolve_link
 from omni_lightning.batch import IGNORE_INDEX, PackedBatch
 from omni_lightning.models.mllm import ReferenceMLLM
@@ -430,10 +431,19 @@ def _resharder(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, o
     each rank runs its encoders and then the LLM on the same micro-batch, so the plan balances the two together."""
     meshes = layout.meshes
     assert meshes.encoder_group is not None
-    costs = {name: encoder.cost() for name, encoder in model.encoders.items()}
-    llm = {"llm": model.llm.cost(), "llm_share": 1.0 / (layout.dims.cp * layout.dims.tp)} if on_llm else {}
-    return Resharder(meshes.encoder_group, meshes.encoder_sp_blocks, costs, enc_sp=layout.dims.enc_sp,
-                     **llm, **_reshard_pricing(model, layout, device, options))
+    prices = layout.cost_model
+    llm_cost = prices.llm if prices is not None else model.llm.cost()
+    llm = {"llm": llm_cost, "llm_share": 1.0 / (layout.dims.cp * layout.dims.tp)} if on_llm else {}
+    return Resharder(meshes.encoder_group, meshes.encoder_sp_blocks, _encoder_costs(model, layout),
+                     enc_sp=layout.dims.enc_sp, **llm, **_reshard_pricing(model, layout, device, options))
+
+
+def _encoder_costs(model: ReferenceMLLM, layout: OmniLayout) -> dict[str, ModuleCost]:
+    """What the resharder prices this rank's encoders' items by: the layout's cost model (the strategy's
+    ``cost_model``, which the loader's plan prices by too), else each encoder's FLOPs."""
+    if layout.cost_model is not None:
+        return {name: layout.cost_model.module(name) for name in model.encoders}
+    return {name: encoder.cost() for name, encoder in model.encoders.items()}
 
 
 def _reshard_pricing(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, options: StepOptions
@@ -521,13 +531,13 @@ def _pool_step(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, o
                               compile_backend=options.compile_backend)
         resharder = None
         if pool.group is not None and layout.reshard:
-            costs = {name: encoder.cost() for name, encoder in model.encoders.items()}
-            resharder = Resharder(pool.group, pool.sp_blocks, costs, enc_sp=max(pool.sp_blocks, default=1),
+            resharder = Resharder(pool.group, pool.sp_blocks, _encoder_costs(model, layout),
+                                  enc_sp=max(pool.sp_blocks, default=1),
                                   **_reshard_pricing(model, layout, device, options))
         worker = EncoderPoolWorker(pool.layout, pool.streams, LocalEncoders(model, resharder), model.packing,
                                    device=device, dtype=dtype)
         return PoolEncoderStep(model, worker, side, device)
-    costs = dict(model.cost_model().encoders)
+    costs = dict((layout.cost_model or model.cost_model()).encoders)
     for name in model.encoder_names:
         delattr(model, name)
     link = None

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.reshard import LinkCost
 from omni_lightning.data.failure_notice import FailureNotice
 from omni_lightning.data.resumable import commit_consumed
@@ -90,6 +91,11 @@ class OmniStrategy(ModelParallelStrategy):
             ``"auto"`` (Gloo between CPU processes, NCCL over NVLink on GPUs:
             :data:`~omni_lightning.balance.reshard.CPU_GLOO`, :data:`~omni_lightning.balance.reshard.GPU_NVLINK`), a
             measured :class:`~omni_lightning.balance.reshard.LinkCost`, or ``"compute_only"`` (traffic is free).
+        cost_model: what the model's modules cost on this hardware, for every plan: ``OmniDataModule``'s reorder
+            (unless it is given its own) and the resharder's. Default: the model's training FLOPs
+            (``module.cost_model()``). FLOPs misjudge encoders against the LLM where speed depends on shapes; a
+            model fitted to measured steps (:func:`~omni_lightning.balance.cost.fit_cost_model`) fixes that. Its
+            unit must be the link's: FLOPs at ``link_cost``'s ``flops_per_s`` (scale a fit in seconds by it).
         pp_schedule: pipeline schedule when ``pp > 1``: ``"1F1B"``, ``"GPipe"``, ``"Interleaved1F1B"`` or
             ``"InterleavedZeroBubble"`` (the last two run ``pp_virtual_stages`` stages per rank).
         pp_microbatches: micro-batches per step in the pipeline (default ``pp``); each training batch is cut into
@@ -152,6 +158,7 @@ class OmniStrategy(ModelParallelStrategy):
         encoder_reshard: bool | None = None,
         encoder_balance: bool | None = None,
         link_cost: LinkCost | Literal["auto", "compute_only"] = "auto",
+        cost_model: CostModel | None = None,
         pp_schedule: str = "1F1B",
         pp_microbatches: int | None = None,
         pp_virtual_stages: int = 1,
@@ -196,6 +203,7 @@ class OmniStrategy(ModelParallelStrategy):
         self._stepping = self._synced = False  # inside an optimizer step's closure; its gradients reduced already
         self._encoder_reshard = encoder_reshard
         self._link_cost = link_cost
+        self._cost_model = cost_model
         self._parallel_dims: ParallelDims | None = None
         self._pool_layout: PoolLayout | None = None
         self._layout: OmniLayout | None = None
@@ -348,8 +356,10 @@ class OmniStrategy(ModelParallelStrategy):
         layout = build_layout(dims, self.root_device.type, pipeline=self.pipeline_settings,
                               placement=self.placement_settings, reshard=self.encoder_reshard, pool=pool,
                               pool_enc_sp=self._enc_sp, link_cost=self._link_cost)
+        layout.cost_model = self._cost_model
         if isinstance(module, OmniModule):  # what the data module's plans price and pack by
-            layout.cost_model, layout.packing = module.cost_model(), module.packing()
+            layout.cost_model = self._cost_model if self._cost_model is not None else module.cost_model()
+            layout.packing = module.packing()
             module.omni_layout = layout
         if isinstance(datamodule := getattr(module.trainer, "datamodule", None), OmniDataModule):
             datamodule.omni_layout = layout
