@@ -17,11 +17,6 @@ fork-started CPU processes, under
   the LLM pool's data-parallel ranks read ``samples_per_step * ranks`` samples a step between them (from the same
   shards, split over fewer readers, so its timed steps hold other samples than (a)-(d)'s, which hold the same).
 
-(c) and (d) price their plans as a user who calibrated OmniStrategy on this machine would
-(``OmniStrategy(cost_model=...)``, which both the loader and the resharder read): with a cost model fitted to the
-training-thread CPU that (a)'s and (b)'s first runs measured (they run first, on the same samples), because FLOPs
-misjudge the encoders against the LLM on a CPU (``--flops``: price by the model's FLOPs instead).
-
 This machine has 2 cores and runs more ranks than that, so wall time is not what dedicated devices would see. Each
 rank's time per step is CPU time, which a rank blocked in a collective does not spend. It is counted in three parts
 over the interval from the end of one step to the end of the next: *train*, the training thread's CPU inside the
@@ -46,7 +41,7 @@ Results go to ``benchmarks/results/e2e.json`` (``--out``) and a plot of per-rank
 (needs the ``bench`` extra: matplotlib).
 
     python benchmarks/e2e.py [--workload FILE] [--ranks 4] [--steps 16] [--group-steps 4] [--repeats 2] [--quick]
-                             [--no-pools] [--flops] [--out NAME]
+                             [--no-pools] [--out NAME]
 
 ``--model hf`` runs the Hugging Face comparison instead ((f) what a Lightning user writes for a Qwen2.5-VL
 checkpoint against (g) OmniStrategy with everything on: see ``benchmarks/e2e_hf.py``, which takes its own arguments).
@@ -75,8 +70,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 
 from omni_lightning import OmniDataModule, OmniModule, OmniStrategy, ReferenceMLLM, WebDataModule
-from omni_lightning.balance.cost import CostModel, ModuleCost
-from omni_lightning.balance.reshard import CPU_GLOO
+from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.workload import SampleMeta
 from omni_lightning.batch import BYTE_ROLES
 from omni_lightning.data.synthetic import make_synthetic_shards
@@ -239,25 +233,13 @@ class _Throughput(pl.Callback):
                                              "wall": self.wall, "tokens": self.tokens, "samples": self.samples}))
 
 
-def calibrate(records: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> CostModel:
-    """What (c) and (d) price by: a cost model fitted to the training-thread CPU of (a)'s and (b)'s first runs (the
-    same samples, split as each rank read them), as a user calibrates ``OmniStrategy(cost_model=...)`` on their
-    hardware; in the link's unit, FLOPs at :data:`~omni_lightning.balance.reshard.CPU_GLOO`'s rate."""
-    first = {name: summarize(records[name][:1], args) for name in "ab"}
-    fitted, _ = fit_to_runs(first, ("a", "b"), slice(None))
-    rate = CPU_GLOO.flops_per_s
-    return CostModel(**{name: ModuleCost(fitted.module(name).linear * rate, fitted.module(name).quadratic * rate)
-                        for name in fitted.modules})
-
-
 def encoder_pool(args: argparse.Namespace, cost_model: CostModel) -> int:
     """(e)'s encoder ranks: the pool solver's choice for this model and workload, as the shards draw it."""
     return size_encoder_pool(CONFIG, args.workload, world_size=args.ranks, llm_unit=1, tp=1,
                              seq_len=args.max_llm_tokens, length_scale=args.length_scale, cost_model=cost_model)
 
 
-def run(name: str, shards: str, args: argparse.Namespace, out: Path, pool: int = 0,
-        cost_model: CostModel | None = None) -> dict[str, Any]:
+def run(name: str, shards: str, args: argparse.Namespace, out: Path, pool: int = 0) -> dict[str, Any]:
     os.environ["MASTER_PORT"] = str(free_port())
     monitor = LoadMonitor()
     clock = _StepClock()
@@ -279,8 +261,7 @@ def run(name: str, shards: str, args: argparse.Namespace, out: Path, pool: int =
         data: pl.LightningDataModule = WebDataModule(shards, batch_size=args.samples_per_step, seed=args.seed)
     else:
         strategy = OmniStrategy(launcher="fork", timeout=600, encoder_reshard=name == "d",
-                                enc_sp=args.enc_sp if name == "d" else 1,
-                                cost_model=cost_model if name in "cd" else None)
+                                enc_sp=args.enc_sp if name == "d" else 1)
         module = OmniModule(CONFIG, init_seed=args.seed)
         data = OmniDataModule(shards, samples_per_step=args.samples_per_step, group_steps=args.group_steps,
                               reorder="none" if name == "b" else "grouped", reorder_group_size=None,
@@ -388,8 +369,6 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="first steps left out (allocator and import warm-up)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-pools", action="store_true", help="skip (e), the disaggregated placement")
-    parser.add_argument("--flops", action="store_true",
-                        help="(c) and (d) price by the model's FLOPs instead of a cost model fitted to (a) and (b)")
     parser.add_argument("--out", default="e2e", help="name of the result files under benchmarks/results/")
     args = parser.parse_args()
     if args.quick:
@@ -413,12 +392,9 @@ def main() -> None:
         shards = f"{scratch}/train-{{000000..{shard_count - 1:06d}}}.tar"
         # Repeats interleave the configurations, so that a slow spell of this shared machine hits all of them.
         records: dict[str, list[dict[str, Any]]] = {name: [] for name in "abcd"}
-        calibrated: CostModel | None = None
         for _ in range(args.repeats):
             for name in records:
-                if name == "c" and calibrated is None and not args.flops:
-                    calibrated = calibrate(records, args)
-                records[name].append(run(name, shards, args, Path(scratch), cost_model=calibrated))
+                records[name].append(run(name, shards, args, Path(scratch)))
         results = {name: summarize(runs, args) for name, runs in records.items()}
         repeats_of_a = [summarize([record], args) for record in records["a"][:2]]
         timed = {name: sorted(json.dumps(meta, sort_keys=True) for step in result["per_rank_samples"]
