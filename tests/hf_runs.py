@@ -22,6 +22,7 @@ from lightning_runs import RecordBatches, RecordRun, fit, merged_grads
 from PIL import Image
 
 from omni_lightning import OmniDataModule, OmniModule
+from omni_lightning.balance.cost import ModuleCost
 from omni_lightning.batch import IGNORE_INDEX
 from omni_lightning.models.pretrained import build_pretrained
 
@@ -218,6 +219,11 @@ def run_against_hf(tmp_path: Path, checkpoint: Path, shards: str, layout: dict[s
     trained on the same global batches (each step's samples wherever reordering put them)."""
     module = OmniModule(pretrained=str(checkpoint), learning_rate=LEARNING_RATE, **module_kwargs)
     data = OmniDataModule(shards, samples_per_step=samples_per_step, group_steps=2)
+    if int(layout.get("enc_sp", 1)) > 1:
+        # Priced with the LLM free, the resharder evens out the encoder work alone and splits these tiny models'
+        # long items, whose parity with the HF model is what the SP layouts check (on the LLM's work as a base, the
+        # plan would keep them whole).
+        layout = {"cost_model": module.cost_model().replace(llm=ModuleCost(0.0, 0.0)), **layout}
     fit(tmp_path, shards, Path("unused"), layout=layout, devices=ranks, max_steps=steps, module=module,
         datamodule=data, callbacks=[RecordRun(tmp_path, grads=True), RecordBatches(tmp_path),
                                     RecordEncoderPlans(tmp_path)])
