@@ -14,6 +14,7 @@ import pickle
 import re
 import tarfile
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -155,10 +156,12 @@ def sample_members(members: list[tarfile.TarInfo], index: int) -> list[tarfile.T
 
 
 class RecordPlans:
-    """Wraps ``ReorderedStream._plan`` on one instance to keep every group's plan."""
+    """Wraps ``ReorderedStream._plan`` on one instance to keep every group's plan (planned on the training thread,
+    so that the plans kept are those of the batches taken: planning ahead is tested in test_reorder_exchange.py)."""
 
     def __init__(self, stream: ReorderedStream) -> None:
         self.plans: list[Any] = []
+        stream.settings = replace(stream.settings, plan_ahead=False)
         original = stream._plan
 
         def plan(*args: Any) -> Any:
@@ -388,7 +391,8 @@ def test_bad_samples_are_skipped_counted_and_logged(bad_shards: dict[str, Any],
     """One sample per step and group: every record of the epoch becomes exactly one micro-batch (a bad one an
     empty, loss-free filler), so the steps of all ranks would stay aligned."""
     paths = bad_shards["paths"]
-    stream = balanced(paths, samples_per_step=1, group_steps=1)
+    # Read group by group: a group read ahead would log its own bad samples before its batches are taken.
+    stream = balanced(paths, samples_per_step=1, group_steps=1, plan_ahead=False)
     order = stream.loader.dataset.epoch_shards(0, 0)
     expected = [key for path in order for key in bad_shards["expected"][path]]
     with caplog.at_level(logging.WARNING, logger=BALANCE_LOG):

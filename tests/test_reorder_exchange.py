@@ -1,9 +1,11 @@
 """ReorderedStream's collectives: the wire format of moved samples, one metadata gather per group (two only when a
-buffer outgrows a group), one payload exchange per group, none when nothing moves."""
+buffer outgrows a group), one payload exchange per group, none when nothing moves; planning ahead on a background
+thread changes nothing a step trains on or a checkpoint holds."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -116,7 +118,8 @@ def _world_collectives(rank: int, world_size: int, shards: str) -> None:
         samples = SampleStream(paths, dp_rank=rank, dp_size=world_size, batch_size=1, packing=PACK)
         loader = StatefulDataLoader(samples, batch_size=None, collate_fn=lambda item: item)
         stream = ReorderedStream(loader, group=dist.group.WORLD, group_index=0, cost_model=COST,
-                                settings=ReorderSettings(samples_per_step=2, group_steps=3, reorder=balance),
+                                settings=ReorderSettings(samples_per_step=2, group_steps=3, reorder=balance,
+                                                         plan_ahead=False),  # counted group by group
                                 packing=PACK)
         calls.clear()
         iterator = iter(stream)
@@ -129,6 +132,55 @@ def _world_collectives(rank: int, world_size: int, shards: str) -> None:
 @pytest.mark.distributed
 def test_one_payload_exchange_per_group_and_none_when_nothing_moves(tiny_shards: str) -> None:
     run_distributed(_world_collectives, 3, tiny_shards)
+
+
+def _shard_stream(shards: str, rank: int, world_size: int, *, plan_ahead: bool) -> ReorderedStream:
+    samples = SampleStream(existing_shards(shards), dp_rank=rank, dp_size=world_size, batch_size=1, packing=PACK)
+    loader = StatefulDataLoader(samples, batch_size=None, collate_fn=lambda item: item)
+    return ReorderedStream(loader, group=dist.group.WORLD, group_index=0, cost_model=COST, packing=PACK,
+                           settings=ReorderSettings(samples_per_step=2, group_steps=3, plan_ahead=plan_ahead))
+
+
+def _trained(batch: dict[str, Any]) -> tuple[Any, ...]:
+    stats = {k: v for k, v in batch["reorder"].items() if k != "reorder_seconds"}  # a wall time
+    return batch["input_ids"].tolist(), batch["labels"].tolist(), stats, batch["step"], batch["data"]
+
+
+def _world_plan_ahead(rank: int, world_size: int, shards: str) -> None:
+    threads: list[str] = []
+    gather = dist.all_gather_single
+
+    def named(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return gather(*args, **kwargs)
+
+    dist.all_gather_single = named  # type: ignore[assignment]
+    runs = {}
+    for plan_ahead in (False, True):
+        stream = _shard_stream(shards, rank, world_size, plan_ahead=plan_ahead)
+        iterator = iter(stream)
+        batches, states = [], []
+        for _ in range(12):  # four groups of three steps
+            batches.append(_trained(next(iterator)))
+            states.append(stream.state_dict())
+        iterator.close()  # waits for the fifth group, planned ahead
+        runs[plan_ahead] = batches, states
+    assert runs[True] == runs[False], "planning ahead changed what trained, or what a checkpoint holds"
+    # Without planning ahead, every group is planned on the training thread; with it, all but the first elsewhere.
+    main = threading.main_thread().name
+    assert threads[:8] == [main] * 8 and threads[8:10] == [main] * 2 and set(threads[10:]) == {"omni-plan-ahead"}
+    assert len(threads[10:]) == 2 * 4, "the first group on the training thread, four more planned ahead"
+    # Resuming mid-group from a state taken while the next group was being planned ahead.
+    resumed = _shard_stream(shards, rank, world_size, plan_ahead=True)
+    resumed.load_state_dict(runs[True][1][4])
+    iterator = iter(resumed)
+    assert [_trained(next(iterator)) for _ in range(7)] == runs[False][0][5:]
+    iterator.close()
+
+
+@pytest.mark.distributed
+def test_planning_ahead_trains_and_checkpoints_what_planning_in_step_does(tiny_shards: str) -> None:
+    run_distributed(_world_plan_ahead, 2, tiny_shards)
 
 
 class _FailingLoader:

@@ -6,6 +6,11 @@ rank's next samples, all-gathers their integer metadata over the reorder group, 
 ``all_to_all_single``, and then yields that rank's packed micro-batches, step by step. Those two are the only
 collectives of a group (a second gather only when carried samples overfill a buffer): every rank waits in each
 for the slowest, so each one more would be another stall per group.
+
+By default the next group is read, planned and exchanged on a background thread while the current one trains
+(``ReorderSettings.plan_ahead``), so none of that is on the step's critical path. That is safe because the reorder
+group is a gloo group of its own, used by nothing else (the layout creates it for the loader): its collectives,
+issued by one thread in every member, never meet the training thread's.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import logging
 import math
 import pickle
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -71,6 +78,9 @@ class ReorderSettings:
         llm_micro_batches: balance a step's micro-batches on their LLM cost alone: under the joint pipeline the
             encoder work of a micro-batch is spread over every stage and does not shape the pipeline.
         link: prices the payload exchange (``ReorderConfig.link``); ``None``: compute alone.
+        plan_ahead: read, plan and exchange the next group on a background thread while the current one trains, so
+            that planning is off the step's critical path; ``False`` does it on the training thread between groups.
+            Either way the plans, the samples and the resumable positions are the same.
     """
 
     samples_per_step: int
@@ -84,6 +94,7 @@ class ReorderSettings:
     pipeline_order: PipelineOrder = "disttrain"
     llm_micro_batches: bool = False
     link: LinkCost | None = None
+    plan_ahead: bool = True
 
     def __post_init__(self) -> None:
         if self.samples_per_step < 1 or self.group_steps < 1 or self.micro_batches < 1:
@@ -205,6 +216,66 @@ class _Wire:
                              targets=arrays[-1] if rendered else None, media_order=media_order, source=source)
 
 
+@dataclass
+class _PlannedGroup:
+    """A group read, planned and exchanged: what training its steps needs, and what the next group carries."""
+
+    start: dict[str, Any]  # where it began: the loader's state, the carried samples, its number
+    read_counts: dict[str, int]  # samples skipped, truncated and dropped while reading it
+    gathered: np.ndarray  # every member's metadata rows
+    plan: GroupPlan
+    samples: dict[int, DecodedSample]  # this rank's to train, by id (its own and those received)
+    deltas: list[PositionDelta]  # what each step moves this rank's position by
+    carry: list[bytes]  # this rank's leftovers, into the next group
+    seconds: float  # wall time of reading, planning and exchanging it
+
+
+class _Pending:
+    """A group being planned on the planning thread."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._planned: _PlannedGroup | None = None
+        self._error: BaseException | None = None
+
+    def run(self, plan: Callable[..., _PlannedGroup], *args: Any) -> None:
+        try:
+            self._planned = plan(*args)
+        except BaseException as error:  # raised where the training thread takes the group
+            self._error = error
+        finally:
+            self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+
+    def result(self) -> _PlannedGroup:
+        self.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._planned is not None
+        return self._planned
+
+
+class _PlanningThread:
+    """The stream's background thread, planning one group at a time. One long-lived thread (not one per group) so
+    that its CPU is one clock to read; a daemon, so that a process leaving while a group is still being planned (the
+    job ended or failed) is not held by it."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="omni-plan-ahead", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            self._jobs.get()()
+
+    def submit(self, plan: Callable[..., _PlannedGroup], *args: Any) -> _Pending:
+        pending = _Pending()
+        self._jobs.put(lambda: pending.run(plan, *args))
+        return pending
+
+
 class ReorderedStream:
     """Yields this rank's packed micro-batches, planned group by group with the other ranks of its reorder group.
 
@@ -243,6 +314,8 @@ class ReorderedStream:
         self.decode = decode
         self.notice = notice
         self._decoders: ThreadPoolExecutor | None = None
+        self._planner: _PlanningThread | None = None
+        self._ahead: _Pending | None = None
         self.group = group
         self.group_index = group_index
         self.cost_model = cost_model
@@ -264,6 +337,7 @@ class ReorderedStream:
         return dict(self._state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._stop_planning_ahead()  # it reads the loader this state replaces
         self.loader.load_state_dict(state["loader"])
         self._state = dict(state)
         self.counters.update(state["counters"])
@@ -282,91 +356,124 @@ class ReorderedStream:
         samples = getattr(self.loader, "dataset", None)
         if not callable(getattr(samples, "resume_from", None)):
             raise PositionMismatch("this rank's samples (a custom train_samples()) cannot start from a shard position")
+        self._stop_planning_ahead()
         mine = samples.resume_from(position)
         self._state = {"loader": self.loader.state_dict(), "carry": [], "group": 0,
                        "counters": dict(self.counters), "yielded": 0}
         return mine
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        if self._decoders is not None:  # a re-iteration abandons the group being decoded
+        self._stop_planning_ahead()  # a re-iteration abandons the group planned ahead, and the one being decoded
+        if self._decoders is not None:
             self._decoders.shutdown(wait=True, cancel_futures=True)
             self._decoders = None
         # Start where the current group began (a fresh start, a resume, or a re-iteration all land there).
         self.loader.load_state_dict(self._state["loader"])
         records = iter(self.loader)
-        group_number, skip = self._state["group"], self._state["yielded"]
-        carry: list[bytes] = list(self._state["carry"])
-        while True:
-            group_start = {
-                "loader": self.loader.state_dict(), "carry": list(carry), "group": group_number,
-                "counters": dict(self.counters),
+        number, skip = self._state["group"], self._state["yielded"]
+        try:
+            planned = self._plan_group(records, list(self._state["carry"]), number)
+            while True:
+                if self.settings.plan_ahead:
+                    self._planner = self._planner or _PlanningThread()
+                    self._ahead = self._planner.submit(self._plan_group, records, planned.carry, number + 1)
+                yield from self._train_group(planned, skip)
+                ahead, self._ahead = self._ahead, None
+                planned = (ahead.result() if ahead is not None
+                           else self._plan_group(records, planned.carry, number + 1))
+                number, skip = number + 1, 0
+        finally:
+            self._stop_planning_ahead()
+
+    def _stop_planning_ahead(self) -> None:
+        """Wait for the group being planned ahead and drop it. Its collectives meet only the other members' planning
+        threads, which plan the same group whatever their training threads do, so the wait ends."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.wait()
+
+    def _plan_group(self, records: Iterator[Any], carry: list[bytes], number: int) -> _PlannedGroup:
+        """Read group ``number`` behind the carried samples, gather every member's metadata, plan, check that the
+        members agree, and exchange the payloads the plan moves. Touches no state the training thread reads, so it
+        can run ahead on another thread while the previous group trains."""
+        start = {"loader": self.loader.state_dict(), "carry": list(carry), "group": number}
+        started = time.perf_counter()
+        counts = dict.fromkeys(("skipped", "truncated", "dropped"), 0)
+        samples = [pickle.loads(b) for b in carry]
+        failure, fresh = None, []
+        try:
+            fresh = [next(records) for _ in range(self._fresh_count(len(carry)))]
+            samples += [self._admit(record, counts) for record in fresh]
+        except Exception as error:  # a setting the data contradicts: every member of the group must stop
+            failure, samples = error, []
+        # Only a group of ranks that plans moves can send a payload; others skip serialising.
+        moves = self.group is not None and self.settings.reorder
+        wires = [_Wire(s) if moves and s is not None else None for s in samples]
+        gathered = self._all_gather(self._rows(samples, wires), failure)
+        plan = self._plan(gathered, number)
+        check_plans_agree("loader's reordering plan", _assignment_digest(plan), self.group,
+                          device=torch.device("cpu"))  # a gloo group: the loader exchanges host tensors
+        owned = self._owned_ids(gathered)
+        local = {i: samples[i - owned.start] for i in owned if samples[i - owned.start] is not None}
+        outgoing = {i: wires[i - owned.start] for i in local}
+        everything = {**local, **self._exchange(outgoing, gathered, plan)}
+        return _PlannedGroup(
+            start=start, read_counts=counts, gathered=gathered, plan=plan, samples=everything,
+            deltas=self._position_deltas(fresh, samples[len(samples) - len(fresh):], local, plan),
+            carry=[pickle.dumps(local[i], protocol=pickle.HIGHEST_PROTOCOL) for i in plan.leftover if i in local],
+            seconds=time.perf_counter() - started,
+        )
+
+    def _train_group(self, planned: _PlannedGroup, skip: int) -> Iterator[dict[str, Any]]:
+        """This rank's packed micro-batches of a planned group, after the first ``skip`` (already trained)."""
+        # The counters as they stood before the group was read, then its reading and plan counted, as if it had
+        # been read only now: a resume from this group's start replays its reading.
+        group_start = {**planned.start, "counters": dict(self.counters)}
+        for name, count in planned.read_counts.items():
+            self.counters[name] += count
+        plan, gathered, rank = planned.plan, planned.gathered, self._rank()
+        self.counters["samples_moved"] += plan.samples_moved
+        self.counters["bytes_moved"] += plan.bytes_moved
+        yielded = 0
+        # Skips while reading count in the group's first step (they happened while reading it).
+        read_skips = planned.read_counts["skipped"]
+        decoded = self._decode_in_background(planned.samples, plan.micro_batches[rank])
+        for step, micro_batches in enumerate(plan.micro_batches[rank]):
+            trained = [[s for s in (self._take(decoded, i) for i in ids) if s is not None] for ids in micro_batches]
+            # A payload that did not decode as planned is skipped in the step that planned it.
+            decode_skips = sum(len(ids) for ids in micro_batches) - sum(len(s) for s in trained)
+            self.counters["skipped"] += decode_skips
+            step_mean = float(plan.step_cost[:, step].mean()) or 1.0
+            encoder, llm = self._module_costs(gathered, [i for ids in micro_batches for i in ids])
+            stats = {  # relative to the step's mean over the reorder group's ranks
+                "predicted_cost": float(plan.step_cost[rank, step]) / step_mean,
+                "predicted_encoder_cost": encoder / step_mean,
+                "predicted_llm_cost": llm / step_mean,
+                "predicted_imbalance": float(plan.step_cost[:, step].max()) / step_mean,
+                "reorder_seconds": planned.seconds,
+                **{k: float(v) for k, v in self.counters.items()},
             }
-            started = time.perf_counter()
-            samples = [pickle.loads(b) for b in carry]
-            failure, fresh = None, []
-            try:
-                fresh = [next(records) for _ in range(self._fresh_count(len(carry)))]
-                samples += [self._admit(record) for record in fresh]
-            except Exception as error:  # a setting the data contradicts: every member of the group must stop
-                failure, samples = error, []
-            # Only a group of ranks that plans moves can send a payload; others skip serialising.
-            moves = self.group is not None and self.settings.reorder
-            wires = [_Wire(s) if moves and s is not None else None for s in samples]
-            gathered = self._all_gather(self._rows(samples, wires), failure)
-            plan = self._plan(gathered, group_number)
-            check_plans_agree("loader's reordering plan", _assignment_digest(plan), self.group,
-                              device=torch.device("cpu"))  # a gloo group: the loader exchanges host tensors
-            owned = self._owned_ids(gathered)
-            local = {i: samples[i - owned.start] for i in owned if samples[i - owned.start] is not None}
-            outgoing = {i: wires[i - owned.start] for i in local}
-            everything = {**local, **self._exchange(outgoing, gathered, plan)}
-            rank = self._rank()
-            carry = [pickle.dumps(local[i], protocol=pickle.HIGHEST_PROTOCOL) for i in plan.leftover if i in local]
-            seconds = time.perf_counter() - started
-            self.counters["samples_moved"] += plan.samples_moved
-            self.counters["bytes_moved"] += plan.bytes_moved
-            yielded = 0
-            # Skips while reading count in the group's first step (they happened while reading it).
-            read_skips = self.counters["skipped"] - group_start["counters"]["skipped"]
-            decoded = self._decode_in_background(everything, plan.micro_batches[rank])
-            deltas = self._position_deltas(fresh, samples[len(samples) - len(fresh):], local, plan)
-            for step, micro_batches in enumerate(plan.micro_batches[rank]):
-                trained = [[s for s in (self._take(decoded, i) for i in ids) if s is not None] for ids in micro_batches]
-                # A payload that did not decode as planned is skipped in the step that planned it.
-                decode_skips = sum(len(ids) for ids in micro_batches) - sum(len(s) for s in trained)
-                self.counters["skipped"] += decode_skips
-                step_mean = float(plan.step_cost[:, step].mean()) or 1.0
-                encoder, llm = self._module_costs(gathered, [i for ids in micro_batches for i in ids])
-                stats = {  # relative to the step's mean over the reorder group's ranks
-                    "predicted_cost": float(plan.step_cost[rank, step]) / step_mean,
-                    "predicted_encoder_cost": encoder / step_mean,
-                    "predicted_llm_cost": llm / step_mean,
-                    "predicted_imbalance": float(plan.step_cost[:, step].max()) / step_mean,
-                    "reorder_seconds": seconds,
-                    **{k: float(v) for k, v in self.counters.items()},
-                }
-                packed = [_pack(samples, self.packing) for samples in trained]
-                counts = data_counts([s for samples in trained for s in samples], packed, self.packing,
-                                     skipped=(read_skips if step == 0 else 0) + decode_skips)
-                # The module divides by the step's loss tokens (all micro-batches, all ranks), not each micro-batch's,
-                # so accumulated gradients equal one pass over the whole step however the samples were split.
-                totals = {"loss_tokens": sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in packed),
-                          "micro_batches": len(packed)}
-                delta = {POSITION_DELTA_KEY: deltas[step]}  # rides the step's first batch
-                if self.settings.pp > 1:  # a pipeline schedule takes the whole step at once, in 1F1B order
-                    yielded += len(packed)
-                    self._state = {**group_start, "yielded": yielded}
-                    if yielded > skip:
-                        yield {"micro_batches": packed, "num_samples": sum(b["num_samples"] for b in packed),
-                               "reorder": stats, "step": totals, "data": counts, **delta}
-                    continue
-                for batch in packed:
-                    yielded += 1
-                    self._state = {**group_start, "yielded": yielded}
-                    if yielded > skip:
-                        yield {**batch, "reorder": stats, "step": totals, "data": counts, **delta}
-                    delta = {}
-            group_number, skip = group_number + 1, 0
+            packed = [_pack(samples, self.packing) for samples in trained]
+            counts = data_counts([s for samples in trained for s in samples], packed, self.packing,
+                                 skipped=(read_skips if step == 0 else 0) + decode_skips)
+            # The module divides by the step's loss tokens (all micro-batches, all ranks), not each micro-batch's,
+            # so accumulated gradients equal one pass over the whole step however the samples were split.
+            totals = {"loss_tokens": sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in packed),
+                      "micro_batches": len(packed)}
+            delta = {POSITION_DELTA_KEY: planned.deltas[step]}  # rides the step's first batch
+            if self.settings.pp > 1:  # a pipeline schedule takes the whole step at once, in 1F1B order
+                yielded += len(packed)
+                self._state = {**group_start, "yielded": yielded}
+                if yielded > skip:
+                    yield {"micro_batches": packed, "num_samples": sum(b["num_samples"] for b in packed),
+                           "reorder": stats, "step": totals, "data": counts, **delta}
+                continue
+            for batch in packed:
+                yielded += 1
+                self._state = {**group_start, "yielded": yielded}
+                if yielded > skip:
+                    yield {**batch, "reorder": stats, "step": totals, "data": counts, **delta}
+                delta = {}
 
     def _position_deltas(self, fresh: list[DecodedSample | BadSample], admitted: list[DecodedSample | None],
                          local: dict[int, DecodedSample], plan: GroupPlan) -> list[PositionDelta]:
@@ -410,17 +517,18 @@ class ReorderedStream:
     def _fresh_count(self, carried: int) -> int:
         return max(self.settings.samples_per_step * self.settings.group_steps - carried, 0)
 
-    def _admit(self, record: DecodedSample | BadSample) -> DecodedSample | None:
-        """The sample to plan with, or ``None`` for one skipped (bad) or dropped (too long): counted and logged."""
+    def _admit(self, record: DecodedSample | BadSample, counts: dict[str, int]) -> DecodedSample | None:
+        """The sample to plan with, or ``None`` for one skipped (bad) or dropped (too long): counted in ``counts``,
+        logged."""
         if isinstance(record, BadSample):
-            self.counters["skipped"] += 1
+            counts["skipped"] += 1
             log.warning("skipping sample %s of shard %s: %s", record.key, record.shard, record.reason)
             return None
         sample, outcome = apply_length_policy(
             record, self.settings.max_seq_len, self.settings.length_policy, self.packing
         )
         if outcome:
-            self.counters[outcome] += 1
+            counts[outcome] += 1
         return sample
 
     def _rows(self, samples: list[DecodedSample | None], wires: list[_Wire | None]) -> np.ndarray:

@@ -76,6 +76,9 @@ class OmniDataModule(WebDataModule):
             a second a step at pp 8 with 32 micro-batches), ``"ramp"`` (the profile alone: nearly as short where a
             micro-batch holds many samples) or ``"disttrain"`` (even micro-batches in DistTrain's order). See
             ``ReorderConfig.pipeline_order``. Other schedules get even micro-batches in DistTrain's order.
+        plan_ahead: read, plan and exchange the next group on a background thread while the current one trains
+            (planning off the step's critical path); ``False``: on the training thread, between groups. The plans
+            and the samples each step trains on are the same either way.
         token_budget: most LLM tokens in one micro-batch (``None``: no limit).
         max_seq_len: longest sample in LLM tokens (``None``: no limit); longer ones follow ``max_seq_len_policy``.
         max_seq_len_policy: ``"truncate"`` (cut the text), ``"drop"`` (skip the sample) or ``"error"``; truncated
@@ -121,6 +124,7 @@ class OmniDataModule(WebDataModule):
         reorder: Literal["grouped", "none"] = "grouped",
         reorder_group_size: int | None = _DEFAULT_GROUP,
         pipeline_order: PipelineOrder = "search",
+        plan_ahead: bool = True,
         token_budget: int | None = None,
         max_seq_len: int | None = None,
         max_seq_len_policy: LengthPolicy = "truncate",
@@ -169,6 +173,7 @@ class OmniDataModule(WebDataModule):
             max_seq_len=max_seq_len,
             length_policy=max_seq_len_policy,
             reorder=reorder == "grouped",
+            plan_ahead=plan_ahead,
         )
         self.reorder_group_size = reorder_group_size
         self.pipeline_order = pipeline_order
