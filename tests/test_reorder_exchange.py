@@ -176,6 +176,16 @@ def _world_plan_ahead(rank: int, world_size: int, shards: str) -> None:
     iterator = iter(resumed)
     assert [_trained(next(iterator)) for _ in range(7)] == runs[False][0][5:]
     iterator.close()
+    # A second iteration, begun while the first is open, goes on from the position; closing the first afterwards
+    # leaves the second's group planned ahead alone.
+    again = _shard_stream(shards, rank, world_size, plan_ahead=True)
+    first = iter(again)
+    [next(first) for _ in range(4)]
+    second = iter(again)
+    taken = [_trained(next(second))]  # the second now plans its next group ahead
+    first.close()
+    assert taken + [_trained(next(second)) for _ in range(7)] == runs[False][0][4:]
+    second.close()
 
 
 @pytest.mark.distributed

@@ -367,23 +367,27 @@ class ReorderedStream:
         if self._decoders is not None:
             self._decoders.shutdown(wait=True, cancel_futures=True)
             self._decoders = None
-        # Start where the current group began (a fresh start, a resume, or a re-iteration all land there).
+        # Start where the current group began (a fresh start, a resume, or a re-iteration all land there), with the
+        # counters as they stood then (a re-iteration replays the group's reading).
         self.loader.load_state_dict(self._state["loader"])
+        self.counters.update(self._state["counters"])
         records = iter(self.loader)
         number, skip = self._state["group"], self._state["yielded"]
+        ahead: _Pending | None = None  # this iteration's (self._ahead is the latest iteration's)
         try:
             planned = self._plan_group(records, list(self._state["carry"]), number)
             while True:
                 if self.settings.plan_ahead:
                     self._planner = self._planner or _PlanningThread()
-                    self._ahead = self._planner.submit(self._plan_group, records, planned.carry, number + 1)
+                    ahead = self._ahead = self._planner.submit(self._plan_group, records, planned.carry, number + 1)
                 yield from self._train_group(planned, skip)
-                ahead, self._ahead = self._ahead, None
-                planned = (ahead.result() if ahead is not None
-                           else self._plan_group(records, planned.carry, number + 1))
-                number, skip = number + 1, 0
+                planned = ahead.result() if ahead is not None else self._plan_group(records, planned.carry, number + 1)
+                number, skip, ahead = number + 1, 0, None
         finally:
-            self._stop_planning_ahead()
+            if ahead is not None:
+                ahead.wait()
+                if self._ahead is ahead:
+                    self._ahead = None
 
     def _stop_planning_ahead(self) -> None:
         """Wait for the group being planned ahead and drop it. Its collectives meet only the other members' planning
