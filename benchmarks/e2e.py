@@ -21,24 +21,25 @@ This machine has 2 cores and runs more ranks than that, so wall time is not what
 rank's time per step is CPU time, which a rank blocked in a collective does not spend. It is counted in three parts
 over the interval from the end of one step to the end of the next: *train*, the training thread's CPU inside the
 step (forward, backward, optimizer, and the CPU it spends inside collectives); *loader*, the training thread's CPU
-between steps (fetching the batch: the loader's planning, payload exchange and packing run there) plus the CPU of
-the loader's own threads (shard reading, decoding); *comm*, the CPU of every other thread of the process (Gloo runs
-each collective's copies and socket work on its own threads). The *modeled step time* is the slowest rank's sum of
-the three (``time.process_time`` over the interval), i.e. the step time on dedicated devices with the loader on the
-critical path and communication that does not overlap compute; the training thread alone is printed beside it
-(``train-only``), as are wall-clock rates. The timed steps are whole reorder groups after a warm-up of whole groups:
-grouped reordering spreads a group's samples over its steps, so a window that cut a group would time (c)-(e) on
-other samples than (a) and (b). Every configuration runs ``--repeats`` times (at least 2), interleaved with the
-others, and each (step, rank) keeps its least CPU time over the repeats (the same samples and plans each time): one
-slow spell of this shared machine then moves no configuration's figure. The spread between (a)'s first two repeats,
-each summarised alone, is the run's noise: ``noise (a) vs (a): X%`` for the modeled step and for the mean per-rank
-CPU, beside which the other configurations' differences are read. For (e) the pools run side by side, but the LLM
-pool cannot start before the encoder pool's first micro-batch and the encoder pool's last backward follows the
-LLM's: its modeled step adds that fill and drain, the encoder pool's slowest rank divided by the micro-batches of a
-step (as the pool solver models it). Reported per configuration: samples/s and tokens/s (wall, for reference), the
-modeled step time, its max/mean imbalance over ranks, and the ratio to (a).
-Results go to ``benchmarks/results/e2e.json`` (``--out``) and a plot of per-rank time per step to ``e2e.png``
-(needs the ``bench`` extra: matplotlib).
+between steps (fetching the batch: packing runs there) plus the CPU of the loader's own threads (the planning
+thread, which reads, plans and exchanges the next group while this one trains; shard reading, decoding); *comm*, the
+CPU of every other thread of the process (Gloo runs each collective's copies and socket work on its own threads).
+The *modeled step time* is the slowest rank's sum of the three (``time.process_time`` over the interval), i.e. the
+step time on dedicated devices with the whole loader on the critical path (the planning thread's CPU too:
+``benchmarks/plan_ahead.py`` models it off that path) and communication that does not overlap compute; the training
+thread alone is printed beside it (``train-only``), as are wall-clock rates. The timed steps are whole reorder
+groups after a warm-up of whole groups: grouped reordering spreads a group's samples over its steps, so a window
+that cut a group would time (c)-(e) on other samples than (a) and (b). Every configuration runs ``--repeats`` times
+(at least 2), interleaved with the others, and each (step, rank) keeps its least CPU time over the repeats (the same
+samples and plans each time): one slow spell of this shared machine then moves no configuration's figure. The spread
+between (a)'s first two repeats, each summarised alone, is the run's noise: ``noise (a) vs (a): X%`` for the modeled
+step and for the mean per-rank CPU, beside which the other configurations' differences are read. For (e) the pools
+run side by side, but the LLM pool cannot start before the encoder pool's first micro-batch and the encoder pool's
+last backward follows the LLM's: its modeled step adds that fill and drain, the encoder pool's slowest rank divided
+by the micro-batches of a step (as the pool solver models it). Reported per configuration: samples/s and tokens/s
+(wall, for reference), the modeled step time, its max/mean imbalance over ranks, and the ratio to (a). Results go to
+``benchmarks/results/e2e.json`` (``--out``) and a plot of per-rank time per step to ``e2e.png`` (needs the ``bench``
+extra: matplotlib).
 
     python benchmarks/e2e.py [--workload FILE] [--ranks 4] [--steps 16] [--group-steps 4] [--repeats 2] [--quick]
                              [--no-pools] [--out NAME]
