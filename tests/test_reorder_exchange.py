@@ -4,7 +4,7 @@ thread changes nothing a step trains on or a checkpoint holds."""
 
 from __future__ import annotations
 
-import os
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -194,10 +194,10 @@ def test_planning_ahead_trains_and_checkpoints_what_planning_in_step_does(tiny_s
 
 
 class _FailingLoader:
-    """Yields this rank's samples; on ``failing_rank`` the second read raises, as a setting the data contradicts."""
+    """Yields this rank's samples; on ``failing_rank`` read ``fail_at`` raises, as a setting the data contradicts."""
 
-    def __init__(self, rank: int, failing_rank: int) -> None:
-        self.rank, self.failing_rank = rank, failing_rank
+    def __init__(self, rank: int, failing_rank: int, fail_at: int) -> None:
+        self.rank, self.failing_rank, self.fail_at = rank, failing_rank, fail_at
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -207,30 +207,41 @@ class _FailingLoader:
 
     def __iter__(self) -> Any:
         text = DecodedSample("text", np.arange(5, 20, dtype=np.int64))
-        yield text
-        if self.rank == self.failing_rank:
-            raise LayoutNeedsProcessor("sample chat7 of shard s.tar is a dialogue: pass OmniDataModule(processor=PATH)")
-        while True:
+        for read in itertools.count():
+            if self.rank == self.failing_rank and read == self.fail_at:
+                raise LayoutNeedsProcessor("sample chat7 of shard s.tar is a dialogue: pass "
+                                           "OmniDataModule(processor=PATH)")
             yield text
 
 
-def _world_failure(rank: int, world_size: int) -> None:
+def _world_failure(rank: int, world_size: int, fail_at: int, steps_taken: int) -> None:
+    """Groups of 2 steps of 2 samples: read 1 fails in the first group (planned on the training thread), read 5 in
+    the second (planned ahead while the first trains); ``steps_taken`` steps are asked for, the last raising unless
+    it is 2 (training ended before the group that could not be read: the stream is closed without an error)."""
     notice = FailureNotice.for_job()
     assert notice is not None
     notice.watch()
-    stream = ReorderedStream(_FailingLoader(rank, failing_rank=1), group=dist.group.WORLD, group_index=3,
-                             cost_model=COST, settings=ReorderSettings(samples_per_step=2, group_steps=2),
-                             notice=notice)
+    stream = ReorderedStream(_FailingLoader(rank, failing_rank=1, fail_at=fail_at), group=dist.group.WORLD,
+                             group_index=3, cost_model=COST, notice=notice,
+                             settings=ReorderSettings(samples_per_step=2, group_steps=2))
+    iterator = iter(stream)
     started = time.monotonic()
+    if fail_at >= 4:  # the first group trains on every rank
+        assert [next(iterator)["num_samples"] for _ in range(2)] == [2, 2]
+    if steps_taken == 2:
+        iterator.close()
+        assert time.monotonic() - started < 10
+        assert notice.failure() is None, "a group no step trains on stops nothing"
+        return
     expected = LayoutNeedsProcessor if rank == 1 else JobStopped
     with pytest.raises(expected, match=r"chat7 of shard s\.tar .*processor=PATH") as raised:
-        next(iter(stream))
+        next(iterator)
     assert time.monotonic() - started < 10, "the other members stop at once, not at the process-group timeout"
     if rank != 1:
         assert str(raised.value).startswith("rank 0 stops because rank 1 failed: LayoutNeedsProcessor: sample chat7")
-        os._exit(0)  # its gather waits for rank 1 for good: the group is not torn down cleanly
 
 
 @pytest.mark.distributed
-def test_a_rank_that_fails_reading_stops_its_whole_reorder_group() -> None:
-    run_distributed(_world_failure, 2)
+@pytest.mark.parametrize(("fail_at", "steps_taken"), [(1, 1), (5, 3), (5, 2)])
+def test_a_rank_that_fails_reading_stops_its_whole_reorder_group(fail_at: int, steps_taken: int) -> None:
+    run_distributed(_world_failure, 2, fail_at, steps_taken)

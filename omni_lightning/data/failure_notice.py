@@ -150,20 +150,30 @@ class FailureNotice:
         self._settled.set()
         return failure.stopping(self.rank)
 
-    def raise_if_stopped(self) -> None:
+    def raise_if_stopped(self, *, settle: bool = True) -> None:
         """Raise :class:`JobStopped` if another rank posted a failure (from what the watch thread learnt: no store
-        traffic)."""
+        traffic). ``settle=False`` from a thread other than the one that stops the rank: the watch thread still
+        stops it after the grace unless that one raises meanwhile."""
         failure = self._failure
         if failure is not None and failure.rank != self.rank:
-            self._settled.set()
+            if settle:
+                self._settled.set()
             raise failure.stopping(self.rank)
 
-    def wait(self, work: Any) -> None:
+    def await_failure(self, timeout: float = _GRACE_S) -> JobStopped | None:
+        """:class:`JobStopped` quoting the failure another rank is known to be posting, once it is posted (at most
+        ``timeout`` seconds); ``None`` if it was not."""
+        deadline = time.monotonic() + timeout
+        while (stopped := self.stopped_by_another_rank()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return stopped
+
+    def wait(self, work: Any, *, settle: bool = True) -> None:
         """Wait for an asynchronous collective's ``work``, raising :class:`JobStopped` as soon as another rank posts a
-        failure (it may be the rank the collective waits for)."""
+        failure (it may be the rank the collective waits for). ``settle``: see :meth:`raise_if_stopped`."""
         pause = 0.0005
         while not work.is_completed():
-            self.raise_if_stopped()
+            self.raise_if_stopped(settle=settle)
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
         work.wait()

@@ -21,9 +21,11 @@ import pickle
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -35,7 +37,7 @@ from omni_lightning.balance.digest import plan_digest
 from omni_lightning.balance.reorder import GroupPlan, PipelineOrder, ReorderConfig, plan_in_place, plan_reorder_group
 from omni_lightning.balance.reshard import LinkCost
 from omni_lightning.batch import IGNORE_INDEX, PackingSpec, PendingMedia
-from omni_lightning.data.failure_notice import FailureNotice
+from omni_lightning.data.failure_notice import FailureNotice, JobStopped
 from omni_lightning.data.packing import (
     DecodedSample,
     data_counts,
@@ -53,6 +55,8 @@ from omni_lightning.parallel.compat import all_gather_single
 __all__ = ["ReorderSettings", "ReorderedStream", "apply_length_policy", "llm_length"]
 
 log = logging.getLogger(__name__)
+
+_CLOSE_WAIT_S = 120.0  # the longest a closing stream waits for the group being planned ahead
 
 LengthPolicy = Literal["truncate", "drop", "error"]
 
@@ -216,6 +220,16 @@ class _Wire:
                              targets=arrays[-1] if rendered else None, media_order=media_order, source=source)
 
 
+class _ReadingFailed(Exception):
+    """Some members of the reorder group could not read their samples for a group (``members``: their global ranks;
+    ``own``: this rank's error, if it is one of them). Every member raises it at the same collective, so none is left
+    waiting in one; the training thread turns it into the error each rank raises (:meth:`ReorderedStream._taken`)."""
+
+    def __init__(self, members: list[int], own: BaseException | None) -> None:
+        super().__init__(f"ranks {members} could not read their samples")
+        self.members, self.own = members, own
+
+
 @dataclass
 class _PlannedGroup:
     """A group read, planned and exchanged: what training its steps needs, and what the next group carries."""
@@ -238,16 +252,17 @@ class _Pending:
         self._planned: _PlannedGroup | None = None
         self._error: BaseException | None = None
 
-    def run(self, plan: Callable[..., _PlannedGroup], *args: Any) -> None:
+    def run(self, plan: Callable[..., _PlannedGroup], *args: Any, **kwargs: Any) -> None:
         try:
-            self._planned = plan(*args)
+            self._planned = plan(*args, **kwargs)
         except BaseException as error:  # raised where the training thread takes the group
             self._error = error
         finally:
             self._done.set()
 
-    def wait(self) -> None:
-        self._done.wait()
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether the group is planned (or failed) within ``timeout`` seconds (``None``: however long it takes)."""
+        return self._done.wait(timeout)
 
     def result(self) -> _PlannedGroup:
         self.wait()
@@ -258,21 +273,26 @@ class _Pending:
 
 
 class _PlanningThread:
-    """The stream's background thread, planning one group at a time. One long-lived thread (not one per group) so
-    that its CPU is one clock to read; a daemon, so that a process leaving while a group is still being planned (the
-    job ended or failed) is not held by it."""
+    """The stream's background thread, planning one group at a time until the stream is gone. One long-lived thread
+    (not one per group) so that its CPU is one clock to read; a daemon, so that a process leaving while a group is
+    still being planned (the job ended or failed) is not held by it."""
 
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+    def __init__(self, owner: object) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         threading.Thread(target=self._serve, name="omni-plan-ahead", daemon=True).start()
+        weakref.finalize(owner, self._jobs.put, None)  # the thread ends with its stream
 
     def _serve(self) -> None:
         while True:
-            self._jobs.get()()
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()
+            del job  # it holds the stream, which must be free to go while this waits for the next
 
-    def submit(self, plan: Callable[..., _PlannedGroup], *args: Any) -> _Pending:
+    def submit(self, plan: Callable[..., _PlannedGroup], *args: Any, **kwargs: Any) -> _Pending:
         pending = _Pending()
-        self._jobs.put(lambda: pending.run(plan, *args))
+        self._jobs.put(lambda: pending.run(plan, *args, **kwargs))
         return pending
 
 
@@ -288,8 +308,9 @@ class ReorderedStream:
         seed: seeds tie-breaking.
         packing: how samples pack into micro-batches (and whose encoders the cost model prices).
         decode: decodes a planned sample's pending media (after the plan, by the rank that trains it).
-        notice: the job's failure notice: this rank posts its reading errors there, and waits for the others'
-            metadata only until one of them posts its own (``None`` in a one-process run).
+        notice: the job's failure notice: this rank posts its reading errors there (when training reaches the
+            group it could not read), and waits for the others' metadata only until one of them posts a failure
+            (``None`` in a one-process run).
 
     ``state_dict()`` is the position after the last micro-batch yielded: the loader state where the current
     group began, the samples carried into it, the counters then, and how many of its micro-batches were handed
@@ -375,19 +396,43 @@ class ReorderedStream:
         number, skip = self._state["group"], self._state["yielded"]
         ahead: _Pending | None = None  # this iteration's (self._ahead is the latest iteration's)
         try:
-            planned = self._plan_group(records, list(self._state["carry"]), number)
+            planned = self._taken(partial(self._plan_group, records, list(self._state["carry"]), number))
             while True:
                 if self.settings.plan_ahead:
-                    self._planner = self._planner or _PlanningThread()
-                    ahead = self._ahead = self._planner.submit(self._plan_group, records, planned.carry, number + 1)
+                    self._planner = self._planner or _PlanningThread(self)
+                    ahead = self._ahead = self._planner.submit(self._plan_group, records, planned.carry, number + 1,
+                                                               ahead=True)
                 yield from self._train_group(planned, skip)
-                planned = ahead.result() if ahead is not None else self._plan_group(records, planned.carry, number + 1)
+                planned = self._taken(ahead.result if ahead is not None
+                                      else partial(self._plan_group, records, planned.carry, number + 1))
                 number, skip, ahead = number + 1, 0, None
         finally:
-            if ahead is not None:
-                ahead.wait()
-                if self._ahead is ahead:
-                    self._ahead = None
+            # Closed after the last step it trained (or by an error): the group planned ahead is let finish, so that
+            # its collectives are not cut off under the process group, but not waited for without end.
+            if ahead is not None and not ahead.wait(_CLOSE_WAIT_S):
+                log.warning("the loader's planning thread has not finished planning the next group in %.0f s; "
+                            "leaving it", _CLOSE_WAIT_S)
+            if ahead is not None and self._ahead is ahead:
+                self._ahead = None
+
+    def _taken(self, planning: Callable[[], _PlannedGroup]) -> _PlannedGroup:
+        """A group's plan, taken on the training thread, which raises what stopped it: this rank's own reading error
+        (posted in the failure notice first, so that the other ranks quote it), or a :class:`JobStopped` quoting the
+        rank that failed (settling the notice: this rank stops by itself)."""
+        try:
+            return planning()
+        except _ReadingFailed as failed:
+            if failed.own is not None:
+                if self.notice is not None:
+                    self.notice.post(failed.own)
+                raise failed.own from None
+            stopped = self.notice.await_failure() if self.notice is not None else None
+            raise stopped or RuntimeError(f"ranks {failed.members} of this rank's reorder group could not read their "
+                                          "samples (their own errors say why)") from None
+        except JobStopped:
+            if self.notice is not None:
+                self.notice.raise_if_stopped()
+            raise
 
     def _stop_planning_ahead(self) -> None:
         """Wait for the group being planned ahead and drop it. Its collectives meet only the other members' planning
@@ -396,10 +441,12 @@ class ReorderedStream:
         if ahead is not None:
             ahead.wait()
 
-    def _plan_group(self, records: Iterator[Any], carry: list[bytes], number: int) -> _PlannedGroup:
+    def _plan_group(self, records: Iterator[Any], carry: list[bytes], number: int, *, ahead: bool = False
+                    ) -> _PlannedGroup:
         """Read group ``number`` behind the carried samples, gather every member's metadata, plan, check that the
         members agree, and exchange the payloads the plan moves. Touches no state the training thread reads, so it
-        can run ahead on another thread while the previous group trains."""
+        can run ``ahead`` on the planning thread while the previous group trains; what stops it there is raised
+        where the training thread takes the group (:meth:`_taken`)."""
         start = {"loader": self.loader.state_dict(), "carry": list(carry), "group": number}
         started = time.perf_counter()
         counts = dict.fromkeys(("skipped", "truncated", "dropped"), 0)
@@ -413,7 +460,10 @@ class ReorderedStream:
         # Only a group of ranks that plans moves can send a payload; others skip serialising.
         moves = self.group is not None and self.settings.reorder
         wires = [_Wire(s) if moves and s is not None else None for s in samples]
-        gathered = self._all_gather(self._rows(samples, wires), failure)
+        if failure is not None and ahead:
+            log.warning("reading the samples of group %d failed (%s): the job stops when training reaches it", number,
+                        failure)
+        gathered = self._all_gather(self._rows(samples, wires), failure, settle=not ahead)
         plan = self._plan(gathered, number)
         check_plans_agree("loader's reordering plan", _assignment_digest(plan), self.group,
                           device=torch.device("cpu"))  # a gloo group: the loader exchanges host tensors
@@ -554,18 +604,19 @@ class ReorderedStream:
             table[row, self._wire] = 0 if wire is None else wire.nbytes
         return table
 
-    def _all_gather(self, rows: np.ndarray, failure: BaseException | None = None) -> np.ndarray:
+    def _all_gather(self, rows: np.ndarray, failure: BaseException | None = None, *, settle: bool = True
+                    ) -> np.ndarray:
         """Every member's rows, rank-major. Only integers travel: a few dozen bytes per sample.
 
-        A member whose reading failed posts its error in the job's failure notice and raises it; the others, which
-        wait for it here, raise quoting it as soon as it is posted (see :mod:`~omni_lightning.data.failure_notice`)
-        instead of waiting until the process group times out.
+        A member whose reading failed (``failure``) still takes part, with a count of -1, so that every member raises
+        :class:`_ReadingFailed` here and none waits in a collective the others never issue. While the members wait
+        for the slowest reader, a failure another rank posts in the job's failure notice (say, a checkpoint it could
+        not write) raises :class:`JobStopped` at once instead of at the process group's timeout (see
+        :mod:`~omni_lightning.data.failure_notice`; ``settle``: see ``FailureNotice.raise_if_stopped``).
         """
-        if failure is not None:
-            if self.notice is not None:
-                self.notice.post(failure)
-            raise failure
         if self.group is None:
+            if failure is not None:
+                raise _ReadingFailed([dist.get_rank() if dist.is_initialized() else 0], failure)
             return rows
         size, columns = dist.get_world_size(self.group), rows.shape[1]
         # A buffer holds a group's worth of samples, more only when more were carried in. So one collective of that
@@ -573,15 +624,17 @@ class ReorderedStream:
         # second one, which every member issues because all of them see the counts of the first.
         block = self.settings.samples_per_step * self.settings.group_steps
         first = torch.zeros(block + 1, columns, dtype=torch.int64)
-        first[0, 0] = rows.shape[0]
+        first[0, 0] = -1 if failure is not None else rows.shape[0]
         first[1 : 1 + min(rows.shape[0], block)] = torch.from_numpy(rows[:block])
         out = torch.empty(size * (block + 1), columns, dtype=torch.int64)
         if self.notice is None:
             all_gather_single(out, first, group=self.group)
         else:  # the ranks wait here for the slowest reader: in slices, reading the failure notice between them
-            self.notice.wait(all_gather_single(out, first, group=self.group, async_op=True))
+            self.notice.wait(all_gather_single(out, first, group=self.group, async_op=True), settle=settle)
         heads = out.view(size, block + 1, columns).numpy()
         lengths = heads[:, 0, 0].tolist()
+        if failed := [dist.get_global_rank(self.group, r) for r, n in enumerate(lengths) if n < 0]:
+            raise _ReadingFailed(failed, failure)
         parts = [heads[r, 1 : 1 + min(n, block)] for r, n in enumerate(lengths)]
         longest = max(lengths)
         if longest > block:
