@@ -42,7 +42,7 @@ by the micro-batches of a step (as the pool solver models it). Reported per conf
 extra: matplotlib).
 
     python benchmarks/e2e.py [--workload FILE] [--ranks 4] [--steps 16] [--group-steps 4] [--repeats 2] [--quick]
-                             [--no-pools] [--out NAME]
+                             [--no-pools] [--no-plan-ahead] [--out NAME]
 
 ``--model hf`` runs the Hugging Face comparison instead ((f) what a Lightning user writes for a Qwen2.5-VL
 checkpoint against (g) OmniStrategy with everything on: see ``benchmarks/e2e_hf.py``, which takes its own arguments).
@@ -255,7 +255,7 @@ def run(name: str, shards: str, args: argparse.Namespace, out: Path, pool: int =
         module = OmniModule(CONFIG, init_seed=args.seed)
         data = OmniDataModule(shards, samples_per_step=args.samples_per_step * args.ranks // llm_ranks,
                               group_steps=args.group_steps, reorder="grouped", reorder_group_size=None,
-                              seed=args.seed)
+                              seed=args.seed, plan_ahead=not args.no_plan_ahead)
     elif name == "a":
         strategy: Any = ForkedModelParallel(data_parallel_size=args.ranks, tensor_parallel_size=1)
         module: OmniModule = _UserFSDPModule(CONFIG, init_seed=args.seed)
@@ -266,7 +266,7 @@ def run(name: str, shards: str, args: argparse.Namespace, out: Path, pool: int =
         module = OmniModule(CONFIG, init_seed=args.seed)
         data = OmniDataModule(shards, samples_per_step=args.samples_per_step, group_steps=args.group_steps,
                               reorder="none" if name == "b" else "grouped", reorder_group_size=None,
-                              seed=args.seed)
+                              seed=args.seed, plan_ahead=not args.no_plan_ahead)
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.ranks, strategy=strategy, max_steps=args.steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
@@ -370,6 +370,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="first steps left out (allocator and import warm-up)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-pools", action="store_true", help="skip (e), the disaggregated placement")
+    parser.add_argument("--no-plan-ahead", action="store_true",
+                        help="(b)-(e) plan each group on the training thread (OmniDataModule(plan_ahead=False))")
     parser.add_argument("--out", default="e2e", help="name of the result files under benchmarks/results/")
     args = parser.parse_args()
     if args.quick:
@@ -413,7 +415,8 @@ def main() -> None:
     plot(results, RESULTS / f"{args.out}.png")
     base = results["a"]["modeled_step_s"]
     print(f"{Path(args.workload).stem}: {args.ranks} ranks, {args.steps} steps, {args.samples_per_step} samples per "
-          f"rank and step (first {args.warmup} steps left out), least CPU time of {args.repeats} repeats")
+          f"rank and step (first {args.warmup} steps left out), least CPU time of {args.repeats} repeats"
+          + (", the loader planning on the training thread (--no-plan-ahead)" if args.no_plan_ahead else ""))
     print("modeled step: the slowest rank's train + loader + comm CPU per step; train-only: its training thread alone")
     for name, label in CONFIGURATIONS.items():
         if name not in results:
