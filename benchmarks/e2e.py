@@ -154,6 +154,25 @@ def batch_metas(batch: dict[str, Any]) -> list[dict[str, Any]]:
     return metas
 
 
+def python_threads_cpu(seen: dict[int, float], named: str = "") -> tuple[float, float]:
+    """CPU seconds of the Python threads other than this one, each counted from when ``seen`` first saw it: those
+    called ``named``, and the rest."""
+    mine = rest = 0.0
+    for thread in threading.enumerate():
+        if thread is threading.current_thread() or thread.ident is None:
+            continue
+        try:
+            seconds = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except (OSError, ProcessLookupError):  # ended since enumerate()
+            continue
+        used = seconds - seen.setdefault(thread.ident, seconds)
+        if thread.name == named:
+            mine += used
+        else:
+            rest += used
+    return mine, rest
+
+
 class _StepClock(pl.Callback):
     """Each step's CPU time on this rank in three parts (train, loader, comm; see the module docstring), all-gathered.
 
@@ -169,21 +188,8 @@ class _StepClock(pl.Callback):
         self._batch_start = 0.0
         self._threads: dict[int, float] = {}
 
-    def _python_threads(self) -> float:
-        """CPU seconds of the Python threads other than this one, counting each thread's time since first seen."""
-        total = 0.0
-        for thread in threading.enumerate():
-            if thread is threading.current_thread() or thread.ident is None:
-                continue
-            try:
-                seconds = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-            except (OSError, ProcessLookupError):  # ended since enumerate()
-                continue
-            total += seconds - self._threads.setdefault(thread.ident, seconds)
-        return total
-
     def _read(self) -> tuple[float, float, float]:
-        return time.thread_time(), self._python_threads(), time.process_time()
+        return time.thread_time(), sum(python_threads_cpu(self._threads)), time.process_time()
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self._mark = self._read()

@@ -36,7 +36,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from common import SHARED_WORKLOADS, free_port
-from e2e import CONFIG, RESULTS, batch_metas, spread
+from e2e import CONFIG, RESULTS, _StepClock, batch_metas, python_threads_cpu, spread
 
 from omni_lightning import OmniDataModule, OmniModule, OmniStrategy
 from omni_lightning.data.synthetic import make_synthetic_shards
@@ -57,42 +56,22 @@ CONFIGURATIONS = {"s": "planning on the training thread", "p": "planning ahead o
 PLANNING_THREAD = "omni-plan-ahead"
 
 
-class _ThreadClock(pl.Callback):
+class _ThreadClock(_StepClock):
     """Each step's CPU on this rank in :data:`PARTS` (see the module docstring), every rank's kept by rank 0, with the
-    samples each rank trained (to check that both configurations train the same)."""
+    samples each rank trained (to check that both configurations train the same). ``e2e.py``'s clock, with the
+    planning thread read apart from the other Python threads."""
 
     def __init__(self, path: Path) -> None:
+        super().__init__()
         self.path = path
         self.parts: list[list[list[float]]] = []  # [step][rank][part]
         self.samples: list[Any] = []
-        self._threads: dict[int, float] = {}
-        self._mark = np.zeros(4)
-        self._batch_start = 0.0
 
-    def _read(self) -> np.ndarray:
+    def _read(self) -> np.ndarray:  # type: ignore[override]
         """CPU seconds so far: this thread, the planning thread, the other Python threads (each since first seen),
         the process."""
-        planning = other = 0.0
-        for thread in threading.enumerate():
-            if thread is threading.current_thread() or thread.ident is None:
-                continue
-            try:
-                seconds = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-            except (OSError, ProcessLookupError):  # ended since enumerate()
-                continue
-            used = seconds - self._threads.setdefault(thread.ident, seconds)
-            if thread.name == PLANNING_THREAD:
-                planning += used
-            else:
-                other += used
+        planning, other = python_threads_cpu(self._threads, PLANNING_THREAD)
         return np.array([time.thread_time(), planning, other, time.process_time()])
-
-    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        self._mark = self._read()
-
-    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, batch_idx: int
-                             ) -> None:
-        self._batch_start = time.thread_time()
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -188,11 +167,12 @@ def main() -> None:
     if any(record["samples"] != records["s"][0]["samples"] for runs in records.values() for record in runs):
         raise SystemExit("the configurations trained different samples: planning ahead changed the plans")
     results = {name: summarize(runs, args) for name, runs in records.items()}
-    first, second = (summarize([record], args) for record in records["s"][:2])
-    noise = spread(first["critical_path_step_s"], second["critical_path_step_s"])
+    alone = {name: [summarize([record], args)["critical_path_step_s"] for record in runs]
+             for name, runs in records.items()}  # each repeat summarised alone
+    noise = spread(*alone["s"][:2])
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps({"args": vars(args), "results": results, "noise": noise},
-                                                         indent=2))
+    (RESULTS / f"{args.out}.json").write_text(json.dumps({"args": vars(args), "results": results, "noise": noise,
+                                                          "repeats_alone_s": alone}, indent=2))
     lines = ["$ python benchmarks/plan_ahead.py " + " ".join(sys.argv[1:]),
              f"{Path(args.workload).stem}: {args.ranks} ranks (pp=2 x dp={dp}), 1F1B with {args.micro_batches} "
              f"micro-batches a step shaped by the loader's search, {args.samples_per_step} samples per data-parallel "
@@ -203,6 +183,8 @@ def main() -> None:
         mean = " + ".join(f"{part} {x * 1e3:.1f}" for part, x in zip(PARTS, r["mean_parts_s"], strict=True))
         lines.append(f"({name}) {label:<38} critical path {r['critical_path_step_s'] * 1e3:7.1f} ms/step, summed "
                      f"{r['summed_step_s'] * 1e3:7.1f} ms/step; mean rank: {mean} ms")
+    lines.append("critical path of each repeat alone (ms/step): " + "; ".join(
+        f"({name}) " + ", ".join(f"{x * 1e3:.1f}" for x in figures) for name, figures in alone.items()))
     lines.append(f"noise (s) vs (s): {noise * 100:.1f}% critical-path step (two repeats, each alone)")
     lines.append(f"summed step (s)/(p): {results['s']['summed_step_s'] / results['p']['summed_step_s']:.3f}")
     lines.append("critical-path step (s)/(p): "
