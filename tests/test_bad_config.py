@@ -139,6 +139,8 @@ CASES: dict[str, Case] = {
     "pp-setting-below-one": Case(lambda _: OmniStrategy(pp_microbatches=0), r"pp_microbatches=0 must be at least 1"),
     "pp-calibration-steps-negative": Case(lambda _: OmniStrategy(pp_calibration_steps=-1),
                                           r"pp_calibration_steps=-1 must be a non-negative integer"),
+    "reshard-calibration-steps-negative": Case(lambda _: OmniStrategy(reshard_calibration_steps=-1),
+                                               r"reshard_calibration_steps=-1 must be a non-negative integer"),
     "virtual-stages-need-interleaved-schedule": Case(
         lambda _: OmniStrategy(pp=2, pp_virtual_stages=2),
         r"pp_schedule='1F1B' runs one stage per rank but pp_virtual_stages=2: use pp_virtual_stages=1 or "

@@ -1,4 +1,4 @@
-"""Calibrating the joint pipeline's item plan from the actions a pipeline step ran (pure numpy).
+"""Calibrating plans from measured steps (pure numpy): the joint pipeline's item plan, and the resharder's prices.
 
 The joint pipeline (:class:`omni_lightning.runtime.joint.JointEncoders`) decides which pipeline rank
 encodes each image or clip on a model of the 1F1B step, and that model needs four figures that FLOPs get wrong on
@@ -7,18 +7,22 @@ forward's share of each, and each stage's share of the LLM work (the first stage
 loss). :func:`fit_joint_calibration` derives all four from measured steps: every rank's recorded actions
 (:class:`omni_lightning.sim.Action` kinds: ``F``, ``B`` for a stage's forward and backward of a micro-batch,
 ``E``, ``EB`` for its encoder share's forward and backward) and the features of each micro-batch.
+
+The encoder resharder (:class:`omni_lightning.runtime.reshard.Resharder`) weighs an item's compute against the
+LLM work under it and against the bytes moving it costs. :func:`fit_module_prices` prices each module in seconds
+from the forwards of a job's first steps, so that those comparisons hold on the hardware at hand.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from omni_lightning.balance.cost import CostModel, ModuleCost, fit_cost_model_to_features
 
-__all__ = ["JointCalibration", "fit_joint_calibration"]
+__all__ = ["JointCalibration", "fit_joint_calibration", "fit_module_prices"]
 
 
 @dataclass(frozen=True)
@@ -118,3 +122,48 @@ def _share(forward: np.ndarray, backward: np.ndarray) -> float:
     total = float(forward.sum() + backward.sum())
     share = float(forward.sum()) / total if total > 0 else 0.0
     return share if 0.0 < share < 1.0 else 1 / 3
+
+
+def fit_module_prices(records: Mapping[str, np.ndarray], *, flops: CostModel, llm_share: float = 1.0,
+                      train_per_forward: float = 3.0) -> CostModel:
+    """``flops``' modules priced in seconds of training (forward and backward) from timed forwards.
+
+    Args:
+        records: by module name (``flops``' encoders and ``"llm"``), rows ``(linear feature, quadratic feature,
+            seconds)``: one rank's forward of that module over one micro-batch's work and the features of that work
+            (an encoder's ``sum n`` and ``sum n**2`` over its items, the LLM's tokens and causal pairs;
+            :func:`~omni_lightning.balance.cost.work_features`). Rows without work (a rank that ran a dummy item) are
+            left out.
+        flops: the prices to calibrate (FLOPs, or a user's cost model): each module keeps its shape, the ratio of
+            its quadratic to its linear coefficient, and is scaled by its measured seconds per unit.
+        llm_share: the part of a micro-batch's LLM work one rank runs (``1 / (tp * cp)``).
+        train_per_forward: a training pass's time over its forward's (FLOPs': 3).
+
+    A module's seconds per unit is the ratio of its records' total seconds to their total priced work. A slope
+    past a per-call constant (launches, gathering the module's weights, which every rank pays alike) would be
+    closer to what sways a plan, but a few noisy records over similar work cannot separate the two, and the ratio
+    keeps every module's constant in alike. A module the records do not exercise (or that took no measurable
+    time) scales by the LLM's rate. Raises ``ValueError`` where the LLM has no records with work, or on malformed
+    input.
+    """
+    if unknown := sorted(set(records) - set(flops.modules)):
+        raise ValueError(f"records of module(s) {unknown}, but the prices have {list(flops.modules)}")
+    if not 0.0 < llm_share <= 1.0:
+        raise ValueError(f"llm_share={llm_share} must be in (0, 1]: the part of a micro-batch's LLM work one rank runs")
+    if train_per_forward <= 0:
+        raise ValueError(f"train_per_forward={train_per_forward} must be positive")
+    rates = {}
+    for name in flops.modules:
+        rows = np.asarray(records.get(name, np.zeros((0, 3))), dtype=np.float64).reshape(-1, 3)
+        if not np.isfinite(rows).all() or (rows[:, 2] < 0).any():
+            raise ValueError(f"{name}: seconds and features must be finite and the seconds non-negative")
+        cost = flops.module(name)
+        work = (cost.linear * rows[:, 0] + cost.quadratic * rows[:, 1]) * (llm_share if name == "llm" else 1.0)
+        keep = work > 0
+        if keep.any() and (rate := float(rows[keep, 2].sum() / work[keep].sum())) > 0:
+            rates[name] = rate
+    if rates.get("llm", 0.0) <= 0:
+        raise ValueError("the LLM's timed forwards carry no work or took no time: nothing to price the modules by")
+    return CostModel(**{name: _scaled(flops.module(name), train_per_forward * rates.get(name, rates["llm"]))
+                        for name in flops.modules})
+

@@ -252,6 +252,8 @@ class OmniLayout:
     for the loader's plans. ``link_cost`` prices the resharder's and the loader's traffic: ``"auto"`` (the device's
     default, :data:`~omni_lightning.balance.reshard.CPU_GLOO` or :data:`~omni_lightning.balance.reshard.GPU_NVLINK`),
     a :class:`~omni_lightning.balance.reshard.LinkCost`, or ``"compute_only"`` (moves are free to the plan).
+    ``reshard_calibration_steps``: training batches (after the first) timed to price the resharder's plan in
+    measured seconds (0: it keeps ``cost_model``, or FLOPs).
     """
 
     dims: ParallelDims
@@ -264,6 +266,7 @@ class OmniLayout:
     cost_model: CostModel | None = None
     packing: PackingSpec | None = None
     link_cost: LinkCost | Literal["auto", "compute_only"] = "auto"
+    reshard_calibration_steps: int = 0
     _created: dict[tuple[object, ...], Any] = field(default_factory=dict, repr=False)  # groups made on first use
 
     @property
@@ -338,9 +341,10 @@ def new_reorder_groups(dp_groups: list[list[int]], dp_rank: int, size: int) -> t
 
 def build_layout(dims: ParallelDims, device_type: str, *, pipeline: PipelineSettings, placement: PlacementSettings,
                  reshard: bool, pool: PoolLayout | None = None, pool_enc_sp: int = 1,
-                 link_cost: LinkCost | Literal["auto", "compute_only"] = "auto") -> OmniLayout:
+                 link_cost: LinkCost | Literal["auto", "compute_only"] = "auto",
+                 reshard_calibration_steps: int = 0) -> OmniLayout:
     """Create the job's groups (collective: every rank calls it with the same arguments) and this rank's layout."""
     meshes = build_meshes(dims, device_type, pool=pool)
     encoder_pool = build_encoder_pool(pool, pool_enc_sp, device_type) if pool is not None else None
     return OmniLayout(dims, meshes, pipeline, placement, dist.get_rank(), reshard, encoder_pool,
-                      link_cost=link_cost)
+                      link_cost=link_cost, reshard_calibration_steps=reshard_calibration_steps)

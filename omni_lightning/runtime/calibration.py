@@ -1,4 +1,4 @@
-"""Calibrating the joint pipeline's item plan from the actions its first steps timed, during training.
+"""Calibrating plans from a job's first steps, during training: the joint pipeline's item plan, the resharder's prices.
 
 The joint pipeline places large encoder items on a model of the 1F1B step
 (:func:`~omni_lightning.balance.pipeline_order.assign_encoder_items`), priced in FLOPs until it is told better. FLOPs
@@ -7,28 +7,35 @@ matmuls), so :class:`JointCalibrator` times the first steps of a job, fits the f
 (:func:`~omni_lightning.balance.calibration.fit_joint_calibration`) and hands them to
 :meth:`~omni_lightning.runtime.joint.JointEncoders.calibrate`: every pipeline rank gathers the same
 records, so every rank computes the same figures and the same plans.
+
+:class:`ResharderCalibrator` does the same for the encoder resharder of a plain step, whose plan weighs items'
+compute against the LLM work under them and against the bytes moving them costs: it times the encoders' and the
+LLM's forwards of the first steps and prices every module in measured seconds
+(:func:`~omni_lightning.balance.calibration.fit_module_prices`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from omni_lightning.balance.calibration import JointCalibration, fit_joint_calibration
-from omni_lightning.balance.cost import CostModel, work_features
+from omni_lightning.balance.calibration import JointCalibration, fit_joint_calibration, fit_module_prices
+from omni_lightning.balance.cost import CostModel, ModuleCost, work_features
 from omni_lightning.batch import PackedBatch, PackingSpec
 from omni_lightning.parallel.timing import ActionLog
 from omni_lightning.runtime.items import item_layout
 
 if TYPE_CHECKING:
     from omni_lightning.runtime.joint import JointEncoders
+    from omni_lightning.runtime.reshard import Resharder
 
-__all__ = ["JointCalibrator", "micro_batch_features"]
+__all__ = ["JointCalibrator", "ResharderCalibrator", "micro_batch_features"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,19 +129,104 @@ class JointCalibrator:
 
     def _fitted_once(self, features: np.ndarray, actions: list[list[tuple[str, int, float]]]
                      ) -> JointCalibration | None:
-        """Rank 0 fits the figures and broadcasts them (``None``: the records could not calibrate the plan), so
-        that every rank plans from identical numbers whatever its floating-point arithmetic would have made of the
-        same records."""
+        """The figures fitted once, on rank 0 (``None``: the records could not calibrate the plan)."""
         modules = self.flops.modules
-        length = 2 * len(modules) + 2 + len(actions)
-        vector = np.full(length, np.nan)
+        values = _fitted_on_rank_zero(
+            lambda: fit_joint_calibration(features, actions, flops=self.flops, llm_share=self.llm_share).to_array(),
+            2 * len(modules) + 2 + len(actions), self.device,
+            "the joint pipeline keeps planning items in FLOPs: its timed steps could not calibrate it")
+        return None if values is None else JointCalibration.from_array(values, modules)
+
+
+class ResharderCalibrator:
+    """Prices the encoder resharder's plan in measured seconds, during training.
+
+    Over training batches ``skip`` to ``skip + steps - 1`` the resharder keeps every item where it was loaded
+    (:meth:`~omni_lightning.runtime.reshard.Resharder.hold`), and this rank times each encoder's forward over its
+    own items and the LLM's forward over its micro-batch (``clock``: thread CPU time on a CPU, wall time after a
+    synchronize on an accelerator; see :func:`~omni_lightning.parallel.timing.action_clock`). After the last of
+    them every rank's records are gathered over the world, global rank 0 fits the prices
+    (:func:`~omni_lightning.balance.calibration.fit_module_prices`) and broadcasts them, and every rank's resharder
+    plans from the same figures. Where the records cannot price the modules the resharder keeps its prices (a
+    warning says so). The first ``skip`` batches are left out: they include one-off work (allocations, caches).
+
+    ``llm_share``: the part of a micro-batch's LLM work one rank runs (``1 / (tp * cp)``).
+    """
+
+    def __init__(self, resharder: Resharder, *, steps: int, clock: Callable[[], float], llm_share: float = 1.0,
+                 skip: int = 1, device: torch.device | None = None) -> None:
+        if steps < 1:
+            raise ValueError(f"calibration steps={steps} must be at least 1 (0 turns calibration off)")
+        if resharder.llm is None:
+            raise ValueError("the resharder calibrates against the LLM's measured time: give it the LLM's cost")
+        self.resharder, self.steps, self.skip, self.clock = resharder, steps, skip, clock
+        self.llm_share = llm_share
+        self.device = device or torch.device("cpu")
+        self.prices = resharder.prices  # what the plan priced by before, whose shapes the fit keeps
+        self.seen = 0
+        self.calibrated = False
+        self._records: dict[str, list[tuple[float, float, float]]] = {name: [] for name in self.prices.modules}
+        resharder.hold()
+
+    @property
+    def measuring(self) -> bool:
+        """Whether the current training batch is timed."""
+        return not self.calibrated and self.seen >= self.skip
+
+    def timed(self, module: str, work: tuple[float, float]) -> AbstractContextManager[None]:
+        """Time the block as ``module``'s forward over ``work`` (its features) where this batch is measured."""
+        return self._timing(module, work) if self.measuring else nullcontext()
+
+    @contextmanager
+    def _timing(self, module: str, work: tuple[float, float]) -> Iterator[None]:
+        started = self.clock()
+        yield
+        self._records[module].append((float(work[0]), float(work[1]), self.clock() - started))
+
+    def end_batch(self) -> None:
+        """After a training batch; after the last measured one, calibrate (a collective over the world)."""
+        self.seen += 1
+        if not self.calibrated and self.seen >= self.skip + self.steps:
+            self._calibrate()
+
+    def _calibrate(self) -> None:
+        mine = {name: np.asarray(rows, dtype=np.float64).reshape(-1, 3) for name, rows in self._records.items()}
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        self.calibrated, self._records = True, {}
+        records = {name: np.concatenate([rank[name] for rank in everyone]) for name in self.prices.modules}
+        modules = self.prices.modules
+        values = _fitted_on_rank_zero(
+            lambda: fit_module_prices(records, flops=self.prices, llm_share=self.llm_share).coefficients,
+            2 * len(modules), self.device,
+            "the encoder resharder keeps its prices: its timed forwards could not calibrate them")
+        if values is None:
+            self.resharder.calibrate(None)
+            return
+        prices = CostModel(**{name: ModuleCost(values[2 * i], values[2 * i + 1]) for i, name in enumerate(modules)})
+        self.resharder.calibrate(prices)
         if dist.get_rank() == 0:
-            try:
-                vector = fit_joint_calibration(features, actions, flops=self.flops, llm_share=self.llm_share).to_array()
-            except ValueError as error:
-                logger.warning("the joint pipeline keeps planning items in FLOPs: its timed steps could not "
-                               "calibrate it (%s)", error)
-        shared = torch.as_tensor(vector, dtype=torch.float64).to(self.device)
-        dist.broadcast(shared, src=0)
-        values = shared.cpu().numpy()
-        return None if np.isnan(values).any() else JointCalibration.from_array(values, modules)
+            rates = ", ".join(f"{name} {_rate(prices.module(name), self.prices.module(name)):.3g}" for name in modules)
+            logger.info("encoder resharding priced from %d timed forwards, in seconds per unit of the prices before "
+                        "(FLOPs unless a cost model was given): %s", sum(len(r) for r in records.values()), rates)
+
+
+def _rate(calibrated: ModuleCost, before: ModuleCost) -> float:
+    return calibrated.linear / before.linear if before.linear else calibrated.quadratic / max(before.quadratic, 1e-300)
+
+
+def _fitted_on_rank_zero(fit: Callable[[], np.ndarray], length: int, device: torch.device, failure: str
+                         ) -> np.ndarray | None:
+    """Global rank 0's ``fit()`` (``length`` float64 values) on every rank, so that every rank plans from identical
+    numbers whatever its floating-point arithmetic would have made of the same records; ``None`` on every rank
+    where the fit raised ``ValueError`` (logged as ``failure``)."""
+    vector = np.full(length, np.nan)
+    if dist.get_rank() == 0:
+        try:
+            vector = np.asarray(fit(), dtype=np.float64)
+        except ValueError as error:
+            logger.warning("%s (%s)", failure, error)
+    shared = torch.as_tensor(vector, dtype=torch.float64).to(device)
+    dist.broadcast(shared, src=0)
+    values = shared.cpu().numpy()
+    return None if np.isnan(values).any() else values

@@ -17,6 +17,7 @@ replicates before the optimizer step.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 
 from omni_lightning.batch import Encoded, EncoderOutputs, PackedBatch
 from omni_lightning.models.mllm import ReferenceMLLM
+from omni_lightning.runtime.calibration import ResharderCalibrator
 from omni_lightning.runtime.items import item_layout, select_items
 from omni_lightning.runtime.peers import SamplePeers, gather_peer_outputs, split_items, sum_over_tensor_parallel_peers
 from omni_lightning.runtime.reshard import Resharder
@@ -72,20 +74,24 @@ class LocalEncoders:
     With ``peers`` (the context- and tensor-parallel peers, which hold the same samples), the peers split the items
     instead of each encoding all of them (:mod:`omni_lightning.runtime.peers`): each encodes its own share
     (resharded over its data-parallel peers' shares where there is a resharder), and the outputs are all-gathered.
+
+    With ``calibrator`` (which holds the resharder's items home while it measures), each encoder's forward of a
+    measured training batch is timed for it.
     """
 
     def __init__(self, model: ReferenceMLLM, resharder: Resharder | None = None,
-                 peers: SamplePeers | None = None) -> None:
-        self.model, self.resharder = model, resharder
+                 peers: SamplePeers | None = None, calibrator: ResharderCalibrator | None = None) -> None:
+        self.model, self.resharder, self.calibrator = model, resharder, calibrator
         self.peers = peers if peers is not None and peers.size > 1 else None
         self._micro_batches: Sequence[PackedBatch] = ()
+        self._train = False
 
     @property
     def stats(self) -> Mapping[str, float]:
         return self.resharder.stats if self.resharder is not None else {}
 
     def start(self, micro_batches: Sequence[PackedBatch], *, train: bool) -> None:
-        self._micro_batches = micro_batches
+        self._micro_batches, self._train = micro_batches, train
 
     def before_forward(self, index: int) -> None:
         """Nothing to prepare: the outputs are computed when asked."""
@@ -120,11 +126,13 @@ class LocalEncoders:
                                         work)
         encoded: dict[str, tuple[torch.Tensor, ...]] = {}
         previous: torch.Tensor | None = None  # one chain of data dependencies orders the collectives in backward
+        timing = self.calibrator if self._train else None
         for name, encoder in model.encoders.items():
             share = shares[name]
             if steps is not None:
                 inputs = share.own_inputs if share.own_inputs is not None else encoder.dummy_inputs(share.device)
-                out = self.resharder.encode(encoder, inputs, steps[name], dependency=previous)  # type: ignore[union-attr]
+                with timing.timed(name, share.own_work) if timing is not None else nullcontext():
+                    out = self.resharder.encode(encoder, inputs, steps[name], dependency=previous)  # type: ignore[union-attr]
             else:
                 if share.own_inputs is not None:
                     out = encoder(*share.own_inputs)
@@ -167,4 +175,6 @@ class _Share:
             self.own_inputs: tuple[torch.Tensor, ...] | None = inputs if mine.size else None
         else:
             self.own_inputs = select_items(inputs, rows, mine) if mine.size else None
-        self.own_tokens = torch.as_tensor(tokens[mine], dtype=torch.int64, device=self.device)
+        own = tokens[mine]
+        self.own_tokens = torch.as_tensor(own, dtype=torch.int64, device=self.device)
+        self.own_work = (float(own.sum()), float((own.astype(np.float64) ** 2).sum()))  # the encoder's cost features

@@ -18,7 +18,7 @@ and backward collectives in the same order whatever its data: no FSDP or SP coll
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from omni_lightning.balance.cost import ModuleCost
+from omni_lightning.balance.cost import CostModel, ModuleCost
 from omni_lightning.balance.digest import plan_digest
 from omni_lightning.balance.reshard import (
     EncoderTraffic,
@@ -110,14 +110,43 @@ class Resharder:
         self.stats: dict[str, float] = {}
         # Item lengths a rank sends in the gather's one fixed-width row; grows to the most items a rank has had.
         self._capacity = _INITIAL_CAPACITY
+        self.holding = False
+
+    @property
+    def prices(self) -> CostModel:
+        """What the plan prices the encoders and (where it plans on top of it) the LLM by."""
+        return CostModel(**self.costs, llm=self.llm if self.llm is not None else ModuleCost(0.0, 0.0))
+
+    def hold(self) -> None:
+        """Keep every item where it was loaded, planning nothing and running no collective, until
+        :meth:`calibrate`: the steps a :class:`~omni_lightning.runtime.calibration.ResharderCalibrator` times, so
+        that each rank's encoder time is that of its own items. Every rank of the group must hold alike."""
+        self.holding = True
+
+    def calibrate(self, prices: CostModel | None) -> None:
+        """Plan from ``prices``, in seconds (the link's compute rate becomes one unit a second), from now on
+        (``None``: end :meth:`hold` with the prices as they were). Every rank of the group must be given the same
+        prices."""
+        self.holding = False
+        if prices is None:
+            return
+        self.costs = {name: prices.module(name) for name in self.costs}
+        if self.llm is not None:
+            self.llm = prices.llm
+        if self.link is not None:
+            self.link = replace(self.link, flops_per_s=1.0)
 
     def plan(self, lengths: Mapping[str, torch.Tensor], multiples: Mapping[str, int],
              llm_work: tuple[int, int] = (0, 0)) -> dict[str, EncoderStep]:
         """All-gather every encoder's item lengths and this rank's LLM work on the micro-batch (``llm_work``: its
         tokens and causal attention pairs; integers only) and plan each encoder in turn, each on top of the LLM's
         work (with ``llm``) and the encoders planned before it; then check that every rank of the group computed
-        the same plan."""
+        the same plan. While :meth:`hold` is in force every item stays home and nothing is gathered."""
         names = list(lengths)
+        if self.holding:
+            steps = {name: EncoderStep(None, int(lengths[name].numel())) for name in names}
+            self.stats = _summary(steps)
+            return steps
         device = next(iter(lengths.values())).device  # collectives run where the backend wants their tensors
         local = [lengths[name].to(torch.int64) for name in names]
         all_counts, llm_features, gathered = self._gather_lengths(local, llm_work, device)

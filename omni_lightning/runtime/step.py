@@ -33,8 +33,8 @@ from omni_lightning.parallel.fsdp import set_gradient_sync
 from omni_lightning.parallel.grad_norm import clip_grad_norm_
 from omni_lightning.parallel.layout import OmniLayout, OmniMeshes
 from omni_lightning.parallel.timing import action_clock
-from omni_lightning.runtime.calibration import JointCalibrator
-from omni_lightning.runtime.encoders import EncoderSource, LocalEncoders
+from omni_lightning.runtime.calibration import JointCalibrator, ResharderCalibrator
+from omni_lightning.runtime.encoders import EncoderSource, LocalEncoders, llm_work
 from omni_lightning.runtime.items import split_micro_batches
 from omni_lightning.runtime.joint import JointEncoders
 from omni_lightning.runtime.loss import StepLoss, next_token_loss_sum, vocab_parallel_loss
@@ -128,6 +128,11 @@ class PlainStep:
     def encoder_stats(self) -> Mapping[str, float]:
         return self.source.stats if self.source is not None else {}
 
+    @property
+    def calibrator(self) -> ResharderCalibrator | None:
+        """What times this step's first training batches to price the resharder's plan (``None``: nothing)."""
+        return self.source.calibrator if self.source is not None else None
+
     def run(self, batch: PackedBatch, *, train: bool, accumulate: int, last_of_step: bool = True) -> StepResult:
         model, meshes = self.model, self.meshes
         device_type = batch["input_ids"].device.type
@@ -138,11 +143,15 @@ class PlainStep:
                 self.source.start([batch], train=train)
                 encoded = self.source.outputs(0)
             encoded_at = time.thread_time()
-            logits = model(batch, encoded)
+            calibrator = self.calibrator if train else None
+            with calibrator.timed("llm", llm_work(batch)) if calibrator is not None else nullcontext():
+                logits = model(batch, encoded)
         # This thread's forward CPU seconds (a blocked collective costs none), for the measured balance.
         self.forward_cpu_seconds = {"encoders": encoded_at - started, "llm": time.thread_time() - encoded_at}
         if self.source is not None:
             self.source.finish()
+        if calibrator is not None:
+            calibrator.end_batch()
         loss_sum, loss_tokens = next_token_loss_sum(logits, model.local_labels(batch))
         cp = meshes.size("cp") if meshes is not None else 1
         step = batch.get("step") if train else None
@@ -397,8 +406,12 @@ def build_step(model: ReferenceMLLM, layout: OmniLayout | None, *, device: torch
                  if layout.reshard and meshes.encoder_group is not None else None)
     if not pipelined:
         _parallelize(model, meshes, options)
+        calibrator = None
+        if resharder is not None and layout.reshard_calibration_steps:
+            calibrator = ResharderCalibrator(resharder, steps=layout.reshard_calibration_steps,
+                                             clock=action_clock(device), llm_share=resharder.llm_share, device=device)
         # Context- and tensor-parallel peers hold the same samples: they split the encoder items.
-        return PlainStep(model, LocalEncoders(model, resharder, sample_peers(meshes)), meshes)
+        return PlainStep(model, LocalEncoders(model, resharder, sample_peers(meshes), calibrator), meshes)
     runner = _pipeline_runner(model, layout, device, options, resharder)
     return PipelineStep(model, runner, meshes)
 

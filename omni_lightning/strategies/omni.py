@@ -96,6 +96,11 @@ class OmniStrategy(ModelParallelStrategy):
             (``module.cost_model()``). FLOPs misjudge encoders against the LLM where speed depends on shapes; a
             model fitted to measured steps (:func:`~omni_lightning.balance.cost.fit_cost_model`) fixes that. Its
             unit must be the link's: FLOPs at ``link_cost``'s ``flops_per_s`` (scale a fit in seconds by it).
+        reshard_calibration_steps: with ``encoder_reshard`` outside a pipeline, how many training batches after the
+            first are timed (each encoder's and the LLM's forward on every rank, items kept where they were loaded)
+            to price the resharder's plan in measured seconds, each module keeping the shape of its price (FLOPs,
+            or ``cost_model``) (see :class:`~omni_lightning.runtime.calibration.ResharderCalibrator`); ``0`` keeps
+            those prices.
         pp_schedule: pipeline schedule when ``pp > 1``: ``"1F1B"``, ``"GPipe"``, ``"Interleaved1F1B"`` or
             ``"InterleavedZeroBubble"`` (the last two run ``pp_virtual_stages`` stages per rank).
         pp_microbatches: micro-batches per step in the pipeline (default ``pp``); each training batch is cut into
@@ -159,6 +164,7 @@ class OmniStrategy(ModelParallelStrategy):
         encoder_balance: bool | None = None,
         link_cost: LinkCost | Literal["auto", "compute_only"] = "auto",
         cost_model: CostModel | None = None,
+        reshard_calibration_steps: int = 2,
         pp_schedule: str = "1F1B",
         pp_microbatches: int | None = None,
         pp_virtual_stages: int = 1,
@@ -181,6 +187,9 @@ class OmniStrategy(ModelParallelStrategy):
         if timeout <= 0:
             raise ValueError(f"timeout={timeout} must be a positive number of seconds")
         encoder_reshard = _renamed_flag(encoder_reshard, encoder_balance)
+        steps = reshard_calibration_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"reshard_calibration_steps={steps!r} must be a non-negative integer (0: no calibration)")
         if enc_sp > 1 and encoder_reshard is False:
             raise ValueError(f"enc_sp={enc_sp} splits items planned by the resharder: drop encoder_reshard=False")
         super().__init__(
@@ -204,6 +213,7 @@ class OmniStrategy(ModelParallelStrategy):
         self._encoder_reshard = encoder_reshard
         self._link_cost = link_cost
         self._cost_model = cost_model
+        self._reshard_calibration_steps = reshard_calibration_steps
         self._parallel_dims: ParallelDims | None = None
         self._pool_layout: PoolLayout | None = None
         self._layout: OmniLayout | None = None
@@ -355,7 +365,8 @@ class OmniStrategy(ModelParallelStrategy):
                              f"{dist.get_world_size()}")
         layout = build_layout(dims, self.root_device.type, pipeline=self.pipeline_settings,
                               placement=self.placement_settings, reshard=self.encoder_reshard, pool=pool,
-                              pool_enc_sp=self._enc_sp, link_cost=self._link_cost)
+                              pool_enc_sp=self._enc_sp, link_cost=self._link_cost,
+                              reshard_calibration_steps=self._reshard_calibration_steps)
         layout.cost_model = self._cost_model
         if isinstance(module, OmniModule):  # what the data module's plans price and pack by
             layout.cost_model = self._cost_model if self._cost_model is not None else module.cost_model()
