@@ -6,9 +6,8 @@ fork-started CPU processes, under
 * (a) Lightning's ``ModelParallelStrategy`` with FSDP2 over every rank and the plain per-rank data split;
 * (b) OmniStrategy (FSDP2) with balancing off (``OmniDataModule(reorder="none")``, no encoder resharding);
 * (c) OmniStrategy with grouped reordering in the loader;
-* (d) (c) plus encoder resharding with long-short sequence parallelism (``enc_sp``), priced from its batches 1 and 2
-  (``OmniStrategy(reshard_calibration_steps=2)``, the default: items stay home while they are timed; the warm-up
-  steps cover them);
+* (d) (c) plus encoder resharding with long-short sequence parallelism (``enc_sp``), priced in the seconds its
+  batches 1 and 2 measure (``OmniStrategy(reshard_calibration_steps=2)``, the default; the warm-up steps cover them);
 * (e) DistTrain's disaggregated placement (``OmniStrategy(placement="disaggregated")``): an encoder pool sized by
   the pool solver (:func:`~omni_lightning.strategies.omni.size_encoder_pool`) for this workload, with costs fitted
   to what (a)-(c) measured in this invocation (DistTrain sizes from profiled costs too; the FLOP model misjudges

@@ -222,9 +222,8 @@ def run_against_hf(tmp_path: Path, checkpoint: Path, shards: str, layout: dict[s
     if int(layout.get("enc_sp", 1)) > 1:
         # Priced with the LLM free, the resharder evens out the encoder work alone and splits these tiny models'
         # long items, whose parity with the HF model is what the SP layouts check (on the LLM's work as a base, the
-        # plan would keep them whole). Those prices stand from the first step: no calibration holds items home.
-        layout = {"cost_model": module.cost_model().replace(llm=ModuleCost(0.0, 0.0)), "reshard_calibration_steps": 0,
-                  **layout}
+        # plan would keep them whole).
+        layout = {"cost_model": module.cost_model().replace(llm=ModuleCost(0.0, 0.0)), **layout}
     fit(tmp_path, shards, Path("unused"), layout=layout, devices=ranks, max_steps=steps, module=module,
         datamodule=data, callbacks=[RecordRun(tmp_path, grads=True), RecordBatches(tmp_path),
                                     RecordEncoderPlans(tmp_path)])

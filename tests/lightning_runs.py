@@ -177,9 +177,12 @@ def fit(
     """Fit the tiny reference MLLM (or ``module``) on ``devices`` fork-started CPU ranks.
 
     The resharder plans on compute alone unless ``layout`` says otherwise: priced for Gloo, the tiny model's items
-    would mostly stay home, and these runs check that moved and split items train exactly as one process does."""
+    would mostly stay home, and these runs check that moved and split items train exactly as one process does. It
+    keeps its FLOP prices unless ``layout`` sets ``reshard_calibration_steps``: prices measured in seconds differ
+    from run to run, and with them where items are encoded and the order of floating-point sums, which the runs
+    compared bit for bit (a resume against an uninterrupted run) cannot allow."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    layout = {"link_cost": "compute_only", **layout}
+    layout = {"link_cost": "compute_only", "reshard_calibration_steps": 0, **layout}
     os.environ["MASTER_PORT"] = str(free_port())  # Lightning reuses the parent's port otherwise
     trainer = pl.Trainer(
         accelerator="cpu",

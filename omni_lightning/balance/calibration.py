@@ -22,7 +22,7 @@ import numpy as np
 
 from omni_lightning.balance.cost import CostModel, ModuleCost, fit_cost_model_to_features
 
-__all__ = ["JointCalibration", "fit_joint_calibration", "fit_module_prices"]
+__all__ = ["JointCalibration", "fit_joint_calibration", "fit_module_prices", "paced_by_slowest"]
 
 
 @dataclass(frozen=True)
@@ -124,46 +124,54 @@ def _share(forward: np.ndarray, backward: np.ndarray) -> float:
     return share if 0.0 < share < 1.0 else 1 / 3
 
 
-def fit_module_prices(records: Mapping[str, np.ndarray], *, flops: CostModel, llm_share: float = 1.0,
+def fit_module_prices(records: Mapping[str, np.ndarray], *, prices: CostModel,
                       train_per_forward: float = 3.0) -> CostModel:
-    """``flops``' modules priced in seconds of training (forward and backward) from timed forwards.
+    """``prices``' modules priced in seconds of training (forward and backward) from timed forwards.
 
     Args:
-        records: by module name (``flops``' encoders and ``"llm"``), rows ``(linear feature, quadratic feature,
-            seconds)``: one rank's forward of that module over one micro-batch's work and the features of that work
-            (an encoder's ``sum n`` and ``sum n**2`` over its items, the LLM's tokens and causal pairs;
-            :func:`~omni_lightning.balance.cost.work_features`). Rows without work (a rank that ran a dummy item) are
-            left out.
-        flops: the prices to calibrate (FLOPs, or a user's cost model): each module keeps its shape, the ratio of
-            its quadratic to its linear coefficient, and is scaled by its measured seconds per unit.
-        llm_share: the part of a micro-batch's LLM work one rank runs (``1 / (tp * cp)``).
+        records: by module name (``prices``' encoders and ``"llm"``), rows ``(work, seconds)``: one rank's forward
+            of that module over one micro-batch, and the work it did in ``prices``' units (for the LLM, the rank's
+            share of the micro-batch's). Rows without work (a rank that ran a dummy item) are left out.
+        prices: what the plan priced by so far (FLOPs, or a user's cost model): each module keeps its shape, the
+            ratio of its quadratic to its linear coefficient, and is scaled by its measured seconds per unit.
         train_per_forward: a training pass's time over its forward's (FLOPs': 3).
 
-    A module's seconds per unit is the ratio of its records' total seconds to their total priced work. A slope
-    past a per-call constant (launches, gathering the module's weights, which every rank pays alike) would be
-    closer to what sways a plan, but a few noisy records over similar work cannot separate the two, and the ratio
-    keeps every module's constant in alike. A module the records do not exercise (or that took no measurable
-    time) scales by the LLM's rate. Raises ``ValueError`` where the LLM has no records with work, or on malformed
-    input.
+    A module's seconds per unit is the ratio of its records' total seconds to their total work. A slope past a
+    per-call constant (launches, gathering the module's weights, which every rank pays alike) would be closer to
+    what sways a plan, but a few noisy records over similar work cannot separate the two (on this project's CPU runs
+    the slope came out half the ratio one run and twice it the next), and the ratio keeps every module's constant in
+    alike. A module the records do not exercise (or that took no measurable time) scales by the LLM's rate. Raises
+    ``ValueError`` where the LLM has no records with work, or on malformed input.
     """
-    if unknown := sorted(set(records) - set(flops.modules)):
-        raise ValueError(f"records of module(s) {unknown}, but the prices have {list(flops.modules)}")
-    if not 0.0 < llm_share <= 1.0:
-        raise ValueError(f"llm_share={llm_share} must be in (0, 1]: the part of a micro-batch's LLM work one rank runs")
+    if unknown := sorted(set(records) - set(prices.modules)):
+        raise ValueError(f"records of module(s) {unknown}, but the prices have {list(prices.modules)}")
     if train_per_forward <= 0:
         raise ValueError(f"train_per_forward={train_per_forward} must be positive")
     rates = {}
-    for name in flops.modules:
-        rows = np.asarray(records.get(name, np.zeros((0, 3))), dtype=np.float64).reshape(-1, 3)
-        if not np.isfinite(rows).all() or (rows[:, 2] < 0).any():
-            raise ValueError(f"{name}: seconds and features must be finite and the seconds non-negative")
-        cost = flops.module(name)
-        work = (cost.linear * rows[:, 0] + cost.quadratic * rows[:, 1]) * (llm_share if name == "llm" else 1.0)
-        keep = work > 0
-        if keep.any() and (rate := float(rows[keep, 2].sum() / work[keep].sum())) > 0:
+    for name in prices.modules:
+        rows = np.asarray(records.get(name, np.zeros((0, 2))), dtype=np.float64).reshape(-1, 2)
+        if not np.isfinite(rows).all() or (rows < 0).any():
+            raise ValueError(f"{name}: work and seconds must be finite and non-negative")
+        keep = rows[:, 0] > 0
+        if keep.any() and (rate := float(rows[keep, 1].sum() / rows[keep, 0].sum())) > 0:
             rates[name] = rate
     if rates.get("llm", 0.0) <= 0:
         raise ValueError("the LLM's timed forwards carry no work or took no time: nothing to price the modules by")
-    return CostModel(**{name: _scaled(flops.module(name), train_per_forward * rates.get(name, rates["llm"]))
-                        for name in flops.modules})
+    return CostModel(**{name: _scaled(prices.module(name), train_per_forward * rates.get(name, rates["llm"]))
+                        for name in prices.modules})
 
+
+def paced_by_slowest(per_rank: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """Each rank's ``(work, seconds)`` rows (:func:`fit_module_prices`) with each row's work replaced by the
+    largest work any rank did in the same row, for wall clocks: where ranks wait for each other inside a module
+    (FSDP gathers its weights block by block), every rank's forward takes about as long as the slowest's. A module
+    whose ranks recorded different numbers of rows keeps its own work."""
+    out = [dict(rank) for rank in per_rank]
+    for name in {name for rank in per_rank for name in rank}:
+        tables = [np.asarray(rank.get(name, np.zeros((0, 2))), dtype=np.float64).reshape(-1, 2) for rank in per_rank]
+        if len({table.shape[0] for table in tables}) != 1:
+            continue
+        slowest = np.max([table[:, 0] for table in tables], axis=0)
+        for rank, table in zip(out, tables, strict=True):
+            rank[name] = np.column_stack([slowest, table[:, 1]])
+    return out

@@ -25,7 +25,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from omni_lightning.balance.calibration import JointCalibration, fit_joint_calibration, fit_module_prices
+from omni_lightning.balance.calibration import (
+    JointCalibration,
+    fit_joint_calibration,
+    fit_module_prices,
+    paced_by_slowest,
+)
 from omni_lightning.balance.cost import CostModel, ModuleCost, work_features
 from omni_lightning.batch import PackedBatch, PackingSpec
 from omni_lightning.parallel.timing import ActionLog
@@ -141,47 +146,51 @@ class JointCalibrator:
 class ResharderCalibrator:
     """Prices the encoder resharder's plan in measured seconds, during training.
 
-    Over training batches ``skip`` to ``skip + steps - 1`` the resharder keeps every item where it was loaded
-    (:meth:`~omni_lightning.runtime.reshard.Resharder.hold`), and this rank times each encoder's forward over its
-    own items and the LLM's forward over its micro-batch (``clock``: thread CPU time on a CPU, wall time after a
-    synchronize on an accelerator; see :func:`~omni_lightning.parallel.timing.action_clock`). After the last of
-    them every rank's records are gathered over the world, global rank 0 fits the prices
-    (:func:`~omni_lightning.balance.calibration.fit_module_prices`) and broadcasts them, and every rank's resharder
-    plans from the same figures. Where the records cannot price the modules the resharder keeps its prices (a
-    warning says so). The first ``skip`` batches are left out: they include one-off work (allocations, caches).
-
-    ``llm_share``: the part of a micro-batch's LLM work one rank runs (``1 / (tp * cp)``).
+    Over training batches ``skip`` to ``skip + steps - 1`` this rank times each encoder's forward over what the plan
+    gave it to encode (its own items, or those moved to it and its shares of split ones, the exchanges left out) and
+    the LLM's forward over its micro-batch (``clock``: thread CPU time on a CPU, wall time after a synchronize on an
+    accelerator; see :func:`~omni_lightning.parallel.timing.action_clock`), beside the work each did in the plan's
+    prices. After the last of them every rank's records are gathered over the world, global rank 0 fits the prices
+    (:func:`~omni_lightning.balance.calibration.fit_module_prices`; on a wall clock each forward is matched with the
+    largest work of the same forward on any rank, :func:`~omni_lightning.balance.calibration.paced_by_slowest`) and
+    broadcasts them, and every rank's resharder plans from the same figures. Where the records cannot price the
+    modules the resharder keeps its prices (a warning says so). Until then the plan runs on the prices it had, so
+    the first batches split what they would have split. The first ``skip`` batches are left out: they include
+    one-off work (allocations, caches).
     """
 
-    def __init__(self, resharder: Resharder, *, steps: int, clock: Callable[[], float], llm_share: float = 1.0,
-                 skip: int = 1, device: torch.device | None = None) -> None:
+    def __init__(self, resharder: Resharder, *, steps: int, clock: Callable[[], float], skip: int = 1,
+                 device: torch.device | None = None) -> None:
         if steps < 1:
             raise ValueError(f"calibration steps={steps} must be at least 1 (0 turns calibration off)")
         if resharder.llm is None:
             raise ValueError("the resharder calibrates against the LLM's measured time: give it the LLM's cost")
         self.resharder, self.steps, self.skip, self.clock = resharder, steps, skip, clock
-        self.llm_share = llm_share
         self.device = device or torch.device("cpu")
         self.prices = resharder.prices  # what the plan priced by before, whose shapes the fit keeps
         self.seen = 0
         self.calibrated = False
-        self._records: dict[str, list[tuple[float, float, float]]] = {name: [] for name in self.prices.modules}
-        resharder.hold()
+        self._records: dict[str, list[tuple[float, float]]] = {name: [] for name in self.prices.modules}
 
     @property
     def measuring(self) -> bool:
         """Whether the current training batch is timed."""
         return not self.calibrated and self.seen >= self.skip
 
-    def timed(self, module: str, work: tuple[float, float]) -> AbstractContextManager[None]:
-        """Time the block as ``module``'s forward over ``work`` (its features) where this batch is measured."""
+    def llm_work(self, tokens: int, pairs: int) -> float:
+        """This rank's share of the LLM work of a micro-batch of ``tokens`` and causal ``pairs``, in the prices."""
+        llm = self.prices.llm
+        return self.resharder.llm_share * (llm.linear * tokens + llm.quadratic * pairs)
+
+    def timed(self, module: str, work: float) -> AbstractContextManager[None]:
+        """Time the block as ``module``'s forward over ``work`` (in the prices) where this batch is measured."""
         return self._timing(module, work) if self.measuring else nullcontext()
 
     @contextmanager
-    def _timing(self, module: str, work: tuple[float, float]) -> Iterator[None]:
+    def _timing(self, module: str, work: float) -> Iterator[None]:
         started = self.clock()
         yield
-        self._records[module].append((float(work[0]), float(work[1]), self.clock() - started))
+        self._records[module].append((float(work), self.clock() - started))
 
     def end_batch(self) -> None:
         """After a training batch; after the last measured one, calibrate (a collective over the world)."""
@@ -190,18 +199,18 @@ class ResharderCalibrator:
             self._calibrate()
 
     def _calibrate(self) -> None:
-        mine = {name: np.asarray(rows, dtype=np.float64).reshape(-1, 3) for name, rows in self._records.items()}
+        mine = {name: np.asarray(rows, dtype=np.float64).reshape(-1, 2) for name, rows in self._records.items()}
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         self.calibrated, self._records = True, {}
-        records = {name: np.concatenate([rank[name] for rank in everyone]) for name in self.prices.modules}
+        if self.device.type != "cpu":  # a wall clock: ranks wait for each other inside a module
+            everyone = paced_by_slowest(everyone)
         modules = self.prices.modules
-        values = _fitted_on_rank_zero(
-            lambda: fit_module_prices(records, flops=self.prices, llm_share=self.llm_share).coefficients,
-            2 * len(modules), self.device,
-            "the encoder resharder keeps its prices: its timed forwards could not calibrate them")
+        records = {name: np.concatenate([rank[name] for rank in everyone]) for name in modules}
+        values = _fitted_on_rank_zero(lambda: fit_module_prices(records, prices=self.prices).coefficients,
+                                      2 * len(modules), self.device,
+                                      "the encoder resharder keeps its prices: its timed forwards could not price them")
         if values is None:
-            self.resharder.calibrate(None)
             return
         prices = CostModel(**{name: ModuleCost(values[2 * i], values[2 * i + 1]) for i, name in enumerate(modules)})
         self.resharder.calibrate(prices)

@@ -17,7 +17,6 @@ replicates before the optimizer step.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -75,8 +74,7 @@ class LocalEncoders:
     instead of each encoding all of them (:mod:`omni_lightning.runtime.peers`): each encodes its own share
     (resharded over its data-parallel peers' shares where there is a resharder), and the outputs are all-gathered.
 
-    With ``calibrator`` (which holds the resharder's items home while it measures), each encoder's forward of a
-    measured training batch is timed for it.
+    With ``calibrator``, each encoder's forward of a measured training batch is timed for it.
     """
 
     def __init__(self, model: ReferenceMLLM, resharder: Resharder | None = None,
@@ -131,8 +129,9 @@ class LocalEncoders:
             share = shares[name]
             if steps is not None:
                 inputs = share.own_inputs if share.own_inputs is not None else encoder.dummy_inputs(share.device)
-                with timing.timed(name, share.own_work) if timing is not None else nullcontext():
-                    out = self.resharder.encode(encoder, inputs, steps[name], dependency=previous)  # type: ignore[union-attr]
+                step = steps[name]
+                timed = timing.timed(name, step.work) if timing is not None else None
+                out = self.resharder.encode(encoder, inputs, step, dependency=previous, timed=timed)  # type: ignore[union-attr]
             else:
                 if share.own_inputs is not None:
                     out = encoder(*share.own_inputs)
@@ -175,6 +174,4 @@ class _Share:
             self.own_inputs: tuple[torch.Tensor, ...] | None = inputs if mine.size else None
         else:
             self.own_inputs = select_items(inputs, rows, mine) if mine.size else None
-        own = tokens[mine]
-        self.own_tokens = torch.as_tensor(own, dtype=torch.int64, device=self.device)
-        self.own_work = (float(own.sum()), float((own.astype(np.float64) ** 2).sum()))  # the encoder's cost features
+        self.own_tokens = torch.as_tensor(tokens[mine], dtype=torch.int64, device=self.device)

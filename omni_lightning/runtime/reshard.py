@@ -18,6 +18,7 @@ and backward collectives in the same order whatever its data: no FSDP or SP coll
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -56,6 +57,7 @@ class EncoderStep:
     unbalanced_cost: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per rank, each encodes its own
     items_split: int = 0
     items_moved: int = 0
+    work: float = 0.0  # the compute this rank encodes, in the plan's prices (a split item's share of it)
 
 
 def _device_of(inputs: tuple[torch.Tensor, ...]) -> torch.device:
@@ -110,26 +112,16 @@ class Resharder:
         self.stats: dict[str, float] = {}
         # Item lengths a rank sends in the gather's one fixed-width row; grows to the most items a rank has had.
         self._capacity = _INITIAL_CAPACITY
-        self.holding = False
 
     @property
     def prices(self) -> CostModel:
         """What the plan prices the encoders and (where it plans on top of it) the LLM by."""
         return CostModel(**self.costs, llm=self.llm if self.llm is not None else ModuleCost(0.0, 0.0))
 
-    def hold(self) -> None:
-        """Keep every item where it was loaded, planning nothing and running no collective, until
-        :meth:`calibrate`: the steps a :class:`~omni_lightning.runtime.calibration.ResharderCalibrator` times, so
-        that each rank's encoder time is that of its own items. Every rank of the group must hold alike."""
-        self.holding = True
-
-    def calibrate(self, prices: CostModel | None) -> None:
-        """Plan from ``prices``, in seconds (the link's compute rate becomes one unit a second), from now on
-        (``None``: end :meth:`hold` with the prices as they were). Every rank of the group must be given the same
-        prices."""
-        self.holding = False
-        if prices is None:
-            return
+    def calibrate(self, prices: CostModel) -> None:
+        """Plan from ``prices``, in seconds (the link's compute rate becomes one unit a second), from now on (what
+        :class:`~omni_lightning.runtime.calibration.ResharderCalibrator` measures). Every rank of the group must be
+        given the same prices."""
         self.costs = {name: prices.module(name) for name in self.costs}
         if self.llm is not None:
             self.llm = prices.llm
@@ -141,12 +133,8 @@ class Resharder:
         """All-gather every encoder's item lengths and this rank's LLM work on the micro-batch (``llm_work``: its
         tokens and causal attention pairs; integers only) and plan each encoder in turn, each on top of the LLM's
         work (with ``llm``) and the encoders planned before it; then check that every rank of the group computed
-        the same plan. While :meth:`hold` is in force every item stays home and nothing is gathered."""
+        the same plan."""
         names = list(lengths)
-        if self.holding:
-            steps = {name: EncoderStep(None, int(lengths[name].numel())) for name in names}
-            self.stats = _summary(steps)
-            return steps
         device = next(iter(lengths.values())).device  # collectives run where the backend wants their tensors
         local = [lengths[name].to(torch.int64) for name in names]
         all_counts, llm_features, gathered = self._gather_lengths(local, llm_work, device)
@@ -224,27 +212,34 @@ class Resharder:
         if plan is None or plan.moved == 0 or peak_in_place <= (base + plan.rank_cost).max() * (1.0 + self.min_gain):
             # Already about as even as resharding would make it (e.g. the loader balanced the samples): every rank
             # encodes its own items and nothing travels.
-            return EncoderStep(None, own, unbalanced.rank_cost, unbalanced.rank_cost, 0, 0), [1]
+            work = float(item_costs[owners == self.rank].sum())
+            return EncoderStep(None, own, unbalanced.rank_cost, unbalanced.rank_cost, 0, 0, work), [1]
         exchange = plan_item_exchange(item_lengths, owners, plan, rank=self.rank, n_ranks=self.n_ranks,
                                       multiple=multiple)
-        step = EncoderStep(exchange, own, plan.rank_cost, unbalanced.rank_cost, plan.items_split, plan.moved)
+        mine = (plan.sp_start <= self.rank) & (self.rank < plan.sp_start + plan.sp_degree)
+        mine = np.where(plan.sp_degree > 1, mine, plan.rank_of == self.rank)
+        work = float((item_costs[mine] / plan.sp_degree[mine]).sum())
+        step = EncoderStep(exchange, own, plan.rank_cost, unbalanced.rank_cost, plan.items_split, plan.moved, work)
         return step, [2, plan.rank_of, plan.sp_start, plan.sp_degree]
 
     def encode(
         self, encoder: nn.Module, inputs: tuple[torch.Tensor, ...], step: EncoderStep,
-        *, dependency: torch.Tensor | None = None,
+        *, dependency: torch.Tensor | None = None, timed: AbstractContextManager[None] | None = None,
     ) -> torch.Tensor:
         """This rank's own items encoded wherever the plan put them, in their original order.
 
         ``dependency`` (e.g. the previous encoder's output) joins the data-dependency chain that fixes the order of
-        collectives in backward.
+        collectives in backward. ``timed`` wraps the encoding of what the plan gave this rank (``step.work``), not
+        the exchanges around it.
         """
         device = _device_of(inputs)
+        timed = timed if timed is not None else nullcontext()
         if step.exchange is None:  # nothing moves: each rank encodes its own items (a dummy one if it has none)
             # Through embed and encode, as when items move: the encoders' FSDP peers may span several resharder
             # groups (context-parallel peers), some moving items and some not, and must unshard in the same order.
             tokens, lengths = encoder.embed(*(inputs if step.own_items > 0 else encoder.dummy_inputs(device)))
-            local = encoder.encode(tokens, cu_seqlens_from_lengths(lengths))
+            with timed:
+                local = encoder.encode(tokens, cu_seqlens_from_lengths(lengths))
             local = local if step.own_items > 0 else local[:0]
             return local + 0.0 * dependency.sum() if dependency is not None else local
         exchange = step.exchange
@@ -259,11 +254,12 @@ class Resharder:
         local = received[torch.as_tensor(exchange.local_index, device=device)]
         lengths = torch.as_tensor(exchange.whole_lengths, dtype=torch.int64, device=device)
         # A member of an SP block whose chunk of a short item came out empty still joins the item's exchanges.
-        if exchange.local_tokens > 0 or exchange.chunks:
-            outputs = encoder.encode(local, cu_seqlens_from_lengths(lengths), exchange.chunks, self.sp_groups)
-        else:  # nothing to encode here: a dummy item keeps this rank's FSDP and autograd steps in line
-            dummy, dummy_lengths = encoder.embed(*encoder.dummy_inputs(device))
-            outputs = encoder.encode(dummy + 0.0 * local.sum(), cu_seqlens_from_lengths(dummy_lengths))[:0]
+        with timed:
+            if exchange.local_tokens > 0 or exchange.chunks:
+                outputs = encoder.encode(local, cu_seqlens_from_lengths(lengths), exchange.chunks, self.sp_groups)
+            else:  # nothing to encode here: a dummy item keeps this rank's FSDP and autograd steps in line
+                dummy, dummy_lengths = encoder.embed(*encoder.dummy_inputs(device))
+                outputs = encoder.encode(dummy + 0.0 * local.sum(), cu_seqlens_from_lengths(dummy_lengths))[:0]
         multiple = encoder.tokens_per_output
         back = outputs[torch.as_tensor(exchange.back_index, device=device)]
         returned = funcol.all_to_all_single_autograd(

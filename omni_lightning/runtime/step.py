@@ -144,7 +144,8 @@ class PlainStep:
                 encoded = self.source.outputs(0)
             encoded_at = time.thread_time()
             calibrator = self.calibrator if train else None
-            with calibrator.timed("llm", llm_work(batch)) if calibrator is not None else nullcontext():
+            timing = calibrator is not None and calibrator.measuring  # reading the work syncs with the device
+            with calibrator.timed("llm", calibrator.llm_work(*llm_work(batch))) if timing else nullcontext():
                 logits = model(batch, encoded)
         # This thread's forward CPU seconds (a blocked collective costs none), for the measured balance.
         self.forward_cpu_seconds = {"encoders": encoded_at - started, "llm": time.thread_time() - encoded_at}
@@ -409,7 +410,7 @@ def build_step(model: ReferenceMLLM, layout: OmniLayout | None, *, device: torch
         calibrator = None
         if resharder is not None and layout.reshard_calibration_steps:
             calibrator = ResharderCalibrator(resharder, steps=layout.reshard_calibration_steps,
-                                             clock=action_clock(device), llm_share=resharder.llm_share, device=device)
+                                             clock=action_clock(device), device=device)
         # Context- and tensor-parallel peers hold the same samples: they split the encoder items.
         return PlainStep(model, LocalEncoders(model, resharder, sample_peers(meshes), calibrator), meshes)
     runner = _pipeline_runner(model, layout, device, options, resharder)
