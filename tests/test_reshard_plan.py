@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from omni_lightning.balance.reshard import (
@@ -163,6 +163,8 @@ def test_whole_items_go_where_the_plain_rule_puts_them(seed: int, n_ranks: int, 
 @given(seed=st.integers(0, 10_000), groups=st.integers(1, 4), enc_sp=st.sampled_from([1, 2, 4]),
        items=st.integers(0, 40), price_scale=st.sampled_from([0.0, 0.3, 10.0]),
        base_scale=st.sampled_from([0.0, 1.0, 10.0, 100.0]))
+# A plan within 1% of the best that beat keeping every item home by less than 1% (it moved 16 items for 0.97%).
+@example(seed=6317, groups=1, enc_sp=2, items=27, price_scale=0.0, base_scale=0.0)
 def test_with_a_base_the_plan_never_slows_the_step_each_rank_runs(seed: int, groups: int, enc_sp: int, items: int,
                                                                   price_scale: float, base_scale: float) -> None:
     """With each rank's LLM work as its base, the slowest rank's base plus encoder work never grows; the plan's

@@ -237,8 +237,12 @@ def plan_encoder_work(
     candidates = [in_place] + [_plan_with_threshold(costs, owners, order, n_ranks, enc_sp, fair_share / 2**k, prices,
                                                     placed, base)
                                for k in range(0, 4 if enc_sp > 1 else 1)]
-    best = min(float((base + plan.rank_cost).max()) for plan in candidates)
-    return next(plan for plan in candidates if (base + plan.rank_cost).max() <= best * 1.01)
+    peaks = [float((base + plan.rank_cost).max()) for plan in candidates]
+    best = min(peaks)
+    # Within 1% of the best is enough, but a resharded plan must also beat keeping every item home by more than 1%
+    # itself (the best does whenever home is not within 1% of it, so some candidate always qualifies).
+    return next(plan for plan, peak in zip(candidates, peaks, strict=True)
+                if peak <= best * 1.01 and (plan is in_place or peak * 1.01 < peaks[0]))
 
 
 def _plan_with_threshold(
