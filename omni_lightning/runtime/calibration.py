@@ -178,9 +178,9 @@ class ResharderCalibrator:
         return not self.calibrated and self.seen >= self.skip
 
     def llm_work(self, tokens: int, pairs: int) -> float:
-        """This rank's share of the LLM work of a micro-batch of ``tokens`` and causal ``pairs``, in the prices."""
-        llm = self.prices.llm
-        return self.resharder.llm_share * (llm.linear * tokens + llm.quadratic * pairs)
+        """This rank's share of the LLM work of a micro-batch of ``tokens`` and causal ``pairs``, in the prices the
+        records are taken in (the plan's until it is calibrated)."""
+        return float(self.resharder.llm_price(tokens, pairs))
 
     def timed(self, module: str, work: float) -> AbstractContextManager[None]:
         """Time the block as ``module``'s forward over ``work`` (in the prices) where this batch is measured."""

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from numpy.typing import ArrayLike
 from torch import nn
 
 from omni_lightning.balance.cost import CostModel, ModuleCost
@@ -128,6 +129,13 @@ class Resharder:
         if self.link is not None:
             self.link = replace(self.link, flops_per_s=1.0)
 
+    def llm_price(self, tokens: ArrayLike, pairs: ArrayLike) -> np.ndarray:
+        """This rank's share of the LLM work of ``tokens`` and causal attention ``pairs`` (per micro-batch), in the
+        plan's current prices: what each rank's encoder work is planned on top of."""
+        if self.llm is None:
+            raise ValueError("the resharder plans without the LLM: it was given no LLM cost")
+        return self.llm_share * (self.llm.linear * np.asarray(tokens) + self.llm.quadratic * np.asarray(pairs))
+
     def plan(self, lengths: Mapping[str, torch.Tensor], multiples: Mapping[str, int],
              llm_work: tuple[int, int] = (0, 0)) -> dict[str, EncoderStep]:
         """All-gather every encoder's item lengths and this rank's LLM work on the micro-batch (``llm_work``: its
@@ -138,9 +146,7 @@ class Resharder:
         device = next(iter(lengths.values())).device  # collectives run where the backend wants their tensors
         local = [lengths[name].to(torch.int64) for name in names]
         all_counts, llm_features, gathered = self._gather_lengths(local, llm_work, device)
-        base = np.zeros(self.n_ranks)
-        if self.llm is not None:
-            base = self.llm_share * (self.llm.linear * llm_features[:, 0] + self.llm.quadratic * llm_features[:, 1])
+        base = np.zeros(self.n_ranks) if self.llm is None else self.llm_price(llm_features[:, 0], llm_features[:, 1])
         steps, decisions = {}, []
         for m, name in enumerate(names):
             start = all_counts[:, :m].sum(1)
