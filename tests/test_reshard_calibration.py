@@ -16,12 +16,14 @@ import torch.distributed as dist
 from distributed import run_distributed
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lightning_runs import fit
+from lightning_runs import LEARNING_RATE, fit
 
-from omni_lightning.balance.calibration import fit_module_prices, paced_by_slowest
+from omni_lightning import OmniModule, ReferenceMLLM, ReferenceMLLMConfig
+from omni_lightning.balance.calibration import fit_module_prices, paced_by_slowest, training_passes
 from omni_lightning.balance.cost import CostModel, ModuleCost
 from omni_lightning.runtime import calibration
-from omni_lightning.runtime.calibration import ResharderCalibrator
+from omni_lightning.runtime.calibration import ResharderCalibrator, module_training_passes
+from omni_lightning.runtime.optim import freeze_parts
 from omni_lightning.runtime.reshard import Resharder
 
 FLOPS = CostModel(vision=ModuleCost(3e5, 40.0), audio=ModuleCost(5e5, 60.0), llm=ModuleCost(1e6, 200.0))
@@ -69,12 +71,76 @@ def test_an_encoder_without_timed_work_is_priced_at_the_llms_rate() -> None:
     ({"llm": np.ones((2, 2)), "video": np.ones((1, 2))}, {}, r"records of module\(s\) \['video'\]"),
     ({"llm": -np.ones((2, 2))}, {}, "llm: work and seconds must be finite and non-negative"),
     ({"llm": np.full((2, 2), np.nan)}, {}, "must be finite"),
-    ({"llm": np.ones((2, 2))}, {"train_per_forward": 0.0}, "train_per_forward=0.0 must be positive"),
+    ({"llm": np.ones((2, 2))}, {"train_per_forward": 0.0}, r"train_per_forward=0.0 \(vision\) must be positive"),
+    ({"llm": np.ones((2, 2))}, {"train_per_forward": {"llm": 3.0, "vision": 1.0}},
+     r"no factor for module\(s\) \['audio'\]"),
+    ({"llm": np.ones((2, 2))}, {"train_per_forward": {"llm": 3.0, "vision": 1.0, "audio": -1.0}},
+     r"train_per_forward=-1.0 \(audio\) must be positive"),
 ])
 def test_malformed_records_are_rejected_by_name(records: dict[str, np.ndarray], kwargs: dict[str, float],
                                                 message: str) -> None:
     with pytest.raises(ValueError, match=message):
         fit_module_prices(records, prices=FLOPS, **kwargs)
+
+
+def test_each_module_is_priced_by_its_own_training_factor() -> None:
+    """A frozen encoder's training is its forward (factor 1): it is priced at its measured forward rate alone, the
+    modules that train in full at three times theirs."""
+    rng = np.random.default_rng(2)
+    records = {name: _rows(rng, name, 5) for name in FLOPS.modules}
+    prices = fit_module_prices(records, prices=FLOPS, train_per_forward={"vision": 1.0, "audio": 3.0, "llm": 3.0})
+    full = fit_module_prices(records, prices=FLOPS)
+    assert prices.vision.linear == pytest.approx(full.vision.linear / 3.0, rel=1e-12)
+    assert (prices.audio, prices.llm) == (full.audio, full.llm)
+
+
+@pytest.mark.parametrize(("parameters", "inputs_need_gradient", "passes"), [
+    ([(10, True), (30, True)], False, 3.0),  # everything trains: forward, gradient through it, weight gradients
+    ([(10, False), (30, False)], False, 1.0),  # a frozen encoder: its inputs are data, no backward at all
+    ([(10, False), (30, False)], True, 2.0),  # a frozen LLM under a training encoder: the gradient runs through
+    ([(30, False), (10, True)], False, 1.5),  # only the last quarter trains (a projector): back through it alone
+    ([(10, False), (30, True)], True, 2.75),  # frozen embeddings, gradients arriving from a training encoder
+    ([], True, 2.0),
+    ([], False, 1.0),
+])
+def test_training_passes_count_the_backward_that_runs(parameters: list[tuple[int, bool]],
+                                                      inputs_need_gradient: bool, passes: float) -> None:
+    assert training_passes(parameters, inputs_need_gradient=inputs_need_gradient) == pytest.approx(passes)
+
+
+@settings(max_examples=80, deadline=None)
+@given(parameters=st.lists(st.tuples(st.integers(0, 10**6), st.booleans()), max_size=12),
+       index=st.integers(0, 11), inputs_need_gradient=st.booleans())
+def test_training_passes_lie_between_a_forward_and_a_full_training_pass_and_grow_with_what_trains(
+        parameters: list[tuple[int, bool]], index: int, inputs_need_gradient: bool) -> None:
+    passes = training_passes(parameters, inputs_need_gradient=inputs_need_gradient)
+    assert 1.0 <= passes <= 3.0 + 1e-12
+    assert training_passes(parameters, inputs_need_gradient=True) >= passes - 1e-12
+    if parameters:
+        more = list(parameters)
+        more[index % len(more)] = (more[index % len(more)][0], True)
+        assert training_passes(more, inputs_need_gradient=inputs_need_gradient) >= passes - 1e-12
+
+
+def test_a_models_frozen_parts_set_its_modules_training_factors() -> None:
+    """On the tiny reference model: with the vision tower frozen (its projector still trains) vision's factor is one
+    plus twice its projector's share of its parameters; the audio encoder and the LLM train in full. With every
+    encoder and projector frozen, the LLM's gradient no longer runs back into its inputs."""
+    model = ReferenceMLLM(ReferenceMLLMConfig.tiny())
+    modules = {**model.encoders, "llm": model.llm}
+    assert module_training_passes(modules) == {"vision": 3.0, "audio": 3.0, "llm": 3.0}
+    freeze_parts(model, ["vision"], model.encoder_names)
+    share = (sum(p.numel() for p in model.vision.projector.parameters())
+             / sum(p.numel() for p in model.vision.parameters()))
+    passes = module_training_passes(modules)
+    assert passes["vision"] == pytest.approx(1.0 + 2 * share) and share < 0.5
+    assert (passes["audio"], passes["llm"]) == (3.0, 3.0)
+    freeze_parts(model, ["audio", "projector"], model.encoder_names)
+    assert module_training_passes(modules)["vision"] == 1.0 == module_training_passes(modules)["audio"]
+    embeddings = model.llm.tok_embeddings.weight.numel() / sum(p.numel() for p in model.llm.parameters())
+    assert module_training_passes(modules)["llm"] == pytest.approx(3.0)
+    model.llm.tok_embeddings.weight.requires_grad_(False)
+    assert module_training_passes(modules)["llm"] == pytest.approx(3.0 - 2 * embeddings)
 
 
 @settings(max_examples=60, deadline=None)
@@ -184,7 +250,8 @@ class _RecordPrices(pl.Callback):
 def test_a_job_times_its_first_batches_and_plans_from_their_prices_on_every_rank(
         tmp_path: Path, tiny_shards: str, seed_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the strategy: batch 0 is left out, batch 1 timed (each rank's encoders and LLM forward); at the end
-    of its forward every rank prices its plan alike from the records of both ranks, for batch 2 on."""
+    of its forward every rank prices its plan alike from the records of both ranks, for batch 2 on. The vision tower
+    is frozen: it is priced at about its forward's measured rate, the rest at three times theirs."""
     fitted = calibration.fit_module_prices
 
     def keep_records(records: dict[str, np.ndarray], **kwargs: Any) -> CostModel:
@@ -192,9 +259,11 @@ def test_a_job_times_its_first_batches_and_plans_from_their_prices_on_every_rank
         return fitted(records, **kwargs)
 
     monkeypatch.setattr(calibration, "fit_module_prices", keep_records)
+    module = OmniModule(ReferenceMLLMConfig.tiny(), learning_rate=LEARNING_RATE, init_checkpoint=str(seed_checkpoint),
+                        freeze=["vision"])
     fit(tmp_path, tiny_shards, seed_checkpoint, layout={"dp_shard": 2, "link_cost": "auto",
                                                         "reshard_calibration_steps": 1},
-        devices=2, max_steps=4, callbacks=[_RecordPrices(tmp_path)])
+        devices=2, max_steps=4, callbacks=[_RecordPrices(tmp_path)], module=module)
     ranks = [json.loads((tmp_path / f"prices_rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]
     assert ranks[0][0] != ranks[0][1] == ranks[0][-1]  # FLOPs, then seconds from batch 1 on
@@ -202,3 +271,12 @@ def test_a_job_times_its_first_batches_and_plans_from_their_prices_on_every_rank
     for name in ("vision", "audio", "llm"):  # one micro-batch of each rank, each forward timed
         assert records[name].shape == (2, 2) and (records[name][:, 1] > 0).all(), name
     assert (records["llm"][:, 0] > 0).all()
+    frozen = ReferenceMLLM(ReferenceMLLMConfig.tiny())
+    freeze_parts(frozen, ["vision"], frozen.encoder_names)
+    passes = module_training_passes({**frozen.encoders, "llm": frozen.llm})
+    assert passes["vision"] < 1.5
+    rates = {name: rows[rows[:, 0] > 0, 1].sum() / rows[rows[:, 0] > 0, 0].sum()
+             for name in ("vision", "audio", "llm") if (rows := records[name])[:, 0].any()}
+    for index, name in ((0, "vision"), (2, "audio"), (4, "llm")):
+        rate = rates.get(name, rates["llm"])
+        assert ranks[0][1][index] == pytest.approx(ranks[0][0][index] * passes[name] * rate, rel=1e-9), name

@@ -22,7 +22,7 @@ import numpy as np
 
 from omni_lightning.balance.cost import CostModel, ModuleCost, fit_cost_model_to_features
 
-__all__ = ["JointCalibration", "fit_joint_calibration", "fit_module_prices", "paced_by_slowest"]
+__all__ = ["JointCalibration", "fit_joint_calibration", "fit_module_prices", "paced_by_slowest", "training_passes"]
 
 
 @dataclass(frozen=True)
@@ -124,8 +124,35 @@ def _share(forward: np.ndarray, backward: np.ndarray) -> float:
     return share if 0.0 < share < 1.0 else 1 / 3
 
 
+def training_passes(parameters: Sequence[tuple[int, bool]], *, inputs_need_gradient: bool) -> float:
+    """A module's training time over its forward's, from what of it trains: 1 for the forward, plus the share of it
+    the gradient runs back through, plus the share whose weights take gradients (3 where everything trains, as
+    training FLOPs count it; 1 for a frozen encoder, whose inputs are data).
+
+    Args:
+        parameters: ``(size, trains)`` of each of the module's parameters in the order they run. Sizes stand in for
+            the FLOPs of the layers they belong to.
+        inputs_need_gradient: something before the module trains, so the gradient runs back through all of it;
+            otherwise it runs back from the output to the first parameter that trains.
+    """
+    sizes = np.array([size for size, _ in parameters], dtype=np.float64)
+    trains = np.array([bool(t) for _, t in parameters], dtype=bool)
+    if (sizes < 0).any():
+        raise ValueError("parameter sizes must be non-negative")
+    total = sizes.sum()
+    if total == 0:
+        return 2.0 if inputs_need_gradient else 1.0
+    weights = sizes[trains].sum() / total
+    if inputs_need_gradient:
+        through = 1.0
+    else:
+        first = int(np.argmax(trains)) if trains.any() else sizes.size
+        through = sizes[first:].sum() / total
+    return 1.0 + float(through) + float(weights)
+
+
 def fit_module_prices(records: Mapping[str, np.ndarray], *, prices: CostModel,
-                      train_per_forward: float = 3.0) -> CostModel:
+                      train_per_forward: float | Mapping[str, float] = 3.0) -> CostModel:
     """``prices``' modules priced in seconds of training (forward and backward) from timed forwards.
 
     Args:
@@ -134,7 +161,8 @@ def fit_module_prices(records: Mapping[str, np.ndarray], *, prices: CostModel,
             share of the micro-batch's). Rows without work (a rank that ran a dummy item) are left out.
         prices: what the plan priced by so far (FLOPs, or a user's cost model): each module keeps its shape, the
             ratio of its quadratic to its linear coefficient, and is scaled by its measured seconds per unit.
-        train_per_forward: a training pass's time over its forward's (FLOPs': 3).
+        train_per_forward: a training pass's time over its forward's (FLOPs': 3), for every module or by module
+            name (:func:`training_passes`: a frozen encoder runs its forward alone).
 
     A module's seconds per unit is the ratio of its records' total seconds to their total work. A slope past a
     per-call constant (launches, gathering the module's weights, which every rank pays alike) would be closer to
@@ -145,8 +173,13 @@ def fit_module_prices(records: Mapping[str, np.ndarray], *, prices: CostModel,
     """
     if unknown := sorted(set(records) - set(prices.modules)):
         raise ValueError(f"records of module(s) {unknown}, but the prices have {list(prices.modules)}")
-    if train_per_forward <= 0:
-        raise ValueError(f"train_per_forward={train_per_forward} must be positive")
+    if not isinstance(train_per_forward, Mapping):
+        train_per_forward = dict.fromkeys(prices.modules, train_per_forward)
+    if missing := sorted(set(prices.modules) - set(train_per_forward)):
+        raise ValueError(f"train_per_forward has no factor for module(s) {missing}")
+    for name, factor in train_per_forward.items():
+        if not factor > 0:
+            raise ValueError(f"train_per_forward={factor} ({name}) must be positive")
     rates = {}
     for name in prices.modules:
         rows = np.asarray(records.get(name, np.zeros((0, 2))), dtype=np.float64).reshape(-1, 2)
@@ -157,7 +190,7 @@ def fit_module_prices(records: Mapping[str, np.ndarray], *, prices: CostModel,
             rates[name] = rate
     if rates.get("llm", 0.0) <= 0:
         raise ValueError("the LLM's timed forwards carry no work or took no time: nothing to price the modules by")
-    return CostModel(**{name: _scaled(prices.module(name), train_per_forward * rates.get(name, rates["llm"]))
+    return CostModel(**{name: _scaled(prices.module(name), train_per_forward[name] * rates.get(name, rates["llm"]))
                         for name in prices.modules})
 
 

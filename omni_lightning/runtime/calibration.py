@@ -17,19 +17,21 @@ LLM's forwards of the first steps and prices every module in measured seconds
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from omni_lightning.balance.calibration import (
     JointCalibration,
     fit_joint_calibration,
     fit_module_prices,
     paced_by_slowest,
+    training_passes,
 )
 from omni_lightning.balance.cost import CostModel, ModuleCost, work_features
 from omni_lightning.batch import PackedBatch, PackingSpec
@@ -40,7 +42,7 @@ if TYPE_CHECKING:
     from omni_lightning.runtime.joint import JointEncoders
     from omni_lightning.runtime.reshard import Resharder
 
-__all__ = ["JointCalibrator", "ResharderCalibrator", "micro_batch_features"]
+__all__ = ["JointCalibrator", "ResharderCalibrator", "micro_batch_features", "module_training_passes"]
 
 logger = logging.getLogger(__name__)
 
@@ -157,15 +159,22 @@ class ResharderCalibrator:
     modules the resharder keeps its prices (a warning says so). Until then the plan runs on the prices it had, so
     the first batches split what they would have split. The first ``skip`` batches are left out: they include
     one-off work (allocations, caches).
+
+    ``modules``: the model's encoders and its ``"llm"`` by name, whose parameters that train say how much more than
+    its forward each module's training costs (:func:`module_training_passes`: a frozen encoder runs its forward
+    alone); without them every module trains in full, three times its forward.
     """
 
     def __init__(self, resharder: Resharder, *, steps: int, clock: Callable[[], float], skip: int = 1,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, modules: Mapping[str, nn.Module] | None = None) -> None:
         if steps < 1:
             raise ValueError(f"calibration steps={steps} must be at least 1 (0 turns calibration off)")
         if resharder.llm is None:
             raise ValueError("the resharder calibrates against the LLM's measured time: give it the LLM's cost")
+        if modules is not None and (missing := sorted(set(resharder.prices.modules) - set(modules))):
+            raise ValueError(f"the resharder prices module(s) {missing} that the calibrator was not given")
         self.resharder, self.steps, self.skip, self.clock = resharder, steps, skip, clock
+        self.modules = dict(modules) if modules is not None else None
         self.device = device or torch.device("cpu")
         self.prices = resharder.prices  # what the plan priced by before, whose shapes the fit keeps
         self.seen = 0
@@ -207,7 +216,10 @@ class ResharderCalibrator:
             everyone = paced_by_slowest(everyone)
         modules = self.prices.modules
         records = {name: np.concatenate([rank[name] for rank in everyone]) for name in modules}
-        values = _fitted_on_rank_zero(lambda: fit_module_prices(records, prices=self.prices).coefficients,
+        # Read now, not when the job was built: what trains is what a step's backward runs.
+        passes = module_training_passes(self.modules) if self.modules is not None else 3.0
+        values = _fitted_on_rank_zero(lambda: fit_module_prices(records, prices=self.prices,
+                                                                train_per_forward=passes).coefficients,
                                       2 * len(modules), self.device,
                                       "the encoder resharder keeps its prices: its timed forwards could not price them")
         if values is None:
@@ -216,8 +228,24 @@ class ResharderCalibrator:
         self.resharder.calibrate(prices)
         if dist.get_rank() == 0:
             rates = ", ".join(f"{name} {_rate(prices.module(name), self.prices.module(name)):.3g}" for name in modules)
+            factors = ", ".join(f"{name} {passes if isinstance(passes, float) else passes[name]:.3g}"
+                                for name in modules)
             logger.info("encoder resharding priced from %d timed forwards, in seconds per unit of the prices before "
-                        "(FLOPs unless a cost model was given): %s", sum(len(r) for r in records.values()), rates)
+                        "(FLOPs unless a cost model was given): %s; training over forward: %s",
+                        sum(len(r) for r in records.values()), rates, factors)
+
+
+def module_training_passes(modules: Mapping[str, nn.Module]) -> dict[str, float]:
+    """Each module's training time over its forward's (:func:`~omni_lightning.balance.calibration.training_passes`)
+    by name, from its parameters that train: the model's encoders, whose inputs are data, and its ``"llm"``, whose
+    inputs need the gradient wherever an encoder (or its projector) trains."""
+    def parameters(module: nn.Module) -> list[tuple[int, bool]]:
+        return [(p.numel(), p.requires_grad) for p in module.parameters()]
+
+    encoders_train = any(trains for name, module in modules.items() if name != "llm"
+                         for _, trains in parameters(module))
+    return {name: training_passes(parameters(module), inputs_need_gradient=name == "llm" and encoders_train)
+            for name, module in modules.items()}
 
 
 def _rate(calibrated: ModuleCost, before: ModuleCost) -> float:

@@ -410,7 +410,8 @@ def build_step(model: ReferenceMLLM, layout: OmniLayout | None, *, device: torch
         calibrator = None
         if resharder is not None and layout.reshard_calibration_steps:
             calibrator = ResharderCalibrator(resharder, steps=layout.reshard_calibration_steps,
-                                             clock=action_clock(device), device=device)
+                                             clock=action_clock(device), device=device,
+                                             modules={**model.encoders, "llm": model.llm})
         # Context- and tensor-parallel peers hold the same samples: they split the encoder items.
         return PlainStep(model, LocalEncoders(model, resharder, sample_peers(meshes), calibrator), meshes)
     runner = _pipeline_runner(model, layout, device, options, resharder)

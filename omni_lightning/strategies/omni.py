@@ -99,10 +99,10 @@ class OmniStrategy(ModelParallelStrategy):
         reshard_calibration_steps: with ``encoder_reshard`` outside a pipeline, how many training batches after the
             first are timed (each rank's encoder forwards over what the plan gave it, and its LLM forward) to price
             the resharder's plan in measured seconds from then on, each module keeping the shape of its price (FLOPs,
-            or ``cost_model``) (see :class:`~omni_lightning.runtime.calibration.ResharderCalibrator`); ``0`` keeps
-            those prices. Measured prices differ from run to run, and with them where items are encoded and so the
-            order of floating-point sums: runs that must repeat bit for bit (as ``pp_calibration_steps`` too) set
-            ``0``.
+            or ``cost_model``) and its training priced by what of it trains (a frozen encoder at its forward alone)
+            (see :class:`~omni_lightning.runtime.calibration.ResharderCalibrator`); ``0`` keeps those prices.
+            Measured prices differ from run to run, and with them where items are encoded and so the order of
+            floating-point sums: runs that must repeat bit for bit (as ``pp_calibration_steps`` too) set ``0``.
         pp_schedule: pipeline schedule when ``pp > 1``: ``"1F1B"``, ``"GPipe"``, ``"Interleaved1F1B"`` or
             ``"InterleavedZeroBubble"`` (the last two run ``pp_virtual_stages`` stages per rank).
         pp_microbatches: micro-batches per step in the pipeline (default ``pp``); each training batch is cut into
