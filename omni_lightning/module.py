@@ -179,10 +179,14 @@ class OmniModule(LightningModule):
 
     def cost_model(self) -> CostModel:
         """The model's cost model in training FLOPs (from a meta-device copy before :meth:`configure_model`; of the
-        whole model on a rank that holds a part of it, a pipeline stage or a pool)."""
+        whole model on a rank that holds a part of it, a pipeline stage or a pool). The parts ``freeze`` names cost
+        what a frozen part runs (a frozen encoder its forward alone), before the model is built as after."""
         if self._cost_model is not None:
             return self._cost_model
-        return self._model_view().cost_model()
+        view = self._model_view()
+        if self.freeze:  # what configure_model will freeze (a user's built model: what it freezes anyway)
+            freeze_parts(view, self.freeze, view.encoder_names)
+        return view.cost_model()
 
     def packing(self) -> PackingSpec:
         """How samples pack for the model."""

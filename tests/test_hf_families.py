@@ -341,7 +341,12 @@ def test_the_loaded_model_prices_reordering_and_throughput(qwen2_vl: Path) -> No
     module = OmniModule(pretrained=str(qwen2_vl))
     view = module._model_view()
     cost = module.cost_model()
+    # Everything that runs trains (layers kept only for export are idle, not frozen): the FLOPs are the modules' own.
+    passes = view.training_passes()
+    assert (passes["vision"], passes["llm"]) == (3.0, 3.0)
     assert (cost.vision, cost.llm) == (view.vision.cost(), view.llm.cost())
+    if any(p.requires_grad for p in view.audio.parameters()):  # the thinker's own audio tower, not a stand-in
+        assert passes["audio"] == 3.0 and cost.audio == view.audio.cost()
     assert cost.vision != reference_cost_model(module.config).vision
     data = OmniDataModule("unused")
     data.trainer = SimpleNamespace(lightning_module=module)  # type: ignore[assignment]

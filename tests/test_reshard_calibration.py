@@ -22,7 +22,7 @@ from omni_lightning import OmniModule, ReferenceMLLM, ReferenceMLLMConfig
 from omni_lightning.balance.calibration import fit_module_prices, paced_by_slowest, training_passes
 from omni_lightning.balance.cost import CostModel, ModuleCost
 from omni_lightning.runtime import calibration
-from omni_lightning.runtime.calibration import ResharderCalibrator, module_training_passes
+from omni_lightning.runtime.calibration import ResharderCalibrator
 from omni_lightning.runtime.optim import freeze_parts
 from omni_lightning.runtime.reshard import Resharder
 
@@ -122,25 +122,39 @@ def test_training_passes_lie_between_a_forward_and_a_full_training_pass_and_grow
         assert training_passes(more, inputs_need_gradient=inputs_need_gradient) >= passes - 1e-12
 
 
-def test_a_models_frozen_parts_set_its_modules_training_factors() -> None:
+def test_a_models_frozen_parts_set_its_modules_training_passes_and_flops() -> None:
     """On the tiny reference model: with the vision tower frozen (its projector still trains) vision's factor is one
-    plus twice its projector's share of its parameters; the audio encoder and the LLM train in full. With every
-    encoder and projector frozen, the LLM's gradient no longer runs back into its inputs."""
+    plus twice its projector's share of its parameters, and its training FLOPs shrink to match; the audio encoder and
+    the LLM train in full. With every encoder and projector frozen, the LLM's gradient no longer runs back into its
+    inputs, where its embeddings are frozen too."""
     model = ReferenceMLLM(ReferenceMLLMConfig.tiny())
-    modules = {**model.encoders, "llm": model.llm}
-    assert module_training_passes(modules) == {"vision": 3.0, "audio": 3.0, "llm": 3.0}
+    full = model.cost_model()
+    assert model.training_passes() == {"vision": 3.0, "audio": 3.0, "llm": 3.0}
     freeze_parts(model, ["vision"], model.encoder_names)
     share = (sum(p.numel() for p in model.vision.projector.parameters())
              / sum(p.numel() for p in model.vision.parameters()))
-    passes = module_training_passes(modules)
+    passes = model.training_passes()
     assert passes["vision"] == pytest.approx(1.0 + 2 * share) and share < 0.5
     assert (passes["audio"], passes["llm"]) == (3.0, 3.0)
+    flops = model.cost_model()
+    assert flops.vision.linear == pytest.approx(full.vision.linear * passes["vision"] / 3.0, rel=1e-12)
+    assert flops.vision.quadratic == pytest.approx(full.vision.quadratic * passes["vision"] / 3.0, rel=1e-12)
+    assert (flops.audio, flops.llm) == (full.audio, full.llm)
     freeze_parts(model, ["audio", "projector"], model.encoder_names)
-    assert module_training_passes(modules)["vision"] == 1.0 == module_training_passes(modules)["audio"]
+    assert model.training_passes()["vision"] == 1.0 == model.training_passes()["audio"]
+    assert model.training_passes()["llm"] == pytest.approx(3.0)
     embeddings = model.llm.tok_embeddings.weight.numel() / sum(p.numel() for p in model.llm.parameters())
-    assert module_training_passes(modules)["llm"] == pytest.approx(3.0)
     model.llm.tok_embeddings.weight.requires_grad_(False)
-    assert module_training_passes(modules)["llm"] == pytest.approx(3.0 - 2 * embeddings)
+    assert model.training_passes()["llm"] == pytest.approx(3.0 - 2 * embeddings)
+
+
+def test_a_modules_cost_model_counts_what_it_will_freeze_before_it_is_built() -> None:
+    """``OmniModule.cost_model()`` before ``configure_model`` (what the strategy hands the loader and the resharder)
+    prices the parts ``freeze`` names as frozen, as the built model will be."""
+    frozen = ReferenceMLLM(ReferenceMLLMConfig.tiny())
+    freeze_parts(frozen, ["vision"], frozen.encoder_names)
+    assert OmniModule(ReferenceMLLMConfig.tiny(), freeze=["vision"]).cost_model() == frozen.cost_model()
+    assert OmniModule(ReferenceMLLMConfig.tiny()).cost_model() == ReferenceMLLM(ReferenceMLLMConfig.tiny()).cost_model()
 
 
 @settings(max_examples=60, deadline=None)
@@ -273,7 +287,7 @@ def test_a_job_times_its_first_batches_and_plans_from_their_prices_on_every_rank
     assert (records["llm"][:, 0] > 0).all()
     frozen = ReferenceMLLM(ReferenceMLLMConfig.tiny())
     freeze_parts(frozen, ["vision"], frozen.encoder_names)
-    passes = module_training_passes({**frozen.encoders, "llm": frozen.llm})
+    passes = frozen.training_passes()
     assert passes["vision"] < 1.5
     rates = {name: rows[rows[:, 0] > 0, 1].sum() / rows[rows[:, 0] > 0, 0].sum()
              for name in ("vision", "audio", "llm") if (rows := records[name])[:, 0].any()}

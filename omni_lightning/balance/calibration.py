@@ -108,13 +108,9 @@ def fit_joint_calibration(features: np.ndarray, actions: Sequence[Sequence[tuple
     llm_flops = float(flops.llm(table[:, llm].sum(), table[:, llm + 1].sum()))
     per_flop = float(llm_seconds.sum()) / llm_flops if llm_flops > 0 else 0.0
     model = fitted.replace(**{name: getattr(encoder_fit, name) if name in measured
-                              else _scaled(getattr(flops, name), per_flop) for name in encoders})
+                              else getattr(flops, name).scaled(per_flop) for name in encoders})
     return JointCalibration(model, _share(seconds["F"], seconds["B"]), _share(seconds["E"], seconds["EB"]),
                             tuple((stage_seconds / stage_seconds.sum()).tolist()))
-
-
-def _scaled(cost: ModuleCost, factor: float) -> ModuleCost:
-    return ModuleCost(cost.linear * factor, cost.quadratic * factor)
 
 
 def _share(forward: np.ndarray, backward: np.ndarray) -> float:
@@ -190,7 +186,7 @@ def fit_module_prices(records: Mapping[str, np.ndarray], *, prices: CostModel,
             rates[name] = rate
     if rates.get("llm", 0.0) <= 0:
         raise ValueError("the LLM's timed forwards carry no work or took no time: nothing to price the modules by")
-    return CostModel(**{name: _scaled(prices.module(name), train_per_forward[name] * rates.get(name, rates["llm"]))
+    return CostModel(**{name: prices.module(name).scaled(train_per_forward[name] * rates.get(name, rates["llm"]))
                         for name in prices.modules})
 
 

@@ -87,6 +87,10 @@ class ModuleCost:
         object.__setattr__(self, "linear", _check_coefficient(self.linear, "linear"))
         object.__setattr__(self, "quadratic", _check_coefficient(self.quadratic, "quadratic"))
 
+    def scaled(self, factor: float) -> ModuleCost:
+        """Both coefficients times ``factor`` (another unit, or another share of the work)."""
+        return ModuleCost(self.linear * factor, self.quadratic * factor)
+
     def __call__(self, tokens: float, pairs: float) -> float:
         """The cost of ``tokens`` tokens with ``pairs`` attention pairs."""
         return self.linear * tokens + self.quadratic * pairs

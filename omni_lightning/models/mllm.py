@@ -7,11 +7,13 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from omni_lightning.balance.calibration import training_passes
 from omni_lightning.balance.cost import CostModel
 from omni_lightning.batch import Encoded, PackedBatch, PackingSpec, input_key, media_key
 from omni_lightning.models.adapters.protocol import EncoderAdapter, LLMAdapter, OutputAssembly
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.encoders import AudioEncoder, VisionEncoder
+from omni_lightning.models.flops import TRAIN
 from omni_lightning.models.llm import Decoder
 from omni_lightning.models.moe import MoEFeedForward
 from omni_lightning.parallel.context_parallel import shard_for_context_parallel
@@ -96,8 +98,27 @@ class ReferenceMLLM(nn.Module):
 
     def cost_model(self) -> CostModel:
         """The cost model of these components (adapters included) in training FLOPs, e.g. for
-        ``OmniDataModule(cost_model=...)``, which otherwise prices samples by the reference model's config."""
-        return CostModel(**{name: encoder.cost() for name, encoder in self.encoders.items()}, llm=self.llm.cost())
+        ``OmniDataModule(cost_model=...)``, which otherwise prices samples by the reference model's config.
+
+        A module's FLOPs count the backward that runs given what of the model trains (:meth:`training_passes`): a
+        frozen encoder costs its forward alone."""
+        passes = self.training_passes()
+        costs = {name: encoder.cost() for name, encoder in self.encoders.items()} | {"llm": self.llm.cost()}
+        return CostModel(**{name: cost.scaled(passes[name] / TRAIN) for name, cost in costs.items()})
+
+    def training_passes(self) -> dict[str, float]:
+        """Each encoder's and the ``"llm"``'s training time over its forward's, from its parameters that train
+        (:func:`~omni_lightning.balance.calibration.training_passes`): 3 where everything trains. An encoder's inputs
+        are data; the LLM's need the gradient wherever an encoder (or its projector) trains."""
+        def parameters(module: nn.Module) -> list[tuple[int, bool]]:
+            idle = {id(p) for p in (module.idle_parameters() if hasattr(module, "idle_parameters") else ())}
+            return [(p.numel(), p.requires_grad) for p in module.parameters() if id(p) not in idle]
+
+        encoders = self.encoders
+        passes = {name: training_passes(parameters(encoder), inputs_need_gradient=False)
+                  for name, encoder in encoders.items()}
+        encoders_train = any(trains for encoder in encoders.values() for _, trains in parameters(encoder))
+        return passes | {"llm": training_passes(parameters(self.llm), inputs_need_gradient=encoders_train)}
 
     def encoder_inputs(self, batch: PackedBatch, name: str) -> tuple[torch.Tensor, ...]:
         """Encoder ``name``'s inputs in ``batch``, in its format's order."""

@@ -24,14 +24,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from omni_lightning.balance.calibration import (
     JointCalibration,
     fit_joint_calibration,
     fit_module_prices,
     paced_by_slowest,
-    training_passes,
 )
 from omni_lightning.balance.cost import CostModel, ModuleCost, work_features
 from omni_lightning.batch import PackedBatch, PackingSpec
@@ -42,7 +40,7 @@ if TYPE_CHECKING:
     from omni_lightning.runtime.joint import JointEncoders
     from omni_lightning.runtime.reshard import Resharder
 
-__all__ = ["JointCalibrator", "ResharderCalibrator", "micro_batch_features", "module_training_passes"]
+__all__ = ["JointCalibrator", "ResharderCalibrator", "micro_batch_features"]
 
 logger = logging.getLogger(__name__)
 
@@ -160,21 +158,20 @@ class ResharderCalibrator:
     the first batches split what they would have split. The first ``skip`` batches are left out: they include
     one-off work (allocations, caches).
 
-    ``modules``: the model's encoders and its ``"llm"`` by name, whose parameters that train say how much more than
-    its forward each module's training costs (:func:`module_training_passes`: a frozen encoder runs its forward
-    alone); without them every module trains in full, three times its forward.
+    ``training_passes``: each module's training time over its forward's by name, read when the prices are fitted
+    (:meth:`~omni_lightning.models.mllm.ReferenceMLLM.training_passes`: a frozen encoder runs its forward alone);
+    without it every module trains in full, three times its forward.
     """
 
     def __init__(self, resharder: Resharder, *, steps: int, clock: Callable[[], float], skip: int = 1,
-                 device: torch.device | None = None, modules: Mapping[str, nn.Module] | None = None) -> None:
+                 device: torch.device | None = None,
+                 training_passes: Callable[[], Mapping[str, float]] | None = None) -> None:
         if steps < 1:
             raise ValueError(f"calibration steps={steps} must be at least 1 (0 turns calibration off)")
         if resharder.llm is None:
             raise ValueError("the resharder calibrates against the LLM's measured time: give it the LLM's cost")
-        if modules is not None and (missing := sorted(set(resharder.prices.modules) - set(modules))):
-            raise ValueError(f"the resharder prices module(s) {missing} that the calibrator was not given")
         self.resharder, self.steps, self.skip, self.clock = resharder, steps, skip, clock
-        self.modules = dict(modules) if modules is not None else None
+        self.training_passes = training_passes
         self.device = device or torch.device("cpu")
         self.prices = resharder.prices  # what the plan priced by before, whose shapes the fit keeps
         self.seen = 0
@@ -217,7 +214,7 @@ class ResharderCalibrator:
         modules = self.prices.modules
         records = {name: np.concatenate([rank[name] for rank in everyone]) for name in modules}
         # Read now, not when the job was built: what trains is what a step's backward runs.
-        passes = module_training_passes(self.modules) if self.modules is not None else 3.0
+        passes = dict(self.training_passes()) if self.training_passes is not None else 3.0
         values = _fitted_on_rank_zero(lambda: fit_module_prices(records, prices=self.prices,
                                                                 train_per_forward=passes).coefficients,
                                       2 * len(modules), self.device,
@@ -233,19 +230,6 @@ class ResharderCalibrator:
             logger.info("encoder resharding priced from %d timed forwards, in seconds per unit of the prices before "
                         "(FLOPs unless a cost model was given): %s; training over forward: %s",
                         sum(len(r) for r in records.values()), rates, factors)
-
-
-def module_training_passes(modules: Mapping[str, nn.Module]) -> dict[str, float]:
-    """Each module's training time over its forward's (:func:`~omni_lightning.balance.calibration.training_passes`)
-    by name, from its parameters that train: the model's encoders, whose inputs are data, and its ``"llm"``, whose
-    inputs need the gradient wherever an encoder (or its projector) trains."""
-    def parameters(module: nn.Module) -> list[tuple[int, bool]]:
-        return [(p.numel(), p.requires_grad) for p in module.parameters()]
-
-    encoders_train = any(trains for name, module in modules.items() if name != "llm"
-                         for _, trains in parameters(module))
-    return {name: training_passes(parameters(module), inputs_need_gradient=name == "llm" and encoders_train)
-            for name, module in modules.items()}
 
 
 def _rate(calibrated: ModuleCost, before: ModuleCost) -> float:

@@ -411,7 +411,7 @@ def build_step(model: ReferenceMLLM, layout: OmniLayout | None, *, device: torch
         if resharder is not None and layout.reshard_calibration_steps:
             calibrator = ResharderCalibrator(resharder, steps=layout.reshard_calibration_steps,
                                              clock=action_clock(device), device=device,
-                                             modules={**model.encoders, "llm": model.llm})
+                                             training_passes=model.training_passes)
         # Context- and tensor-parallel peers hold the same samples: they split the encoder items.
         return PlainStep(model, LocalEncoders(model, resharder, sample_peers(meshes), calibrator), meshes)
     runner = _pipeline_runner(model, layout, device, options, resharder)

@@ -14,7 +14,7 @@ list the packed batch carries (:mod:`omni_lightning.modalities`, :data:`~omni_li
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -121,6 +121,11 @@ class LlavaOnevisionVisionAdapter(nn.Module):
         weight = self.patch_embedding.weight
         patches = torch.zeros(1, weight[0].numel(), device=device, dtype=weight.dtype)
         return patches, torch.zeros(1, 2, dtype=torch.long, device=device), torch.tensor([[1, 1]], device=device)
+
+    def idle_parameters(self) -> Iterator[nn.Parameter]:
+        """The layers past the deepest feature layer and the final norm: kept for export, never run."""
+        for module in [*list(self.blocks)[self.depth :], self.post_layernorm]:
+            yield from module.parameters()
 
     def cost(self) -> ModuleCost:
         """Per patch: patch embedding, the layers run (q, k, v, out, MLP) and the projector; per pair: attention."""

@@ -10,7 +10,7 @@ decoder count on like text's; a video's temporal positions count ``position_id_p
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -114,6 +114,10 @@ class Qwen25OmniAudioAdapter(nn.Module):
         mels = torch.zeros(_FRAMES_PER_TOKEN * _POOL, self.config.num_mel_bins, device=device,
                            dtype=self.conv1.weight.dtype)
         return mels, torch.tensor([_FRAMES_PER_TOKEN * _POOL], device=device)
+
+    def idle_parameters(self) -> Iterator[nn.Parameter]:
+        """The audio BOS/EOS embedding: kept for export, never run by the thinker."""
+        yield from self.audio_bos_eos_token.parameters()
 
     def cost(self) -> ModuleCost:
         """Per cost-model audio token (4 mel frames, 2 stem positions): the stem, the layers, the projection; per

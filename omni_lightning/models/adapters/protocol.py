@@ -71,7 +71,11 @@ class EncoderAdapter(Protocol):
         ...
 
     def cost(self) -> ModuleCost:
-        """Training FLOPs per stem-level cost-model token and per attention pair (see :class:`CostModel`)."""
+        """Training FLOPs per stem-level cost-model token and per attention pair (see :class:`CostModel`).
+
+        An adapter that keeps parameters its forward never runs (layers past the features it reads, kept for export)
+        may name them in an ``idle_parameters()`` method: what of a module trains is counted without them
+        (:meth:`~omni_lightning.models.mllm.ReferenceMLLM.training_passes`)."""
         ...
 
 
