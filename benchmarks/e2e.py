@@ -221,6 +221,7 @@ class _Throughput(pl.Callback):
         self.wall: list[float] = []
         self.tokens: list[float] = []
         self.samples: list[list[list[dict[str, Any]]]] = []
+        self.reshard: list[dict[str, float]] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -234,11 +235,15 @@ class _Throughput(pl.Callback):
         per_rank: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, [meta for mb in micro for meta in batch_metas(mb)])
         self.samples.append(per_rank)
+        # The encoder plan's group-wide figures (rank 0's group): what (d) moved and split, step by step.
+        plan = getattr(getattr(module, "step", None), "encoder_stats", None) or {}
+        self.reshard.append({key: float(plan.get(key, 0.0)) for key in ("items_moved", "items_split")})
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if trainer.global_rank == 0:
             self.path.write_text(json.dumps({"cpu": self.monitor.history, "parts": self.clock.history,
-                                             "wall": self.wall, "tokens": self.tokens, "samples": self.samples}))
+                                             "wall": self.wall, "tokens": self.tokens, "samples": self.samples,
+                                             "reshard": self.reshard}))
 
 
 def encoder_pool(args: argparse.Namespace, cost_model: CostModel) -> int:
@@ -321,6 +326,10 @@ def summarize(records: list[dict[str, Any]], args: argparse.Namespace, encoder_r
         "per_rank_step_s": train.tolist(),
         "per_rank_total_s": total.tolist(),
         "per_rank_samples": samples,
+        # Mean over the timed steps and the repeats (calibrated prices may plan a repeat differently).
+        "reshard_per_step": {key: float(np.mean([step[key] for record in records
+                                                 for step in record.get("reshard", [])[args.warmup:]] or [0.0]))
+                             for key in ("items_moved", "items_split")},
     }
 
 
@@ -447,6 +456,9 @@ def main() -> None:
           f"{spread(first['wall_step_s'], second['wall_step_s']) * 100:.1f}% wall (two repeats, each alone)")
     print("mean per-rank CPU vs (a): " + ", ".join(
         f"({name}) {results[name]['mean_rank_cpu_s'] / results['a']['mean_rank_cpu_s']:.3f}x" for name in "bcd"))
+    moved = results["d"]["reshard_per_step"]
+    print(f"(d) encoder resharding, per timed step: {moved['items_moved']:.2f} items moved, "
+          f"{moved['items_split']:.2f} split (rank 0's group, mean over the repeats)")
     if "e" in results:
         pools = results["e"]["encoder_ranks"]
         print(f"(e) ran {pools} encoder rank(s) + {args.ranks - pools} LLM rank(s), as the pool solver sized them "
