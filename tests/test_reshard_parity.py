@@ -207,3 +207,86 @@ def test_resharded_step_matches_one_process(layout: dict[str, int], case: str, l
     plans on compute alone (``link_cost="compute_only"``), so that items move and split, except in the priced case,
     where the default CPU pricing keeps every item of the tiny model home."""
     run_distributed(_check_parity, 4, layout, case, link)
+
+
+# ------------------------------------------------------------------------------ ranks left with nothing to encode
+def _encoder_inputs(model: ReferenceMLLM, rank: int) -> dict[str, tuple[torch.Tensor, ...] | None]:
+    """Rank 1's one image and rank 2's one audio clip; nothing else anywhere."""
+    rng = np.random.default_rng(7 + rank)
+    images, mel = ([(2, 4)], 0) if rank == 1 else ([], 24 if rank == 2 else 0)
+    batch = pack_samples([_sample(rng, f"r{rank}", 5, images, mel_frames=mel)])
+    inputs = {name: model.encoder_inputs(batch, name) for name in model.encoder_names}
+    return {name: x if model.encoders[name].item_tokens(*x).numel() else None for name, x in inputs.items()}
+
+
+def _check_idle_ranks(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    from omni_lightning.balance.cost import ModuleCost
+    from omni_lightning.parallel.fsdp import apply_fsdp
+    from omni_lightning.runtime.reshard import Resharder
+
+    torch.manual_seed(0)
+    model = ReferenceMLLM(ReferenceMLLMConfig.tiny())
+    reference = {name: {k: v.clone() for k, v in model.encoders[name].state_dict().items()}
+                 for name in model.encoder_names}
+    costs = {name: model.encoders[name].cost() for name in model.encoder_names}
+    mesh = init_device_mesh("cpu", (world,))
+    for encoder in model.encoders.values():  # as the joint pipeline shards its encoders: stem and rest are hooked
+        apply_fsdp(encoder, mesh, blocks=[*encoder.blocks])
+        register_fsdp_forward_method(encoder, "embed")
+        register_fsdp_forward_method(encoder, "encode")
+    # The LLM's work puts rank 0 at nothing, rank 1 at a fifth of its image's cost and rank 2 at nine tenths: the
+    # image moves to rank 0 and the clip to rank 1. For each encoder, one rank sends its only item and encodes
+    # nothing, and another has no item and encodes nothing.
+    image = _encoder_inputs(model, 1)["vision"]
+    tokens = model.encoders["vision"].item_tokens(*image).double()
+    image_cost = float((costs["vision"].linear * tokens + costs["vision"].quadratic * tokens**2).sum())
+    resharder = Resharder(dist.group.WORLD, {}, costs, llm=ModuleCost(1.0, 0.0))
+    mine = _encoder_inputs(model, rank)
+    lengths = {name: (model.encoders[name].item_tokens(*x) if x is not None else torch.zeros(0, dtype=torch.int64))
+               for name, x in mine.items()}
+    steps = resharder.plan(lengths, {n: model.encoders[n].tokens_per_output for n in model.encoder_names},
+                           (int(image_cost * (0.0, 0.2, 0.9)[rank]), 0))
+    encodes = {"vision": 0, "audio": 1}
+    for name in model.encoder_names:
+        exchange = steps[name].exchange
+        assert exchange is not None and (exchange.local_tokens > 0) == (rank == encodes[name]), (name, exchange)
+    weights, outputs, previous = {}, {}, None
+    for name, encoder in model.encoders.items():
+        inputs = mine[name] if mine[name] is not None else encoder.dummy_inputs(torch.device("cpu"))
+        previous = outputs[name] = resharder.encode(encoder, inputs, steps[name], dependency=previous)
+        weights[name] = torch.randn(outputs[name].shape, generator=torch.Generator().manual_seed(rank))
+    sum((outputs[n] * weights[n]).sum() for n in model.encoder_names).backward()
+
+    # One process: every rank's items encoded where they were loaded, the same loss summed over the ranks; FSDP
+    # averages the gradients over the 3 ranks.
+    alone = ReferenceMLLM(ReferenceMLLMConfig.tiny())
+    for name in model.encoder_names:
+        alone.encoders[name].load_state_dict(reference[name])
+    total = torch.zeros(())
+    for r in range(world):
+        for name, x in _encoder_inputs(alone, r).items():
+            if x is not None:
+                out = alone.encoders[name](*x)
+                total = total + (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(r))).sum()
+                if r == rank:
+                    torch.testing.assert_close(outputs[name].detach(), out.detach(), rtol=1e-5, atol=1e-6)
+    total.backward()
+    for name in model.encoder_names:
+        for key, param in model.encoders[name].named_parameters():
+            ref = dict(alone.encoders[name].named_parameters())[key].grad / world
+            error = (param.grad.full_tensor() - ref).norm().item()
+            assert error <= 1e-5 * ref.norm().item() + 1e-8, f"gradient of {name}.{key} differs by {error:.3g}"
+
+
+@pytest.mark.distributed
+def test_a_rank_that_sends_every_item_and_receives_none_stays_in_step() -> None:
+    """Where the plan leaves a rank nothing to encode (its only item moved away, or it had none), it runs a dummy
+    item. Under encoders sharded as the joint pipeline shards them, with ``embed`` and ``encode`` as FSDP forward
+    methods, each call of ``embed`` gathers the stem again in backward, so that rank must embed its items and the
+    dummy in one call before its exchange, as its peers do: a second call after the exchange hung the joint
+    pipeline (its gather met a peer's exchange backward). Outputs and gradients equal one process's, within the
+    parity tolerance above (a tenth of it: only the encoders run)."""
+    run_distributed(_check_idle_ranks, 3)

@@ -249,10 +249,9 @@ class Resharder:
             local = local if step.own_items > 0 else local[:0]
             return local + 0.0 * dependency.sum() if dependency is not None else local
         exchange = step.exchange
-        if step.own_items > 0:
-            tokens, _ = encoder.embed(*inputs)
-        else:  # nothing to send, but the stem's parameters still need (zero) gradients
-            tokens = encoder.embed(*encoder.dummy_inputs(device))[0][:0]
+        idle = exchange.local_tokens == 0 and not exchange.chunks  # nothing of anyone's to encode here
+        tokens, dummy, dummy_lengths = _embed_once(encoder, inputs if step.own_items > 0 else None,
+                                                   sum(exchange.send_counts), with_dummy=idle, device=device)
         if dependency is not None:
             tokens = tokens + 0.0 * dependency.sum()
         send = tokens[torch.as_tensor(exchange.send_index, device=device)]
@@ -261,10 +260,9 @@ class Resharder:
         lengths = torch.as_tensor(exchange.whole_lengths, dtype=torch.int64, device=device)
         # A member of an SP block whose chunk of a short item came out empty still joins the item's exchanges.
         with timed:
-            if exchange.local_tokens > 0 or exchange.chunks:
+            if not idle:
                 outputs = encoder.encode(local, cu_seqlens_from_lengths(lengths), exchange.chunks, self.sp_groups)
-            else:  # nothing to encode here: a dummy item keeps this rank's FSDP and autograd steps in line
-                dummy, dummy_lengths = encoder.embed(*encoder.dummy_inputs(device))
+            else:  # a dummy item keeps this rank's FSDP and autograd steps in line with its peers'
                 outputs = encoder.encode(dummy + 0.0 * local.sum(), cu_seqlens_from_lengths(dummy_lengths))[:0]
         multiple = encoder.tokens_per_output
         back = outputs[torch.as_tensor(exchange.back_index, device=device)]
@@ -276,6 +274,26 @@ class Resharder:
             exchange, self.rank, tokens.shape[1] * tokens.element_size(), back.shape[1] * back.element_size() / multiple
         )
         return returned[torch.as_tensor(exchange.assemble_index, device=device)]
+
+
+def _embed_once(encoder: nn.Module, inputs: tuple[torch.Tensor, ...] | None, own_tokens: int, *, with_dummy: bool,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """This rank's own stem tokens (``inputs``; ``None``: it has no items) and, ``with_dummy``, a dummy item's tokens
+    and length, all from one call of ``embed`` (a dummy item alone where the rank has none).
+
+    Every rank of the encoder's FSDP group must call ``embed`` as often as the others, before its exchange: where
+    the stem is an FSDP forward method (the joint pipeline's encoders), each call gathers its weights again in
+    backward, and a rank with a second call after the exchange would gather them while its peers run the exchange's
+    backward. Packed inputs hold their items back to back, so the dummy joins them as one more item at the end.
+    """
+    if inputs is None:
+        tokens, lengths = encoder.embed(*encoder.dummy_inputs(device))
+        return tokens[:0], tokens, lengths
+    if not with_dummy:
+        return encoder.embed(*inputs)[0], None, None
+    joined = [torch.cat([own, extra]) for own, extra in zip(inputs, encoder.dummy_inputs(device), strict=True)]
+    tokens, lengths = encoder.embed(*joined)
+    return tokens[:own_tokens], tokens[own_tokens:], lengths[-1:]
 
 
 def _bytes_moved(exchange: ItemExchange, rank: int, token_bytes: float, output_bytes_per_token: float) -> float:
