@@ -232,11 +232,12 @@ def plan_encoder_work(
     order = np.lexsort((np.arange(costs.size), -costs)).tolist()
     # Splitting costs communication, so split as little as balance allows: try split thresholds from the fair
     # share down, and keep the first plan whose peak is within 1% of the lowest. Keeping every item home comes
-    # first: a resharded plan must beat it by more than that, its traffic and exchange included.
-    placed: dict[bytes, EncoderPlan] = {}  # thresholds that split the same items share one whole-item placement
-    candidates = [in_place] + [_plan_with_threshold(costs, owners, order, n_ranks, enc_sp, fair_share / 2**k, prices,
-                                                    placed, base)
-                               for k in range(0, 4 if enc_sp > 1 else 1)]
+    # first: a resharded plan must beat it by more than that, its traffic and exchange included. At each threshold
+    # the placement that moves only the surplus over LPT's peak comes before LPT's own.
+    placed: dict[bytes, tuple[EncoderPlan, EncoderPlan]] = {}  # thresholds that split the same items share these
+    candidates = [in_place] + [plan for k in range(0, 4 if enc_sp > 1 else 1)
+                               for plan in _plan_with_threshold(costs, owners, order, n_ranks, enc_sp,
+                                                                fair_share / 2**k, prices, placed, base)]
     peaks = [float((base + plan.rank_cost).max()) for plan in candidates]
     best = min(peaks)
     # Within 1% of the best is enough, but a resharded plan must also beat keeping every item home by more than 1%
@@ -247,12 +248,14 @@ def plan_encoder_work(
 
 def _plan_with_threshold(
     costs: np.ndarray, owners: np.ndarray, order: list[int], n_ranks: int, enc_sp: int, threshold: float,
-    prices: ItemPrices, placed: dict[bytes, EncoderPlan], base: np.ndarray,
-) -> EncoderPlan:
+    prices: ItemPrices, placed: dict[bytes, tuple[EncoderPlan, EncoderPlan]], base: np.ndarray,
+) -> tuple[EncoderPlan, EncoderPlan]:
     """Split every item costlier than ``threshold`` over the fewest aligned ranks that bring its shares under it
-    (at most ``enc_sp``) where the split pays, then place the whole items by LPT, each staying home unless moving
-    it, priced, lowers the peak. ``placed`` holds the plans of other thresholds by their splits: the same splits
-    (made in the same order, so with the same loads) give the same placement. Loads start at ``base``."""
+    (at most ``enc_sp``) where the split pays, then place the whole items two ways: by LPT, each staying home unless
+    moving it, priced, lowers the peak; and every item home, then only what the ranks above LPT's peak hold over
+    it moved (far fewer items for about the same peak). Returns ``(surplus moved, LPT)``.
+    ``placed`` holds the plans of other thresholds by their splits: the same splits (made in the same order, so
+    with the same loads) give the same placements. Loads start at ``base``."""
     rank_of = owners.copy()
     sp_start = np.full(costs.size, -1, dtype=np.int64)
     sp_degree = np.ones(costs.size, dtype=np.int64)
@@ -275,12 +278,60 @@ def _plan_with_threshold(
         load[owner] += prices.move[item] * (1 - 1 / degree if owner // degree == block else 1)
 
     splits = sp_start.tobytes() + sp_degree.tobytes()
-    if splits in placed:
-        return placed[splits]
+    if splits not in placed:
+        lpt, peak = _place_whole_items(costs, owners, order, rank_of, sp_start, sp_degree, load, prices, base)
+        surplus = lpt if lpt.moved == 0 else _move_surplus(costs, owners, order, rank_of, sp_start, sp_degree, load,
+                                                           prices, base, target=peak)
+        placed[splits] = (surplus, lpt)
+    return placed[splits]
+
+
+def _move_surplus(
+    costs: np.ndarray, owners: np.ndarray, order: list[int], rank_of: np.ndarray, sp_start: np.ndarray,
+    sp_degree: np.ndarray, load: np.ndarray, prices: ItemPrices, base: np.ndarray, *, target: float,
+) -> EncoderPlan:
+    """Every item that is not split at home, on top of ``load`` (copied); then, heaviest first, an item of a rank
+    above ``target`` moves to the least-loaded rank (ties: the lowest) where it fits under ``target``, its move
+    priced on both ends, until its rank is no longer above it."""
+    rank_of, load = rank_of.copy(), load.copy()
+    whole = sp_degree == 1
+    load += np.bincount(owners[whole], weights=costs[whole], minlength=load.size)
+    # Only a rank above the target sends, and a receiver stays under it: no other rank's items ever move.
+    heaviest_first = np.asarray(order, dtype=np.int64)
+    for item in heaviest_first[(whole & (load[owners] > target))[heaviest_first]].tolist():
+        owner = int(owners[item])
+        if load[owner] <= target:
+            continue
+        rank, move = int(np.argmin(load)), prices.move[item]
+        if rank == owner or costs[item] <= move or load[rank] + costs[item] + move > target:
+            continue
+        load[owner] += move - costs[item]
+        load[rank] += costs[item] + move
+        rank_of[item] = rank
+    return _plan_of(rank_of, sp_start, sp_degree, owners, load, prices, base)
+
+
+def _plan_of(rank_of: np.ndarray, sp_start: np.ndarray, sp_degree: np.ndarray, owners: np.ndarray,
+             load: np.ndarray, prices: ItemPrices, base: np.ndarray) -> EncoderPlan:
+    """The plan of a placement whose ranks run ``load`` (``base`` included, the exchange not yet)."""
+    split = sp_degree > 1
+    moved = int(np.count_nonzero((rank_of != owners) & ~split)) + int(np.count_nonzero(split))
+    # Any exchange at all costs every rank the resharder's collectives.
+    exchange = prices.exchange if moved else 0.0
+    return EncoderPlan(rank_of, sp_start.copy(), sp_degree.copy(), load + exchange - base, moved)
+
+
+def _place_whole_items(
+    costs: np.ndarray, owners: np.ndarray, order: list[int], rank_of: np.ndarray, sp_start: np.ndarray,
+    sp_degree: np.ndarray, load: np.ndarray, prices: ItemPrices, base: np.ndarray,
+) -> tuple[EncoderPlan, float]:
+    """Place the items that are not split by LPT, heaviest first, on top of ``load`` (copied): on the least-loaded
+    rank unless home costs no more once the move is priced. Returns the plan and its peak before the exchange."""
+    rank_of, load = rank_of.copy(), load.copy()
     # A heap of (load, rank) with lazy deletion: a rank whose load changed is pushed again, and an entry whose load
     # is no longer its rank's is dropped when it surfaces (loads only grow), so a pop is the least-loaded rank (on
     # ties the lowest) in O(log ranks) instead of a linear removal per item.
-    heap = [(load[r], r) for r in range(n_ranks)]
+    heap = [(load[r], r) for r in range(load.size)]
     heapq.heapify(heap)
     for item in order:
         if sp_degree[item] > 1:
@@ -302,12 +353,7 @@ def _plan_with_threshold(
         rank_of[item] = rank
         load[rank] += costs[item]
         heapq.heappush(heap, (load[rank], rank))
-    split = sp_degree > 1
-    moved = int(np.count_nonzero((rank_of != owners) & ~split)) + int(np.count_nonzero(split))
-    if moved:  # any exchange at all costs every rank the resharder's collectives
-        load += prices.exchange
-    placed[splits] = EncoderPlan(rank_of, sp_start, sp_degree, load - base, moved)
-    return placed[splits]
+    return _plan_of(rank_of, sp_start, sp_degree, owners, load, prices, base), float(load.max())
 
 
 def split_lengths(total: int, parts: int, multiple: int = 1) -> list[int]:
