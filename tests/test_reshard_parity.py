@@ -18,9 +18,12 @@ from distributed import run_distributed
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from omni_lightning.balance.cost import ModuleCost
 from omni_lightning.balance.reshard import plan_encoder_work, plan_item_exchange
 from omni_lightning.batch import BYTE_ROLES
 from omni_lightning.data.packing import DecodedSample, pack_samples
@@ -28,9 +31,11 @@ from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.module import initial_state_dict
 from omni_lightning.parallel.dims import ParallelDims
+from omni_lightning.parallel.fsdp import apply_fsdp
 from omni_lightning.parallel.layout import build_layout
 from omni_lightning.parallel.settings import PipelineSettings, PlacementSettings
 from omni_lightning.runtime.loss import next_token_loss_sum
+from omni_lightning.runtime.reshard import Resharder
 from omni_lightning.runtime.step import build_step
 
 # The byte tokens' roles (ids 0-3) and their first text id.
@@ -220,13 +225,6 @@ def _encoder_inputs(model: ReferenceMLLM, rank: int) -> dict[str, tuple[torch.Te
 
 
 def _check_idle_ranks(rank: int, world: int) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import register_fsdp_forward_method
-
-    from omni_lightning.balance.cost import ModuleCost
-    from omni_lightning.parallel.fsdp import apply_fsdp
-    from omni_lightning.runtime.reshard import Resharder
-
     torch.manual_seed(0)
     model = ReferenceMLLM(ReferenceMLLMConfig.tiny())
     reference = {name: {k: v.clone() for k, v in model.encoders[name].state_dict().items()}
@@ -242,7 +240,7 @@ def _check_idle_ranks(rank: int, world: int) -> None:
     # nothing, and another has no item and encodes nothing.
     image = _encoder_inputs(model, 1)["vision"]
     tokens = model.encoders["vision"].item_tokens(*image).double()
-    image_cost = float((costs["vision"].linear * tokens + costs["vision"].quadratic * tokens**2).sum())
+    image_cost = float(costs["vision"](tokens, tokens**2).sum())
     resharder = Resharder(dist.group.WORLD, {}, costs, llm=ModuleCost(1.0, 0.0))
     mine = _encoder_inputs(model, rank)
     lengths = {name: (model.encoders[name].item_tokens(*x) if x is not None else torch.zeros(0, dtype=torch.int64))
@@ -275,8 +273,9 @@ def _check_idle_ranks(rank: int, world: int) -> None:
                     torch.testing.assert_close(outputs[name].detach(), out.detach(), rtol=1e-5, atol=1e-6)
     total.backward()
     for name in model.encoder_names:
+        references = dict(alone.encoders[name].named_parameters())
         for key, param in model.encoders[name].named_parameters():
-            ref = dict(alone.encoders[name].named_parameters())[key].grad / world
+            ref = references[key].grad / world
             error = (param.grad.full_tensor() - ref).norm().item()
             assert error <= 1e-5 * ref.norm().item() + 1e-8, f"gradient of {name}.{key} differs by {error:.3g}"
 
