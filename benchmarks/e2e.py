@@ -32,9 +32,12 @@ thread alone is printed beside it (``train-only``), as are wall-clock rates. The
 groups after a warm-up of whole groups: grouped reordering spreads a group's samples over its steps, so a window
 that cut a group would time (c)-(e) on other samples than (a) and (b). Every configuration runs ``--repeats`` times
 (at least 2), interleaved with the others, and each (step, rank) keeps its least CPU time over the repeats (the same
-samples and plans each time): one slow spell of this shared machine then moves no configuration's figure. The spread
-between (a)'s first two repeats, each summarised alone, is the run's noise: ``noise (a) vs (a): X%`` for the modeled
-step and for the mean per-rank CPU, beside which the other configurations' differences are read. For (e) the pools
+samples and plans each time): one slow spell of this shared machine then moves no configuration's figure. The run's
+noise is the spread between two measurements of (a) made the way every figure is made: (a)'s odd and even repeats,
+each half summarised alone (with ``--repeats 2``, one repeat against the other): ``noise (a) vs (a): X%`` for the
+modeled step and for the mean per-rank CPU, beside which the other configurations' differences are read. Slow spells
+here last a whole run (one configuration read 14% apart in two runs of a quiet hour), so the widest spread between
+two single repeats of (a) is printed beside it: what one run alone could be off by. For (e) the pools
 run side by side, but the LLM pool cannot start before the encoder pool's first micro-batch and the encoder pool's
 last backward follows the LLM's: its modeled step adds that fill and drain, the encoder pool's slowest rank divided
 by the micro-batches of a step (as the pool solver models it). Reported per configuration: samples/s and tokens/s
@@ -252,7 +255,9 @@ def encoder_pool(args: argparse.Namespace, cost_model: CostModel) -> int:
                              seq_len=args.max_llm_tokens, length_scale=args.length_scale, cost_model=cost_model)
 
 
-def run(name: str, shards: str, args: argparse.Namespace, out: Path, pool: int = 0) -> dict[str, Any]:
+def run(name: str, shards: str, args: argparse.Namespace, out: Path, pool: int = 0,
+        callbacks: tuple[pl.Callback, ...] = ()) -> dict[str, Any]:
+    """Train configuration ``name`` on ``shards``; ``callbacks`` (profilers) join the benchmark's own."""
     os.environ["MASTER_PORT"] = str(free_port())
     monitor = LoadMonitor()
     clock = _StepClock()
@@ -282,7 +287,7 @@ def run(name: str, shards: str, args: argparse.Namespace, out: Path, pool: int =
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.ranks, strategy=strategy, max_steps=args.steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        callbacks=[monitor, clock, _Throughput(monitor, clock, record)],
+        callbacks=[monitor, clock, _Throughput(monitor, clock, record), *callbacks],
     )
     trainer.fit(module, datamodule=data)
     return json.loads(record.read_text())
@@ -336,6 +341,11 @@ def summarize(records: list[dict[str, Any]], args: argparse.Namespace, encoder_r
 def spread(first: float, second: float) -> float:
     """How far two measurements of the same thing differ, as a fraction of the smaller."""
     return abs(first - second) / min(first, second)
+
+
+def widest_spread(measurements: list[float]) -> float:
+    """The largest spread between any two of several measurements of the same thing."""
+    return spread(max(measurements), min(measurements))
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
@@ -415,7 +425,9 @@ def main() -> None:
             for name in records:
                 records[name].append(run(name, shards, args, Path(scratch)))
         results = {name: summarize(runs, args) for name, runs in records.items()}
-        repeats_of_a = [summarize([record], args) for record in records["a"][:2]]
+        # Two measurements of (a) made as every figure is made (least CPU over repeats), from disjoint repeats.
+        repeats_of_a = [summarize(records["a"][half::2], args) for half in (0, 1)]
+        single_repeats_of_a = [summarize([record], args) for record in records["a"]]
         timed = {name: sorted(json.dumps(meta, sort_keys=True) for step in result["per_rank_samples"]
                               for rank in step for meta in rank) for name, result in results.items()}
         if any(samples != timed["a"] for samples in timed.values()):
@@ -427,7 +439,8 @@ def main() -> None:
                                      args, pool)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps({"args": vars(args), "results": results,
-                                                           "repeats_of_a": repeats_of_a}, indent=2))
+                                                           "repeats_of_a": repeats_of_a,
+                                                           "single_repeats_of_a": single_repeats_of_a}, indent=2))
     plot(results, RESULTS / f"{args.out}.png")
     base = results["a"]["modeled_step_s"]
     print(f"{Path(args.workload).stem}: {args.ranks} ranks, {args.steps} steps, {args.samples_per_step} samples per "
@@ -453,7 +466,13 @@ def main() -> None:
     first, second = repeats_of_a
     print(f"noise (a) vs (a): {spread(first['modeled_step_s'], second['modeled_step_s']) * 100:.1f}% modeled step, "
           f"{spread(first['mean_rank_cpu_s'], second['mean_rank_cpu_s']) * 100:.1f}% mean rank CPU, "
-          f"{spread(first['wall_step_s'], second['wall_step_s']) * 100:.1f}% wall (two repeats, each alone)")
+          f"{spread(first['wall_step_s'], second['wall_step_s']) * 100:.1f}% wall "
+          + ("(two repeats, each alone)" if args.repeats == 2 else
+             f"(least of the odd against least of the even of {args.repeats} repeats)"))
+    if args.repeats > 2:
+        print("widest spread between two single repeats of (a): " + ", ".join(
+            f"{widest_spread([r[key] for r in single_repeats_of_a]) * 100:.1f}% {what}"
+            for key, what in (("modeled_step_s", "modeled step"), ("mean_rank_cpu_s", "mean rank CPU"))))
     print("mean per-rank CPU vs (a): " + ", ".join(
         f"({name}) {results[name]['mean_rank_cpu_s'] / results['a']['mean_rank_cpu_s']:.3f}x" for name in "bcd"))
     moved = results["d"]["reshard_per_step"]
