@@ -75,3 +75,24 @@ def _llm_work_sways_plan(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_the_plan_balances_encoder_work_on_top_of_each_ranks_llm_work() -> None:
     run_distributed(_llm_work_sways_plan, 2)
+
+
+def _plan_checks(rank: int, world_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    checks = []
+    check = reshard.check_plans_agree
+    monkeypatch.setattr(reshard, "check_plans_agree", lambda *a, **k: (checks.append(a[0]), check(*a, **k)))
+    resharder = Resharder(dist.group.WORLD, {}, COSTS)
+    empty = torch.zeros(0, dtype=torch.int64)
+    # Text only on every rank: the gathered counts (integers, the same on every rank) decide it; nothing to check.
+    steps = resharder.plan({"vision": empty, "audio": empty}, {"vision": 4, "audio": 1})
+    assert checks == [] and all(step.exchange is None for step in steps.values())
+    # One image on the last rank alone: a priced plan, checked on every rank.
+    vision = torch.tensor([16] if rank == world_size - 1 else [], dtype=torch.int64)
+    resharder.plan({"vision": vision, "audio": empty}, {"vision": 4, "audio": 1})
+    assert checks == ["encoder resharding plan"]
+
+
+@pytest.mark.distributed
+def test_a_micro_batch_without_items_skips_the_plan_check_and_one_with_an_item_anywhere_runs_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    run_distributed(_plan_checks, 3, monkeypatch)

@@ -140,8 +140,8 @@ class Resharder:
              llm_work: tuple[int, int] = (0, 0)) -> dict[str, EncoderStep]:
         """All-gather every encoder's item lengths and this rank's LLM work on the micro-batch (``llm_work``: its
         tokens and causal attention pairs; integers only) and plan each encoder in turn, each on top of the LLM's
-        work (with ``llm``) and the encoders planned before it; then check that every rank of the group computed
-        the same plan."""
+        work (with ``llm``) and the encoders planned before it; then, where some rank has an item, check that every
+        rank of the group computed the same plan."""
         names = list(lengths)
         device = next(iter(lengths.values())).device  # collectives run where the backend wants their tensors
         local = [lengths[name].to(torch.int64) for name in names]
@@ -156,7 +156,10 @@ class Resharder:
             if steps[name].predicted_cost.size:
                 base = base + steps[name].predicted_cost
             decisions += decision
-        check_plans_agree("encoder resharding plan", plan_digest(decisions), self.group, device=device)
+        if int(all_counts.sum()):
+            check_plans_agree("encoder resharding plan", plan_digest(decisions), self.group, device=device)
+        # else no rank has an item for any encoder: the gathered counts, the same integers on every rank, decided
+        # that alone, and checking it would cost every text-only micro-batch a second collective.
         self.stats = _summary(steps)
         return steps
 
