@@ -255,6 +255,33 @@ def encoder_pool(args: argparse.Namespace, cost_model: CostModel) -> int:
                              seq_len=args.max_llm_tokens, length_scale=args.length_scale, cost_model=cost_model)
 
 
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the runs of :func:`run` read: the workload, the layout, the steps and the repeats."""
+    default_workload = SHARED_WORKLOADS / "vlm_dynres.yaml"
+    parser.add_argument("--workload", default=str(default_workload) if default_workload.exists() else "vlm_dynres")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=16, help="steps trained, warm-up included")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each configuration, interleaved")
+    parser.add_argument("--samples-per-step", type=int, default=4)
+    parser.add_argument("--group-steps", type=int, default=4)
+    parser.add_argument("--enc-sp", type=int, default=2)
+    parser.add_argument("--length-scale", type=float, default=0.08)
+    parser.add_argument("--max-llm-tokens", type=int, default=512)
+    parser.add_argument("--warmup", type=int, default=4, help="first steps left out (allocator and import warm-up)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-plan-ahead", action="store_true",
+                        help="(b)-(e) plan each group on the training thread (OmniDataModule(plan_ahead=False))")
+
+
+def write_shards(args: argparse.Namespace, scratch: str) -> str:
+    """Synthetic shards of ``args.workload`` under ``scratch``, enough for every step; their brace pattern."""
+    shard_count = 2 * args.ranks
+    per_shard = -(-args.steps * args.samples_per_step * args.ranks // shard_count) + 2 * args.samples_per_step
+    make_synthetic_shards(scratch, workload=args.workload, num_shards=shard_count, samples_per_shard=per_shard,
+                          seed=args.seed, length_scale=args.length_scale, max_llm_tokens=args.max_llm_tokens)
+    return f"{scratch}/train-{{000000..{shard_count - 1:06d}}}.tar"
+
+
 def run(name: str, shards: str, args: argparse.Namespace, out: Path, pool: int = 0,
         callbacks: tuple[pl.Callback, ...] = ()) -> dict[str, Any]:
     """Train configuration ``name`` on ``shards``; ``callbacks`` (profilers) join the benchmark's own."""
@@ -382,22 +409,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["reference", "hf"], default="reference",
                         help="hf: the Hugging Face comparison of benchmarks/e2e_hf.py")
-    default_workload = SHARED_WORKLOADS / "vlm_dynres.yaml"
-    parser.add_argument("--workload", default=str(default_workload) if default_workload.exists() else "vlm_dynres")
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=16, help="steps trained, warm-up included")
+    add_training_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="12 steps (about 5 minutes here)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each configuration, interleaved")
-    parser.add_argument("--samples-per-step", type=int, default=4)
-    parser.add_argument("--group-steps", type=int, default=4)
-    parser.add_argument("--enc-sp", type=int, default=2)
-    parser.add_argument("--length-scale", type=float, default=0.08)
-    parser.add_argument("--max-llm-tokens", type=int, default=512)
-    parser.add_argument("--warmup", type=int, default=4, help="first steps left out (allocator and import warm-up)")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-pools", action="store_true", help="skip (e), the disaggregated placement")
-    parser.add_argument("--no-plan-ahead", action="store_true",
-                        help="(b)-(e) plan each group on the training thread (OmniDataModule(plan_ahead=False))")
     parser.add_argument("--out", default="e2e", help="name of the result files under benchmarks/results/")
     args = parser.parse_args()
     if args.quick:
@@ -414,11 +428,7 @@ def main() -> None:
                          "configuration is timed on the same samples")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as scratch:
-        shard_count = 2 * args.ranks
-        per_shard = -(-args.steps * args.samples_per_step * args.ranks // shard_count) + 2 * args.samples_per_step
-        make_synthetic_shards(scratch, workload=args.workload, num_shards=shard_count, samples_per_shard=per_shard,
-                              seed=args.seed, length_scale=args.length_scale, max_llm_tokens=args.max_llm_tokens)
-        shards = f"{scratch}/train-{{000000..{shard_count - 1:06d}}}.tar"
+        shards = write_shards(args, scratch)
         # Repeats interleave the configurations, so that a slow spell of this shared machine hits all of them.
         records: dict[str, list[dict[str, Any]]] = {name: [] for name in "abcd"}
         for _ in range(args.repeats):

@@ -31,12 +31,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from common import SHARED_WORKLOADS
-from e2e import CONFIGURATIONS, RESULTS, run, spread
-
-from omni_lightning.data.synthetic import make_synthetic_shards
+from e2e import CONFIGURATIONS, RESULTS, add_training_arguments, run, spread, write_shards
 
 NAMES = "abcd"
+LIBRARIES = ("omni_lightning", "lightning", "torch")  # first match wins: omni_lightning's path holds "lightning"
 FunctionKey = tuple[str, int, str]  # pstats' (file, line, function)
 
 
@@ -60,10 +58,7 @@ class _ProfileTrainingThread(pl.Callback):
 def library(filename: str) -> str:
     """The library a profiled function belongs to, from its source file (built-ins are ``torch``'s C calls or
     Python's)."""
-    for name in ("omni_lightning", "lightning", "torch"):
-        if f"/{name}/" in filename:
-            return name
-    return "other"
+    return next((name for name in LIBRARIES if f"/{name}/" in filename), "other")
 
 
 def own_times(paths: list[Path]) -> dict[FunctionKey, float]:
@@ -91,39 +86,28 @@ def summarize(profiles: list[list[Path]], rank_steps: int) -> dict[str, Any]:
 
 
 def label(key: FunctionKey) -> str:
+    """A profiled function as ``file:line(name)``, the file from its library's root."""
     filename, line, function = key
-    for name in ("omni_lightning", "lightning", "torch"):
-        if f"/{name}/" in filename:
-            filename = name + filename.rsplit(f"/{name}", 1)[1]
-            break
+    owner = library(filename)
+    if owner != "other":
+        filename = owner + filename.rsplit(f"/{owner}", 1)[1]
     return f"{filename}:{line}({function})" if line else function
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    default_workload = SHARED_WORKLOADS / "vlm_dynres.yaml"
-    parser.add_argument("--workload", default=str(default_workload) if default_workload.exists() else "vlm_dynres")
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=16, help="steps trained, warm-up included")
-    parser.add_argument("--warmup", type=int, default=4, help="first steps not profiled")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each configuration, interleaved")
+    add_training_arguments(parser)  # benchmarks/e2e.py's: the same runs, warm-up steps not profiled
     parser.add_argument("--top", type=int, default=15, help="functions listed")
     parser.add_argument("--out", default="profile_overhead", help="name of the result file under benchmarks/results/")
     args = parser.parse_args()
     if args.repeats < 2 or not 0 < args.warmup < args.steps:
         raise SystemExit("--repeats must be at least 2 (two runs of (a) are the noise) and --warmup between 1 and "
                          "--steps - 1")
-    # e2e.run reads these of the benchmark's arguments: the same defaults as benchmarks/e2e.py.
-    args.samples_per_step, args.group_steps, args.enc_sp, args.seed, args.no_plan_ahead = 4, 4, 2, 0, False
     torch.set_num_threads(1)
     rank_steps = args.ranks * (args.steps - args.warmup)
     profiles: dict[str, list[list[Path]]] = {name: [] for name in NAMES}
     with tempfile.TemporaryDirectory() as scratch:
-        shard_count = 2 * args.ranks
-        per_shard = -(-args.steps * args.samples_per_step * args.ranks // shard_count) + 2 * args.samples_per_step
-        make_synthetic_shards(scratch, workload=args.workload, num_shards=shard_count, samples_per_shard=per_shard,
-                              seed=args.seed, length_scale=0.08, max_llm_tokens=512)
-        shards = f"{scratch}/train-{{000000..{shard_count - 1:06d}}}.tar"
+        shards = write_shards(args, scratch)
         for repeat in range(args.repeats):
             for name in NAMES:
                 template = f"{scratch}/{name}_{repeat}_{{rank}}.prof"
