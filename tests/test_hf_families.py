@@ -53,7 +53,7 @@ from omni_lightning.data.packing import DecodedSample, pack_samples
 from omni_lightning.data.shards import expand_shards
 from omni_lightning.data.streaming import open_shard
 from omni_lightning.models.adapters.hf_qwen2_vl import mrope_positions
-from omni_lightning.models.pretrained import SUPPORTED_FAMILIES
+from omni_lightning.models.pretrained import SUPPORTED_FAMILIES, build_pretrained
 
 transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -577,6 +577,25 @@ def test_a_family_fits_every_parallelism_it_has(qwen2_vl: Path) -> None:
         return
     with pytest.raises(ValueError, match=r"ep=2 shards MoE experts but the LLM has no MoE layers \(.* is dense\)"):
         check_model_fits_layout(model, ParallelDims(world_size=4, dp_shard=-1, ep=2))
+
+
+def test_a_checkpoint_stored_in_bf16_trains_fp32_master_weights(qwen2_vl: Path, tmp_path: Path) -> None:
+    """Released checkpoints are stored in bf16; the optimizer must still update fp32 weights (bf16 compute is
+    ``param_dtype``'s business). They start at exactly the stored values."""
+    import shutil
+
+    stored = tmp_path / "bf16"
+    hf_model(qwen2_vl, dtype=torch.bfloat16).save_pretrained(stored)
+    for file in qwen2_vl.iterdir():
+        if not (stored / file.name).exists():
+            shutil.copy(file, stored / file.name)
+    module, _ = _loaded(stored)
+    weights = dict(module.model.named_parameters())
+    assert {w.dtype for w in weights.values()} == {torch.float32}
+    reference = hf_model(stored)  # the family's own loading, upcast to fp32
+    for name, hf_name in build_pretrained(stored).checkpoint_names.items():
+        if hf_name is not None and name in weights:
+            assert torch.equal(weights[name], reference.get_parameter(hf_name)), name
 
 
 def test_a_pretrained_modules_hyper_parameters_rebuild_it(qwen2_vl: Path) -> None:

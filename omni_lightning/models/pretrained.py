@@ -41,17 +41,24 @@ class PretrainedModel:
     hf: nn.Module  # the family's own model, whose modules the adapters hold
 
 
+def _family_model(hf_class: str, hf_config: Any) -> nn.Module:
+    """The family's own model in fp32 whatever dtype its checkpoint is stored in (released ones are bf16): these
+    are the master weights the optimizer updates; bf16 compute is the strategy's choice (``param_dtype``)."""
+    import transformers
+
+    return getattr(transformers, hf_class)._from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
+
+
 def _qwen_vl(hf_config: Any, roles: TokenRoles | None, *, hf_class: str, vision_adapter: Any, text_adapter: Any,
              tower_width: str, llm_settings: Mapping[str, Any] | None = None
              ) -> tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]:
     """Qwen2-VL, Qwen2.5-VL and Qwen3-VL-MoE: the tower and merger, the M-RoPE decoder and its head
     (``llm_settings``: further :class:`LLMConfig` fields, e.g. the experts')."""
-    import transformers
 
     text, vision = hf_config.text_config, hf_config.vision_config
     if vision.spatial_merge_size != 2:
         raise ValueError(f"spatial_merge_size={vision.spatial_merge_size}: only the 2x2 merge is supported")
-    hf = getattr(transformers, hf_class)._from_config(hf_config, attn_implementation="sdpa")
+    hf = _family_model(hf_class, hf_config)
     config = ReferenceMLLMConfig(
         vision=VisionEncoderConfig(patch_size=vision.patch_size, in_channels=vision.in_channels,
                                    dim=getattr(vision, tower_width), n_layers=vision.depth, n_heads=vision.num_heads,
@@ -103,7 +110,6 @@ def _qwen3_vl_moe(hf_config: Any, roles: TokenRoles | None) -> tuple[nn.Module, 
 def _qwen2_5_omni_thinker(hf_config: Any, roles: TokenRoles | None
                           ) -> tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]:
     """Qwen2.5-Omni's thinker: the audio tower, the vision tower and merger, the M-RoPE decoder and its head."""
-    import transformers
 
     from omni_lightning.models.adapters.hf_qwen2_5_omni import Qwen25OmniAudioAdapter, Qwen25OmniTextAdapter
     from omni_lightning.models.adapters.hf_qwen2_vl import Qwen25VLVisionAdapter
@@ -111,8 +117,7 @@ def _qwen2_5_omni_thinker(hf_config: Any, roles: TokenRoles | None
     text, vision, audio = hf_config.text_config, hf_config.vision_config, hf_config.audio_config
     if vision.spatial_merge_size != 2:
         raise ValueError(f"spatial_merge_size={vision.spatial_merge_size}: only the 2x2 merge is supported")
-    hf = getattr(transformers, _HF_CLASSES["qwen2_5_omni_thinker"])._from_config(hf_config,
-                                                                                   attn_implementation="sdpa")
+    hf = _family_model(_HF_CLASSES["qwen2_5_omni_thinker"], hf_config)
     config = ReferenceMLLMConfig(
         vision=VisionEncoderConfig(patch_size=vision.patch_size, in_channels=vision.in_channels,
                                    dim=vision.hidden_size, n_layers=vision.depth, n_heads=vision.num_heads, merge=4,
@@ -132,7 +137,6 @@ def _qwen2_5_omni_thinker(hf_config: Any, roles: TokenRoles | None
 def _llava_onevision(hf_config: Any, roles: TokenRoles | None) -> tuple[nn.Module, ReferenceMLLM, ReferenceMLLMConfig]:
     """LLaVA-OneVision: the SigLIP tower and projector per tile or frame, the layout of their outputs per image and
     video (with the image newline), the Qwen2 decoder and its head."""
-    import transformers
 
     from omni_lightning.models.adapters.hf_llava_onevision import (
         LlavaOnevisionAssembly,
@@ -145,7 +149,7 @@ def _llava_onevision(hf_config: Any, roles: TokenRoles | None) -> tuple[nn.Modul
     if vision.model_type != "siglip_vision_model":
         raise ValueError(f"a LLaVA-OneVision vision tower of type {vision.model_type!r}: only SigLIP's is supported")
     layout = any_resolution(hf_config)
-    hf = getattr(transformers, _HF_CLASSES["llava_onevision"])._from_config(hf_config, attn_implementation="sdpa")
+    hf = _family_model(_HF_CLASSES["llava_onevision"], hf_config)
     config = ReferenceMLLMConfig(
         vision=VisionEncoderConfig(patch_size=vision.patch_size, in_channels=vision.num_channels,
                                    dim=vision.hidden_size, n_layers=vision.num_hidden_layers,
