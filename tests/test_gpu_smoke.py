@@ -15,13 +15,16 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_smoke.py"
 
 
 @pytest.mark.slow
-def test_gpu_smoke_dry_run(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--steps", "2", "--warmup", "1",
+@pytest.mark.parametrize("model", ["reference", "qwen2_5_vl"])
+def test_gpu_smoke_dry_run(model: str, tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--model", model, "--steps", "2", "--warmup", "1",
                           "--out", str(tmp_path / "r.json")],
                          check=True, capture_output=True, text=True, timeout=300).stdout
     assert re.fullmatch(r"tokens/s: [0-9.]+  mfu: [0-9.]+", out.strip().splitlines()[-1])
     result = json.loads((tmp_path / "r.json").read_text())
-    assert result["attention_kernel"] == "sdpa" and result["attention_ok"]
+    assert result["attention_kernel"] == "sdpa" and result["attention_ok"] and result["model"] == model
+    # Both runs took their first step from the same weights and batch: the gradients agree to bf16 rounding.
+    assert result["gradients_ok"] and result["first_step_grad_cosine"]["min"] > 0.999
     assert result["compile_backend"] == "aot_eager"
     for run in ("bf16", "fp32"):
         assert result[run]["backend"] == "gloo" and result[run]["all_reduce_ok"]
