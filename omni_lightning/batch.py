@@ -43,6 +43,7 @@ __all__ = [
     "EncoderFormat",
     "EncoderInput",
     "Modality",
+    "GROUP_ENCODER_ITEMS_KEY",
     "PackedBatch",
     "PackingSpec",
     "TokenRoles",
@@ -53,6 +54,12 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
+
+# A loader that plans a group of ranks' micro-batches together (the reorder stream) tells each micro-batch whether any
+# rank of that group has an encoder item in the micro-batch trained beside it: ``{"ranks": the group's global ranks,
+# "any_items": bool}``. Every member derives it from the same gathered metadata, so an encoder resharder over the same
+# ranks can skip gathering item sizes where there is nothing to plan.
+GROUP_ENCODER_ITEMS_KEY = "group_encoder_items"
 
 PackedBatch = dict[str, Any]
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from distributed import run_distributed
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from omni_lightning.batch import GROUP_ENCODER_ITEMS_KEY
 from omni_lightning.data.failure_notice import FailureNotice, JobStopped
 from omni_lightning.data.layouts import LayoutNeedsProcessor
 from omni_lightning.data.packing import DecodedSample
@@ -26,6 +27,7 @@ from omni_lightning.data.streaming import SampleStream
 from omni_lightning.modalities import DEFAULT_PACKING
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.flops import reference_cost_model
+from omni_lightning.runtime.calibration import micro_batch_features
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
@@ -132,6 +134,28 @@ def _world_collectives(rank: int, world_size: int, shards: str) -> None:
 @pytest.mark.distributed
 def test_one_payload_exchange_per_group_and_none_when_nothing_moves(tiny_shards: str) -> None:
     run_distributed(_world_collectives, 3, tiny_shards)
+
+
+def _world_group_items(rank: int, world_size: int, shards: str) -> None:
+    paths = existing_shards(shards)
+    samples = SampleStream(paths, dp_rank=rank, dp_size=world_size, batch_size=1, packing=PACK)
+    loader = StatefulDataLoader(samples, batch_size=None, collate_fn=lambda item: item)
+    stream = ReorderedStream(loader, group=dist.group.WORLD, group_index=0, cost_model=COST, packing=PACK,
+                             settings=ReorderSettings(samples_per_step=1, group_steps=4))
+    batches = list(itertools.islice(stream, 24))
+    own = [bool(micro_batch_features(batch, PACK)[:-2].any()) for batch in batches]
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, own)
+    anywhere = [any(column) for column in zip(*everyone, strict=True)]
+    words = [batch[GROUP_ENCODER_ITEMS_KEY] for batch in batches]
+    assert all(word["ranks"] == tuple(range(world_size)) for word in words)
+    assert [word["any_items"] for word in words] == anywhere
+    assert True in anywhere and False in anywhere  # both answers were given
+
+
+@pytest.mark.distributed
+def test_each_micro_batch_says_whether_any_rank_of_the_group_has_an_encoder_item_beside_it(tiny_shards: str) -> None:
+    run_distributed(_world_group_items, 2, tiny_shards)
 
 
 def _shard_stream(shards: str, rank: int, world_size: int, *, plan_ahead: bool) -> ReorderedStream:

@@ -96,3 +96,28 @@ def _plan_checks(rank: int, world_size: int, monkeypatch: pytest.MonkeyPatch) ->
 def test_a_micro_batch_without_items_skips_the_plan_check_and_one_with_an_item_anywhere_runs_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     run_distributed(_plan_checks, 3, monkeypatch)
+
+
+def _loader_word(rank: int, world_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    gathers = []
+    gather = reshard.all_gather_single
+    monkeypatch.setattr(reshard, "all_gather_single", lambda *a, **k: (gathers.append(a[1].numel()), gather(*a, **k)))
+    resharder = Resharder(dist.group.WORLD, {}, COSTS)
+    empty = torch.zeros(0, dtype=torch.int64)
+    lengths, multiples = {"vision": empty, "audio": empty}, {"vision": 4, "audio": 1}
+    everyone = tuple(range(world_size))
+    # The loader says no rank of this group has an item: nothing to gather, the plan the gather would have made.
+    gathered_steps, gathered_stats = resharder.plan(lengths, multiples), resharder.stats
+    steps = resharder.plan(lengths, multiples, group_items={"ranks": everyone, "any_items": False})
+    assert len(gathers) == 1 and resharder.stats == gathered_stats
+    assert {name: repr(step) for name, step in steps.items()} == {n: repr(s) for n, s in gathered_steps.items()}
+    # A word about other ranks, or of an item somewhere, is no reason to skip the gather.
+    resharder.plan(lengths, multiples, group_items={"ranks": everyone[:1], "any_items": False})
+    resharder.plan(lengths, multiples, group_items={"ranks": everyone, "any_items": True})
+    assert len(gathers) == 3
+
+
+@pytest.mark.distributed
+def test_a_micro_batch_the_loader_planned_without_items_on_the_group_gathers_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    run_distributed(_loader_word, 2, monkeypatch)

@@ -36,7 +36,7 @@ from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.digest import plan_digest
 from omni_lightning.balance.reorder import GroupPlan, PipelineOrder, ReorderConfig, plan_in_place, plan_reorder_group
 from omni_lightning.balance.reshard import LinkCost
-from omni_lightning.batch import IGNORE_INDEX, PackingSpec, PendingMedia
+from omni_lightning.batch import GROUP_ENCODER_ITEMS_KEY, IGNORE_INDEX, PackingSpec, PendingMedia
 from omni_lightning.data.failure_notice import FailureNotice, JobStopped
 from omni_lightning.data.packing import (
     DecodedSample,
@@ -350,6 +350,8 @@ class ReorderedStream:
         self._features = slice(1, 1 + len(cost_model.feature_names))
         self._tokens, self._owner, self._bytes, self._wire = range(self._features.stop, self._features.stop + 4)
         self.counters = {"skipped": 0, "truncated": 0, "dropped": 0, "samples_moved": 0, "bytes_moved": 0}
+        self._global_ranks = (tuple(dist.get_process_group_ranks(group)) if group is not None
+                              else (dist.get_rank() if dist.is_initialized() else 0,))
         self._state: dict[str, Any] = {
             "loader": loader.state_dict(), "carry": [], "group": 0, "counters": dict(self.counters), "yielded": 0
         }
@@ -522,11 +524,12 @@ class ReorderedStream:
                     yield {"micro_batches": packed, "num_samples": sum(b["num_samples"] for b in packed),
                            "reorder": stats, "step": totals, "data": counts, **delta}
                 continue
-            for batch in packed:
+            for index, batch in enumerate(packed):
                 yielded += 1
                 self._state = {**group_start, "yielded": yielded}
                 if yielded > skip:
-                    yield {**batch, "reorder": stats, "step": totals, "data": counts, **delta}
+                    yield {**batch, "reorder": stats, "step": totals, "data": counts, **delta,
+                           GROUP_ENCODER_ITEMS_KEY: self._group_encoder_items(gathered, plan, step, index)}
                 delta = {}
 
     def _position_deltas(self, fresh: list[DecodedSample | BadSample], admitted: list[DecodedSample | None],
@@ -584,6 +587,13 @@ class ReorderedStream:
         if outcome:
             counts[outcome] += 1
         return sample
+
+    def _group_encoder_items(self, gathered: np.ndarray, plan: GroupPlan, step: int, index: int) -> dict[str, Any]:
+        """Whether any rank of the group planned an encoder item into its micro-batch ``index`` of ``step`` (they
+        train side by side), and the group's global ranks (:data:`~omni_lightning.batch.GROUP_ENCODER_ITEMS_KEY`)."""
+        ids = [i for steps in plan.micro_batches if index < len(steps[step]) for i in steps[step][index]]
+        encoder_features = slice(self._features.start, self._features.stop - 2)  # the LLM's (tokens, pairs) are last
+        return {"ranks": self._global_ranks, "any_items": bool(gathered[ids, encoder_features].any())}
 
     def _rows(self, samples: list[DecodedSample | None], wires: list[_Wire | None]) -> np.ndarray:
         """int64 per sample: valid, the cost features, LLM tokens, owner rank, approximate payload bytes, and the

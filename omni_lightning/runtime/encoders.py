@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from omni_lightning.batch import Encoded, EncoderOutputs, PackedBatch
+from omni_lightning.batch import GROUP_ENCODER_ITEMS_KEY, Encoded, EncoderOutputs, PackedBatch
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.runtime.calibration import ResharderCalibrator
 from omni_lightning.runtime.items import item_layout, select_items
@@ -121,7 +121,7 @@ class LocalEncoders:
             work = llm_work(batch) if self.resharder.llm is not None else (0, 0)
             steps = self.resharder.plan({name: share.own_tokens for name, share in shares.items()},
                                         {name: encoder.tokens_per_output for name, encoder in model.encoders.items()},
-                                        work)
+                                        work, group_items=batch.get(GROUP_ENCODER_ITEMS_KEY))
         encoded: dict[str, tuple[torch.Tensor, ...]] = {}
         previous: torch.Tensor | None = None  # one chain of data dependencies orders the collectives in backward
         timing = self.calibrator if self._train else None

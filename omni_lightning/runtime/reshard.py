@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -110,6 +111,7 @@ class Resharder:
         self.llm, self.llm_share = llm, llm_share
         self.rank = dist.get_rank(group)
         self.n_ranks = dist.get_world_size(group)
+        self.global_ranks = tuple(dist.get_process_group_ranks(group))
         self.stats: dict[str, float] = {}
         # Item lengths a rank sends in the gather's one fixed-width row; grows to the most items a rank has had.
         self._capacity = _INITIAL_CAPACITY
@@ -137,14 +139,28 @@ class Resharder:
         return self.llm_share * (self.llm.linear * np.asarray(tokens) + self.llm.quadratic * np.asarray(pairs))
 
     def plan(self, lengths: Mapping[str, torch.Tensor], multiples: Mapping[str, int],
-             llm_work: tuple[int, int] = (0, 0)) -> dict[str, EncoderStep]:
+             llm_work: tuple[int, int] = (0, 0), *, group_items: Mapping[str, Any] | None = None
+             ) -> dict[str, EncoderStep]:
         """All-gather every encoder's item lengths and this rank's LLM work on the micro-batch (``llm_work``: its
         tokens and causal attention pairs; integers only) and plan each encoder in turn, each on top of the LLM's
         work (with ``llm``) and the encoders planned before it; then, where some rank has an item, check that every
-        rank of the group computed the same plan."""
+        rank of the group computed the same plan.
+
+        ``group_items``: the loader's word on the micro-batches trained beside this one
+        (:data:`~omni_lightning.batch.GROUP_ENCODER_ITEMS_KEY`). Where it speaks for this group's ranks and says
+        none of them has an item, there is nothing to plan and nothing is gathered: every member of the group reads
+        the same word, so all of them skip the collective."""
         names = list(lengths)
-        device = next(iter(lengths.values())).device  # collectives run where the backend wants their tensors
         local = [lengths[name].to(torch.int64) for name in names]
+        if group_items is not None and not group_items["any_items"] and \
+                tuple(group_items["ranks"]) == self.global_ranks:
+            if any(t.numel() for t in local):
+                raise RuntimeError(f"the loader planned no encoder item on ranks {self.global_ranks} for this "
+                                   f"micro-batch, but rank {self.rank} of them holds {[t.numel() for t in local]}")
+            steps = {name: EncoderStep(None, 0) for name in names}
+            self.stats = _summary(steps)
+            return steps
+        device = next(iter(lengths.values())).device  # collectives run where the backend wants their tensors
         all_counts, llm_features, gathered = self._gather_lengths(local, llm_work, device)
         base = np.zeros(self.n_ranks) if self.llm is None else self.llm_price(llm_features[:, 0], llm_features[:, 1])
         steps, decisions = {}, []
