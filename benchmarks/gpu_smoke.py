@@ -308,7 +308,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         make_module, make_data = (reference_run(config, args, Path(scratch)) if args.model == "reference"
                                   else qwen2_5_vl_run(size, args, Path(scratch)))
-        first_gradients = {}
+        first_gradients: dict[str, dict[str, torch.Tensor]] = {}
         for label, param_dtype in (("bf16", "bfloat16"), ("fp32", None)):
             result[label], first_gradients[label] = train(lambda dtype=param_dtype: make_module(dtype), make_data, args,
                                                           accelerator)
