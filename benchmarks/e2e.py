@@ -240,7 +240,7 @@ class _Throughput(pl.Callback):
         self.samples.append(per_rank)
         # The encoder plan's group-wide figures (rank 0's group): what (d) moved and split, step by step.
         plan = getattr(getattr(module, "step", None), "encoder_stats", None) or {}
-        self.reshard.append({key: float(plan.get(key, 0.0)) for key in ("items_moved", "items_split")})
+        self.reshard.append({key: float(plan.get(key, 0.0)) for key in RESHARD_STATS})
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if trainer.global_rank == 0:
@@ -280,6 +280,10 @@ def write_shards(args: argparse.Namespace, scratch: str) -> str:
     make_synthetic_shards(scratch, workload=args.workload, num_shards=shard_count, samples_per_shard=per_shard,
                           seed=args.seed, length_scale=args.length_scale, max_llm_tokens=args.max_llm_tokens)
     return f"{scratch}/train-{{000000..{shard_count - 1:06d}}}.tar"
+
+
+# The encoder plan's figures the benchmark records for (d), step by step.
+RESHARD_STATS = ("items_moved", "items_split", "size_gathers")
 
 
 def run(name: str, shards: str, args: argparse.Namespace, out: Path, pool: int = 0,
@@ -361,7 +365,7 @@ def summarize(records: list[dict[str, Any]], args: argparse.Namespace, encoder_r
         # Mean over the timed steps and the repeats (calibrated prices may plan a repeat differently).
         "reshard_per_step": {key: float(np.mean([step[key] for record in records
                                                  for step in record.get("reshard", [])[args.warmup:]] or [0.0]))
-                             for key in ("items_moved", "items_split")},
+                             for key in RESHARD_STATS},
     }
 
 
@@ -487,7 +491,8 @@ def main() -> None:
         f"({name}) {results[name]['mean_rank_cpu_s'] / results['a']['mean_rank_cpu_s']:.3f}x" for name in "bcd"))
     moved = results["d"]["reshard_per_step"]
     print(f"(d) encoder resharding, per timed step: {moved['items_moved']:.2f} items moved, "
-          f"{moved['items_split']:.2f} split (rank 0's group, mean over the repeats)")
+          f"{moved['items_split']:.2f} split, {moved['size_gathers']:.2f} gathers of item sizes (rank 0's group, mean "
+          "over the repeats; none where the loader's word shows that resharding could not pay)")
     if "e" in results:
         pools = results["e"]["encoder_ranks"]
         print(f"(e) ran {pools} encoder rank(s) + {args.ranks - pools} LLM rank(s), as the pool solver sized them "

@@ -43,7 +43,7 @@ __all__ = [
     "EncoderFormat",
     "EncoderInput",
     "Modality",
-    "GROUP_ENCODER_ITEMS_KEY",
+    "GROUP_WORK_KEY",
     "PackedBatch",
     "PackingSpec",
     "TokenRoles",
@@ -55,11 +55,13 @@ __all__ = [
 
 IGNORE_INDEX = -100
 
-# A loader that plans a group of ranks' micro-batches together (the reorder stream) tells each micro-batch whether any
-# rank of that group has an encoder item in the micro-batch trained beside it: ``{"ranks": the group's global ranks,
-# "any_items": bool}``. Every member derives it from the same gathered metadata, so an encoder resharder over the same
-# ranks can skip gathering item sizes where there is nothing to plan.
-GROUP_ENCODER_ITEMS_KEY = "group_encoder_items"
+# A loader that plans a group of ranks' micro-batches together (the reorder stream) tells each micro-batch what every
+# rank of that group trains beside it: ``{"ranks": the group's global ranks, "encoders": names, "work": int64 array
+# [rank, feature]}``, each rank's cost features of its micro-batch (every encoder's stem tokens and pairs, then the
+# LLM's tokens and pairs; see omni_lightning.balance.cost.work_features). Every member derives it from the same
+# gathered metadata, so an encoder resharder over the same ranks can tell, without gathering item sizes, where
+# resharding could not pay.
+GROUP_WORK_KEY = "group_work"
 
 PackedBatch = dict[str, Any]
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from distributed import run_distributed
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from omni_lightning.batch import GROUP_ENCODER_ITEMS_KEY
+from omni_lightning.batch import GROUP_WORK_KEY
 from omni_lightning.data.failure_notice import FailureNotice, JobStopped
 from omni_lightning.data.layouts import LayoutNeedsProcessor
 from omni_lightning.data.packing import DecodedSample
@@ -136,26 +136,28 @@ def test_one_payload_exchange_per_group_and_none_when_nothing_moves(tiny_shards:
     run_distributed(_world_collectives, 3, tiny_shards)
 
 
-def _world_group_items(rank: int, world_size: int, shards: str) -> None:
+def _world_group_work(rank: int, world_size: int, shards: str) -> None:
     paths = existing_shards(shards)
     samples = SampleStream(paths, dp_rank=rank, dp_size=world_size, batch_size=1, packing=PACK)
     loader = StatefulDataLoader(samples, batch_size=None, collate_fn=lambda item: item)
     stream = ReorderedStream(loader, group=dist.group.WORLD, group_index=0, cost_model=COST, packing=PACK,
                              settings=ReorderSettings(samples_per_step=1, group_steps=4))
     batches = list(itertools.islice(stream, 24))
-    own = [bool(micro_batch_features(batch, PACK)[:-2].any()) for batch in batches]
+    own = [micro_batch_features(batch, PACK).astype(np.int64).tolist() for batch in batches]
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, own)
-    anywhere = [any(column) for column in zip(*everyone, strict=True)]
-    words = [batch[GROUP_ENCODER_ITEMS_KEY] for batch in batches]
+    words = [batch[GROUP_WORK_KEY] for batch in batches]
     assert all(word["ranks"] == tuple(range(world_size)) for word in words)
-    assert [word["any_items"] for word in words] == anywhere
-    assert True in anywhere and False in anywhere  # both answers were given
+    assert all(word["encoders"] == list(COST.encoder_names) for word in words)
+    # Each rank's row is what that rank's micro-batch beside this one holds, as the model counts it.
+    assert [word["work"].tolist() for word in words] == [list(rows) for rows in zip(*everyone, strict=True)]
+    with_items = [bool(word["work"][:, :-2].any()) for word in words]
+    assert True in with_items and False in with_items  # micro-batches with and without encoder items
 
 
 @pytest.mark.distributed
-def test_each_micro_batch_says_whether_any_rank_of_the_group_has_an_encoder_item_beside_it(tiny_shards: str) -> None:
-    run_distributed(_world_group_items, 2, tiny_shards)
+def test_each_micro_batch_carries_every_group_ranks_work_beside_it(tiny_shards: str) -> None:
+    run_distributed(_world_group_work, 2, tiny_shards)
 
 
 def _shard_stream(shards: str, rank: int, world_size: int, *, plan_ahead: bool) -> ReorderedStream:

@@ -98,26 +98,54 @@ def test_a_micro_batch_without_items_skips_the_plan_check_and_one_with_an_item_a
     run_distributed(_plan_checks, 3, monkeypatch)
 
 
+def _word(ranks: tuple[int, ...], items: list[tuple[list[int], list[int]]], llm: list[tuple[int, int]]
+          ) -> dict[str, object]:
+    """The reorder stream's word: per rank, (vision, audio) stem tokens and pairs, then the LLM's tokens and pairs."""
+    work = [[sum(v), sum(n * n for n in v), sum(a), sum(n * n for n in a), *work] for (v, a), work in
+            zip(items, llm, strict=True)]
+    return {"ranks": ranks, "encoders": ["vision", "audio"], "work": np.asarray(work, dtype=np.int64)}
+
+
 def _loader_word(rank: int, world_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    gathers = []
-    gather = reshard.all_gather_single
+    gathers, checks = [], []
+    gather, check = reshard.all_gather_single, reshard.check_plans_agree
     monkeypatch.setattr(reshard, "all_gather_single", lambda *a, **k: (gathers.append(a[1].numel()), gather(*a, **k)))
-    resharder = Resharder(dist.group.WORLD, {}, COSTS)
-    empty = torch.zeros(0, dtype=torch.int64)
-    lengths, multiples = {"vision": empty, "audio": empty}, {"vision": 4, "audio": 1}
+    monkeypatch.setattr(reshard, "check_plans_agree", lambda *a, **k: (checks.append(a[0]), check(*a, **k)))
+    resharder = Resharder(dist.group.WORLD, {}, COSTS, min_gain=0.05, llm=ModuleCost(1.0, 0.0))
     everyone = tuple(range(world_size))
-    # The loader says no rank of this group has an item: nothing to gather, the plan the gather would have made.
-    gathered_steps, gathered_stats = resharder.plan(lengths, multiples), resharder.stats
-    steps = resharder.plan(lengths, multiples, group_items={"ranks": everyone, "any_items": False})
-    assert len(gathers) == 1 and resharder.stats == gathered_stats
-    assert {name: repr(step) for name, step in steps.items()} == {n: repr(s) for n, s in gathered_steps.items()}
-    # A word about other ranks, or of an item somewhere, is no reason to skip the gather.
-    resharder.plan(lengths, multiples, group_items={"ranks": everyone[:1], "any_items": False})
-    resharder.plan(lengths, multiples, group_items={"ranks": everyone, "any_items": True})
-    assert len(gathers) == 3
+    multiples = {"vision": 4, "audio": 1}
+
+    def plan(items: list[tuple[list[int], list[int]]], llm: list[tuple[int, int]], **word: object
+             ) -> tuple[dict[str, str], dict[str, float]]:
+        vision, audio = (torch.tensor(x, dtype=torch.int64) for x in items[rank])
+        steps = resharder.plan({"vision": vision, "audio": audio}, multiples, llm[rank], group_work=word or None)
+        return {name: repr(step) for name, step in steps.items()}, dict(resharder.stats)
+
+    # Text only, and work the loader balanced (one image and as much LLM work per rank): the gather would plan
+    # nothing that moves. The word tells so to every rank: nothing gathered or checked, the same steps and stats.
+    for items, llm in (([([], [])] * world_size, [(40, 820)] * world_size),
+                       ([([16], [8])] * world_size, [(30, 465)] * world_size)):
+        gathered_steps, gathered_stats = plan(items, llm)
+        gathers.clear(), checks.clear()
+        steps, stats = plan(items, llm, **_word(everyone, items, llm))
+        assert (gathers, checks) == ([], [])
+        assert steps == gathered_steps and stats == {**gathered_stats, "size_gathers": 0.0}
+        assert gathered_stats["size_gathers"] == 1.0
+    # Two images on rank 0 alone: resharding may pay, so the word is no reason to skip the gather; nor is a word
+    # about other ranks, or one that does not price an encoder.
+    lopsided = [([64, 64], [])] + [([], [])] * (world_size - 1)
+    llm = [(8, 36)] * world_size
+    for word in (_word(everyone, lopsided, llm), _word(everyone[:1], [([], [])], llm[:1]),
+                 {**_word(everyone, [([], [])] * world_size, llm), "encoders": ["vision"]}):
+        gathers.clear()
+        plan(lopsided, llm, **word)
+        assert len(gathers) == 1
+    # A word that misses what a rank holds is a loader out of step with the model: an error, not a wrong plan.
+    with pytest.raises(RuntimeError, match=r"planned no vision item on rank \d+ .* but it holds 1"):
+        plan([([32], [])] * world_size, llm, **_word(everyone, [([], [])] * world_size, llm))
 
 
 @pytest.mark.distributed
-def test_a_micro_batch_the_loader_planned_without_items_on_the_group_gathers_nothing(
+def test_a_micro_batch_the_loader_balanced_gathers_nothing_and_plans_what_the_gather_would(
         monkeypatch: pytest.MonkeyPatch) -> None:
     run_distributed(_loader_word, 2, monkeypatch)

@@ -36,8 +36,12 @@ import numpy as np
 
 __all__ = [
     "CPU_GLOO", "GPU_NVLINK", "EncoderPlan", "EncoderTraffic", "ItemExchange", "ItemPrices", "LinkCost", "SplitChunk",
-    "encoder_lower_bound", "item_prices", "plan_encoder_work", "plan_item_exchange", "resolve_link", "split_lengths",
+    "encoder_lower_bound", "exchange_price", "item_prices", "plan_encoder_work", "plan_item_exchange", "resolve_link",
+    "resharding_may_pay", "split_lengths",
 ]
+
+# The resharder's all-to-alls that any exchange runs: the stem tokens out and the outputs back, forward and backward.
+_EXCHANGE_MESSAGES = 4
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,27 @@ def item_prices(lengths: np.ndarray, traffic: EncoderTraffic, link: LinkCost, *,
         chunk = lengths / degree
         ulysses = chunk * traffic.ulysses_bytes * (degree - 1) / degree
         split[:, k] = link.cost(chunk * per_token + ulysses, traffic.ulysses_messages)
-    return ItemPrices(move, split, float(link.cost(0.0, 4)))
+    return ItemPrices(move, split, exchange_price(link))
+
+
+def exchange_price(link: LinkCost) -> float:
+    """What any resharding of a micro-batch costs every rank of the group over ``link``, whatever moves: the
+    resharder's all-to-alls (:attr:`ItemPrices.exchange`)."""
+    return float(link.cost(0.0, _EXCHANGE_MESSAGES))
+
+
+def resharding_may_pay(base: np.ndarray, in_place: np.ndarray, *, exchange: float, min_gain: float) -> bool:
+    """Whether any plan could lower the busiest rank's work by more than ``min_gain`` (pure; same on every rank).
+
+    ``base``: each rank's work planned before this encoder's; ``in_place``: the cost of the items it loaded, were
+    each encoded where it was loaded; ``exchange``: what any resharding costs every rank. No plan that moves
+    anything beats the mean rank's work, or the busiest rank's base, plus the exchange, so where keeping every item
+    home is within ``min_gain`` of that, there is nothing to plan. Needs only each rank's totals: a loader that
+    knows them can tell without the item sizes.
+    """
+    peak_in_place = float((base + in_place).max())
+    floor = max(float(base.sum() + in_place.sum()) / base.size, float(base.max())) + exchange
+    return peak_in_place > floor * (1.0 + min_gain)
 
 
 @dataclass

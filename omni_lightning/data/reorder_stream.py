@@ -36,7 +36,7 @@ from omni_lightning.balance.cost import CostModel
 from omni_lightning.balance.digest import plan_digest
 from omni_lightning.balance.reorder import GroupPlan, PipelineOrder, ReorderConfig, plan_in_place, plan_reorder_group
 from omni_lightning.balance.reshard import LinkCost
-from omni_lightning.batch import GROUP_ENCODER_ITEMS_KEY, IGNORE_INDEX, PackingSpec, PendingMedia
+from omni_lightning.batch import GROUP_WORK_KEY, IGNORE_INDEX, PackingSpec, PendingMedia
 from omni_lightning.data.failure_notice import FailureNotice, JobStopped
 from omni_lightning.data.packing import (
     DecodedSample,
@@ -529,7 +529,7 @@ class ReorderedStream:
                 self._state = {**group_start, "yielded": yielded}
                 if yielded > skip:
                     yield {**batch, "reorder": stats, "step": totals, "data": counts, **delta,
-                           GROUP_ENCODER_ITEMS_KEY: self._group_encoder_items(gathered, plan, step, index)}
+                           GROUP_WORK_KEY: self._group_work(gathered, plan, step, index)}
                 delta = {}
 
     def _position_deltas(self, fresh: list[DecodedSample | BadSample], admitted: list[DecodedSample | None],
@@ -588,12 +588,14 @@ class ReorderedStream:
             counts[outcome] += 1
         return sample
 
-    def _group_encoder_items(self, gathered: np.ndarray, plan: GroupPlan, step: int, index: int) -> dict[str, Any]:
-        """Whether any rank of the group planned an encoder item into its micro-batch ``index`` of ``step`` (they
-        train side by side), and the group's global ranks (:data:`~omni_lightning.batch.GROUP_ENCODER_ITEMS_KEY`)."""
-        ids = [i for steps in plan.micro_batches if index < len(steps[step]) for i in steps[step][index]]
-        encoder_features = slice(self._features.start, self._features.stop - 2)  # the LLM's (tokens, pairs) are last
-        return {"ranks": self._global_ranks, "any_items": bool(gathered[ids, encoder_features].any())}
+    def _group_work(self, gathered: np.ndarray, plan: GroupPlan, step: int, index: int) -> dict[str, Any]:
+        """Every rank's cost features of its micro-batch ``index`` of ``step`` (they train side by side), with the
+        group's global ranks (:data:`~omni_lightning.batch.GROUP_WORK_KEY`)."""
+        work = np.zeros((len(plan.micro_batches), self._features.stop - self._features.start), dtype=np.int64)
+        for rank, steps in enumerate(plan.micro_batches):
+            if index < len(steps[step]):
+                work[rank] = gathered[steps[step][index], self._features].sum(axis=0)
+        return {"ranks": self._global_ranks, "encoders": list(self.cost_model.encoder_names), "work": work}
 
     def _rows(self, samples: list[DecodedSample | None], wires: list[_Wire | None]) -> np.ndarray:
         """int64 per sample: valid, the cost features, LLM tokens, owner rank, approximate payload bytes, and the

@@ -17,12 +17,12 @@ replicates before the optimizer step.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from omni_lightning.batch import GROUP_ENCODER_ITEMS_KEY, Encoded, EncoderOutputs, PackedBatch
+from omni_lightning.batch import GROUP_WORK_KEY, Encoded, EncoderOutputs, PackedBatch
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.runtime.calibration import ResharderCalibrator
 from omni_lightning.runtime.items import item_layout, select_items
@@ -110,6 +110,15 @@ class LocalEncoders:
         reduces them over the data- and context-parallel ranks with the rest of the model's."""
         sum_over_tensor_parallel_peers(self.model.encoders.values(), self.peers)
 
+    def _group_work(self, batch: PackedBatch) -> Mapping[str, Any] | None:
+        """The loader's word on what the encoder group's ranks train beside this micro-batch, where it describes
+        what each of them encodes: peers split a micro-batch's items, so each holds only a share of its rank's
+        row, and only a word of no items at all still holds for them."""
+        word = batch.get(GROUP_WORK_KEY)
+        if word is None or self.peers is None:
+            return word
+        return word if not np.asarray(word["work"])[:, :-2].any() else None
+
     def _encode(self, batch: PackedBatch) -> dict[str, tuple[torch.Tensor, ...]]:
         """Every encoder's outputs of ``batch``: each peer's share of the items (all of them without peers),
         resharded over the encoder group where there is a resharder, the peers' shares gathered."""
@@ -121,7 +130,7 @@ class LocalEncoders:
             work = llm_work(batch) if self.resharder.llm is not None else (0, 0)
             steps = self.resharder.plan({name: share.own_tokens for name, share in shares.items()},
                                         {name: encoder.tokens_per_output for name, encoder in model.encoders.items()},
-                                        work, group_items=batch.get(GROUP_ENCODER_ITEMS_KEY))
+                                        work, group_work=self._group_work(batch))
         encoded: dict[str, tuple[torch.Tensor, ...]] = {}
         previous: torch.Tensor | None = None  # one chain of data dependencies orders the collectives in backward
         timing = self.calibrator if self._train else None

@@ -35,9 +35,11 @@ from omni_lightning.balance.reshard import (
     EncoderTraffic,
     ItemExchange,
     LinkCost,
+    exchange_price,
     item_prices,
     plan_encoder_work,
     plan_item_exchange,
+    resharding_may_pay,
 )
 from omni_lightning.parallel.agreement import check_plans_agree
 from omni_lightning.parallel.attention import cu_seqlens_from_lengths
@@ -139,27 +141,25 @@ class Resharder:
         return self.llm_share * (self.llm.linear * np.asarray(tokens) + self.llm.quadratic * np.asarray(pairs))
 
     def plan(self, lengths: Mapping[str, torch.Tensor], multiples: Mapping[str, int],
-             llm_work: tuple[int, int] = (0, 0), *, group_items: Mapping[str, Any] | None = None
+             llm_work: tuple[int, int] = (0, 0), *, group_work: Mapping[str, Any] | None = None
              ) -> dict[str, EncoderStep]:
         """All-gather every encoder's item lengths and this rank's LLM work on the micro-batch (``llm_work``: its
         tokens and causal attention pairs; integers only) and plan each encoder in turn, each on top of the LLM's
         work (with ``llm``) and the encoders planned before it; then, where some rank has an item, check that every
         rank of the group computed the same plan.
 
-        ``group_items``: the loader's word on the micro-batches trained beside this one
-        (:data:`~omni_lightning.batch.GROUP_ENCODER_ITEMS_KEY`). Where it speaks for this group's ranks and says
-        none of them has an item, there is nothing to plan and nothing is gathered: every member of the group reads
-        the same word, so all of them skip the collective."""
+        ``group_work``: the loader's word on the micro-batches trained beside this one, every rank's work in them
+        (:data:`~omni_lightning.batch.GROUP_WORK_KEY`). Where it speaks for this group's ranks and shows that no
+        encoder's items could gain from resharding (:func:`~omni_lightning.balance.reshard.resharding_may_pay`),
+        every item stays home and nothing is gathered or checked: every member of the group reads the same word and
+        prices, so all of them skip the collectives or none does."""
         names = list(lengths)
         local = [lengths[name].to(torch.int64) for name in names]
-        if group_items is not None and not group_items["any_items"] and \
-                tuple(group_items["ranks"]) == self.global_ranks:
-            if any(t.numel() for t in local):
-                raise RuntimeError(f"the loader planned no encoder item on ranks {self.global_ranks} for this "
-                                   f"micro-batch, but rank {self.rank} of them holds {[t.numel() for t in local]}")
-            steps = {name: EncoderStep(None, 0) for name in names}
-            self.stats = _summary(steps)
-            return steps
+        if group_work is not None and tuple(group_work["ranks"]) == self.global_ranks:
+            kept = self._kept_home(names, local, group_work)
+            if kept is not None:
+                self.stats = {**_summary(kept), "size_gathers": 0.0}
+                return kept
         device = next(iter(lengths.values())).device  # collectives run where the backend wants their tensors
         all_counts, llm_features, gathered = self._gather_lengths(local, llm_work, device)
         base = np.zeros(self.n_ranks) if self.llm is None else self.llm_price(llm_features[:, 0], llm_features[:, 1])
@@ -176,7 +176,43 @@ class Resharder:
             check_plans_agree("encoder resharding plan", plan_digest(decisions), self.group, device=device)
         # else no rank has an item for any encoder: the gathered counts, the same integers on every rank, decided
         # that alone, and checking it would cost every text-only micro-batch a second collective.
-        self.stats = _summary(steps)
+        self.stats = {**_summary(steps), "size_gathers": 1.0}
+        return steps
+
+    def _kept_home(self, names: list[str], local: list[torch.Tensor], word: Mapping[str, Any]
+                   ) -> dict[str, EncoderStep] | None:
+        """Every encoder's step with its items kept home, where the loader's per-rank work (``word``) shows that
+        none could gain from resharding; ``None`` where one might, or where the word does not price one of them.
+
+        The word's rows hold each rank's stem tokens and pairs per encoder and its LLM tokens and pairs (the cost
+        features :func:`~omni_lightning.balance.cost.work_features` names), the same integers on every member. They
+        count stem tokens as the packing spec does, which for an encoder that counts its own otherwise (an audio
+        stem counting frames before a stride) is off by about that ratio: a misjudged gate costs a gather or a
+        missed move, never a disagreement."""
+        columns = {name: 2 * i for i, name in enumerate(word["encoders"])}
+        if any(name not in columns for name in names):
+            return None
+        work = np.asarray(word["work"], dtype=np.float64)
+        for name, own in zip(names, local, strict=True):
+            # The loader's plan may overstate a rank's items (a payload that failed to decode is left out), never
+            # invent them.
+            if own.numel() and not work[self.rank, columns[name]]:
+                raise RuntimeError(f"the loader planned no {name} item on rank {self.global_ranks[self.rank]} for "
+                                   f"this micro-batch, but it holds {own.numel()}")
+        base = np.zeros(self.n_ranks) if self.llm is None else self.llm_price(work[:, -2], work[:, -1])
+        exchange = exchange_price(self.link) if self.traffic is not None and self.link is not None else 0.0
+        steps = {}
+        for name, own in zip(names, local, strict=True):
+            cost, column = self.costs[name], columns[name]
+            in_place = cost.linear * work[:, column] + cost.quadratic * work[:, column + 1]
+            if not in_place.any():
+                steps[name] = EncoderStep(None, own.numel())
+                continue
+            if resharding_may_pay(base, in_place, exchange=exchange, min_gain=self.min_gain):
+                return None
+            own_work = float(cost.linear * own.sum() + cost.quadratic * (own.double() ** 2).sum())
+            steps[name] = EncoderStep(None, own.numel(), in_place, in_place, 0, 0, own_work)
+            base = base + in_place
         return steps
 
     def _gather_lengths(self, local: list[torch.Tensor], llm_work: tuple[int, int], device: torch.device
@@ -226,12 +262,9 @@ class Resharder:
         prices = None
         if self.traffic is not None and self.link is not None:
             prices = item_prices(item_lengths, self.traffic[name], self.link, enc_sp=self.enc_sp)
-        # No plan that moves anything beats the mean rank's work, or the busiest rank's base, plus the exchange it
-        # costs every rank: where keeping every item home is within min_gain of that, there is nothing to plan.
-        floor = max(float(base.sum() + item_costs.sum()) / self.n_ranks, float(base.max()))
-        floor += prices.exchange if prices is not None else 0.0
+        exchange = prices.exchange if prices is not None else 0.0
         plan = None
-        if peak_in_place > floor * (1.0 + self.min_gain):
+        if resharding_may_pay(base, unbalanced.rank_cost, exchange=exchange, min_gain=self.min_gain):
             plan = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, enc_sp=self.enc_sp, prices=prices,
                                      base=base)
         if plan is None or plan.moved == 0 or peak_in_place <= (base + plan.rank_cost).max() * (1.0 + self.min_gain):
