@@ -19,7 +19,12 @@ from hypothesis import strategies as st
 from lightning_runs import LEARNING_RATE, fit
 
 from omni_lightning import OmniModule, ReferenceMLLM, ReferenceMLLMConfig
-from omni_lightning.balance.calibration import fit_module_prices, paced_by_slowest, training_passes
+from omni_lightning.balance.calibration import (
+    fit_module_prices,
+    forward_price_error,
+    paced_by_slowest,
+    training_passes,
+)
 from omni_lightning.balance.cost import CostModel, ModuleCost
 from omni_lightning.runtime import calibration
 from omni_lightning.runtime.calibration import ResharderCalibrator
@@ -194,6 +199,34 @@ def test_on_a_wall_clock_each_forward_is_matched_with_the_slowest_ranks_work() -
         4 / 3 * 3.0 * RATES["vision"] * FLOPS.vision.linear, rel=1e-9)
 
 
+
+def test_the_price_error_is_how_far_the_fitted_rates_miss_the_timed_forwards() -> None:
+    """Forwards at one rate per module: no error. A per-call constant (every forward 1 ms more, whatever its work)
+    is spread over the work by the ratio, and what it misses is the error; records without work are left out."""
+    rng = np.random.default_rng(2)
+    records = {name: _rows(rng, name, 8) for name in FLOPS.modules}
+    assert forward_price_error(records, FLOPS.modules) == pytest.approx(0.0, abs=1e-12)
+    work = np.array([1e9, 3e9])
+    constant = {"llm": np.column_stack([work, 1e-11 * work + 1e-3]), "vision": np.array([[0.0, 5.0]])}
+    rate = (1e-11 * work.sum() + 2e-3) / work.sum()
+    missed = np.abs(1e-11 * work + 1e-3 - rate * work).sum()
+    assert forward_price_error(constant, FLOPS.modules) == pytest.approx(missed / (1e-11 * work.sum() + 2e-3))
+    with pytest.raises(ValueError, match="the LLM's timed forwards carry no work"):
+        forward_price_error({"vision": records["vision"]}, FLOPS.modules)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), scale=st.floats(1e-3, 1e3), noise=st.floats(0.0, 0.5))
+def test_the_price_error_follows_the_noise_and_not_the_clock(seed: int, scale: float, noise: float) -> None:
+    """Within twice the records' relative noise, and the same on a clock k times slower."""
+    rng = np.random.default_rng(seed)
+    records = {name: _rows(rng, name, int(rng.integers(1, 9)), noise=noise) for name in FLOPS.modules}
+    error = forward_price_error(records, FLOPS.modules)
+    assert 0.0 <= error <= 2 * noise / (1 - noise) + 1e-12
+    slower = {n: r * np.array([1.0, scale]) for n, r in records.items()}
+    assert forward_price_error(slower, FLOPS.modules) == pytest.approx(error, rel=1e-9, abs=1e-15)
+
+
 class _FakeClock:
     """A clock that a timed block advances by what the test says the work took."""
 
@@ -206,7 +239,7 @@ class _FakeClock:
 
 def _calibrate_on_a_world(rank: int, world_size: int) -> None:
     costs = {"vision": FLOPS.vision, "audio": FLOPS.audio}
-    resharder = Resharder(dist.group.WORLD, {}, costs, llm=FLOPS.llm, enc_sp=2)
+    resharder = Resharder(dist.group.WORLD, {}, costs, llm=FLOPS.llm, enc_sp=2, min_gain=0.0)
     clock = _FakeClock()
     with pytest.raises(ValueError, match="calibration steps=0 must be at least 1"):
         ResharderCalibrator(resharder, steps=0, clock=clock)
@@ -239,6 +272,10 @@ def _calibrate_on_a_world(rank: int, world_size: int) -> None:
     everyone = [torch.empty_like(coefficients) for _ in range(world_size)]
     dist.all_gather(everyone, coefficients)
     assert all(torch.equal(other, everyone[0]) for other in everyone)  # one set of prices, to the bit
+    # The prices miss the forwards by less than their 10% noise; a plan must now gain that much to move.
+    gains = [None] * world_size
+    dist.all_gather_object(gains, resharder.min_gain)
+    assert len(set(gains)) == 1 and 0.0 < gains[0] <= 0.1
     for index, name in ((0, "vision"), (2, "audio"), (4, "llm")):  # each at its timed rate, within the 10% noise
         rate = coefficients[index].item() / FLOPS.module(name).linear / 3.0
         assert RATES[name] <= rate <= 1.1 * RATES[name], (name, rate)

@@ -22,7 +22,10 @@ import numpy as np
 
 from omni_lightning.balance.cost import CostModel, ModuleCost, fit_cost_model_to_features
 
-__all__ = ["JointCalibration", "fit_joint_calibration", "fit_module_prices", "paced_by_slowest", "training_passes"]
+__all__ = [
+    "JointCalibration", "fit_joint_calibration", "fit_module_prices", "forward_price_error", "paced_by_slowest",
+    "training_passes",
+]
 
 
 @dataclass(frozen=True)
@@ -167,8 +170,7 @@ def fit_module_prices(records: Mapping[str, np.ndarray], *, prices: CostModel,
     module's constant in alike. A module the records do not exercise (or that took no measurable time) scales by the
     LLM's rate. Raises ``ValueError`` where the LLM has no records with work, or on malformed input.
     """
-    if unknown := sorted(set(records) - set(prices.modules)):
-        raise ValueError(f"records of module(s) {unknown}, but the prices have {list(prices.modules)}")
+    rates = _forward_rates(records, prices.modules)
     if not isinstance(train_per_forward, Mapping):
         train_per_forward = dict.fromkeys(prices.modules, train_per_forward)
     if missing := sorted(set(prices.modules) - set(train_per_forward)):
@@ -176,8 +178,33 @@ def fit_module_prices(records: Mapping[str, np.ndarray], *, prices: CostModel,
     for name, factor in train_per_forward.items():
         if not factor > 0:
             raise ValueError(f"train_per_forward={factor} ({name}) must be positive")
+    return CostModel(**{name: prices.module(name).scaled(train_per_forward[name] * rates.get(name, rates["llm"]))
+                        for name in prices.modules})
+
+
+def forward_price_error(records: Mapping[str, np.ndarray], modules: Sequence[str]) -> float:
+    """How far the prices :func:`fit_module_prices` fits to ``records`` miss the timed forwards themselves: the sum
+    over every record with work of ``|seconds - rate * work|``, each module at its fitted rate, over the records'
+    seconds. 0 where the prices explain every forward; a plan whose predicted gain is smaller than this rests on
+    the prices' error rather than on the work (e.g. per-call constants, which the ratio spreads over the work and
+    no move removes). Raises ``ValueError`` as :func:`fit_module_prices` does."""
+    rates = _forward_rates(records, modules)
+    missed = seconds = 0.0
+    for name in modules:
+        rows = np.asarray(records.get(name, np.zeros((0, 2))), dtype=np.float64).reshape(-1, 2)
+        rows = rows[rows[:, 0] > 0]
+        missed += float(np.abs(rows[:, 1] - rates.get(name, rates["llm"]) * rows[:, 0]).sum())
+        seconds += float(rows[:, 1].sum())
+    return missed / seconds
+
+
+def _forward_rates(records: Mapping[str, np.ndarray], modules: Sequence[str]) -> dict[str, float]:
+    """Each module's forward seconds per unit of work over its records with work (modules without any, or whose
+    records took no time, are left out); see :func:`fit_module_prices`."""
+    if unknown := sorted(set(records) - set(modules)):
+        raise ValueError(f"records of module(s) {unknown}, but the prices have {list(modules)}")
     rates = {}
-    for name in prices.modules:
+    for name in modules:
         rows = np.asarray(records.get(name, np.zeros((0, 2))), dtype=np.float64).reshape(-1, 2)
         if not np.isfinite(rows).all() or (rows < 0).any():
             raise ValueError(f"{name}: work and seconds must be finite and non-negative")
@@ -186,8 +213,7 @@ def fit_module_prices(records: Mapping[str, np.ndarray], *, prices: CostModel,
             rates[name] = rate
     if rates.get("llm", 0.0) <= 0:
         raise ValueError("the LLM's timed forwards carry no work or took no time: nothing to price the modules by")
-    return CostModel(**{name: prices.module(name).scaled(train_per_forward[name] * rates.get(name, rates["llm"]))
-                        for name in prices.modules})
+    return rates
 
 
 def paced_by_slowest(per_rank: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:

@@ -29,6 +29,7 @@ from omni_lightning.balance.calibration import (
     JointCalibration,
     fit_joint_calibration,
     fit_module_prices,
+    forward_price_error,
     paced_by_slowest,
 )
 from omni_lightning.balance.cost import CostModel, ModuleCost, work_features
@@ -153,7 +154,9 @@ class ResharderCalibrator:
     prices. After the last of them every rank's records are gathered over the world, global rank 0 fits the prices
     (:func:`~omni_lightning.balance.calibration.fit_module_prices`; on a wall clock each forward is matched with the
     largest work of the same forward on any rank, :func:`~omni_lightning.balance.calibration.paced_by_slowest`) and
-    broadcasts them, and every rank's resharder plans from the same figures. Where the records cannot price the
+    broadcasts them with how far they miss the timed forwards
+    (:func:`~omni_lightning.balance.calibration.forward_price_error`), and every rank's resharder plans from the same
+    figures, moving items only for a predicted gain beyond that error. Where the records cannot price the
     modules the resharder keeps its prices (a warning says so). Until then the plan runs on the prices it had, so
     the first batches split what they would have split. The first ``skip`` batches are left out: they include
     one-off work (allocations, caches).
@@ -215,21 +218,24 @@ class ResharderCalibrator:
         records = {name: np.concatenate([rank[name] for rank in everyone]) for name in modules}
         # Read now, not when the job was built: what trains is what a step's backward runs.
         passes = dict(self.training_passes()) if self.training_passes is not None else 3.0
-        values = _fitted_on_rank_zero(lambda: fit_module_prices(records, prices=self.prices,
-                                                                train_per_forward=passes).coefficients,
-                                      2 * len(modules), self.device,
-                                      "the encoder resharder keeps its prices: its timed forwards could not price them")
+        values = _fitted_on_rank_zero(
+            lambda: np.append(fit_module_prices(records, prices=self.prices, train_per_forward=passes).coefficients,
+                              forward_price_error(records, modules)),
+            2 * len(modules) + 1, self.device,
+            "the encoder resharder keeps its prices: its timed forwards could not price them")
         if values is None:
             return
         prices = CostModel(**{name: ModuleCost(values[2 * i], values[2 * i + 1]) for i, name in enumerate(modules)})
-        self.resharder.calibrate(prices)
+        self.resharder.calibrate(prices, price_error=float(values[-1]))
         if dist.get_rank() == 0:
             rates = ", ".join(f"{name} {_rate(prices.module(name), self.prices.module(name)):.3g}" for name in modules)
             factors = ", ".join(f"{name} {passes if isinstance(passes, float) else passes[name]:.3g}"
                                 for name in modules)
             logger.info("encoder resharding priced from %d timed forwards, in seconds per unit of the prices before "
-                        "(FLOPs unless a cost model was given): %s; training over forward: %s",
-                        sum(len(r) for r in records.values()), rates, factors)
+                        "(FLOPs unless a cost model was given): %s; training over forward: %s; the prices miss the "
+                        "forwards by %.1f%%, so a plan must gain at least %.1f%%",
+                        sum(len(r) for r in records.values()), rates, factors, 100 * values[-1],
+                        100 * self.resharder.min_gain)
 
 
 def _rate(calibrated: ModuleCost, before: ModuleCost) -> float:

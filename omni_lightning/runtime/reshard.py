@@ -123,10 +123,15 @@ class Resharder:
         """What the plan prices the encoders and (where it plans on top of it) the LLM by."""
         return CostModel(**self.costs, llm=self.llm if self.llm is not None else ModuleCost(0.0, 0.0))
 
-    def calibrate(self, prices: CostModel) -> None:
+    def calibrate(self, prices: CostModel, *, price_error: float = 0.0) -> None:
         """Plan from ``prices``, in seconds (the link's compute rate becomes one unit a second), from now on (what
-        :class:`~omni_lightning.runtime.calibration.ResharderCalibrator` measures). Every rank of the group must be
-        given the same prices."""
+        :class:`~omni_lightning.runtime.calibration.ResharderCalibrator` measures). ``price_error``: how far those
+        prices missed the measured times; a plan reshards only for a predicted gain beyond it (and ``min_gain``),
+        since a smaller one is within what the prices cannot tell. Every rank of the group must be given the same
+        prices and error."""
+        if not price_error >= 0:
+            raise ValueError(f"price_error={price_error} must be non-negative")
+        self.min_gain = max(self.min_gain, price_error)
         self.costs = {name: prices.module(name) for name in self.costs}
         if self.llm is not None:
             self.llm = prices.llm
