@@ -3,6 +3,8 @@ keeping every item where it was loaded."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
@@ -15,8 +17,10 @@ from omni_lightning.balance.reshard import (
     EncoderTraffic,
     ItemPrices,
     LinkCost,
+    gain_beyond_price_error,
     item_prices,
     plan_encoder_work,
+    resharding_may_pay,
 )
 
 TRAFFIC = EncoderTraffic(stem_bytes=384.0, output_bytes=128.0, ulysses_bytes=6144.0, ulysses_messages=16)
@@ -211,6 +215,42 @@ def test_with_a_base_the_plan_never_slows_the_step_each_rank_runs(seed: int, gro
     if plan.moved:
         assert (base + plan.rank_cost).max() * 1.01 < (base + home.rank_cost).max()
 
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 10_000), groups=st.integers(1, 4), enc_sp=st.sampled_from([1, 2, 4]),
+       items=st.integers(1, 40), price_scale=st.sampled_from([0.0, 0.3, 10.0]),
+       base_scale=st.sampled_from([0.0, 1.0, 10.0]), min_gain=st.sampled_from([0.0, 0.01, 0.2]))
+def test_where_the_totals_say_resharding_cannot_pay_no_plan_gains_more_than_min_gain(
+        seed: int, groups: int, enc_sp: int, items: int, price_scale: float, base_scale: float,
+        min_gain: float) -> None:
+    """The resharder skips the gather of item sizes where ``resharding_may_pay`` reads no from each rank's totals:
+    that is sound only if the plan the item sizes would have given moves nothing or gains at most ``min_gain``."""
+    n_ranks = groups * enc_sp
+    rng = np.random.default_rng(seed)
+    costs = rng.lognormal(0.0, 1.5, items)
+    owners = np.sort(rng.integers(0, n_ranks, items))
+    base = base_scale * rng.lognormal(0.0, 1.0, n_ranks)
+    degrees = max(enc_sp.bit_length() - 1, 0)
+    prices = ItemPrices(move=price_scale * costs * rng.uniform(0.1, 1.0, items),
+                        split=price_scale * costs[:, None] * rng.uniform(0.05, 0.5, (items, degrees)),
+                        exchange=price_scale * float(rng.uniform(0.0, 2.0)))
+    home = plan_encoder_work(costs, owners, n_ranks=n_ranks, enc_sp=enc_sp, reshard=False)
+    if resharding_may_pay(base, home.rank_cost, exchange=prices.exchange, min_gain=min_gain):
+        return
+    plan = plan_encoder_work(costs, owners, n_ranks=n_ranks, enc_sp=enc_sp, prices=prices, base=base)
+    assert plan.moved == 0 or (base + home.rank_cost).max() <= (base + plan.rank_cost).max() * (1 + min_gain) + 1e-9
+
+
+def test_the_gain_a_plan_must_predict_covers_the_price_error_on_both_peaks() -> None:
+    """Prices 10% off either way: a peak in place overstated by 10% against a planned one understated by 10%."""
+    assert gain_beyond_price_error(0.0) == 0.0
+    assert gain_beyond_price_error(0.1) == pytest.approx(1.1 / 0.9 - 1.0)
+    assert gain_beyond_price_error(1.0) == math.inf and gain_beyond_price_error(3.0) == math.inf
+    with pytest.raises(ValueError, match="price_error=-0.1 must be non-negative"):
+        gain_beyond_price_error(-0.1)
+    with pytest.raises(ValueError, match="price_error=nan must be non-negative"):
+        gain_beyond_price_error(float("nan"))
 
 def test_only_the_surplus_over_the_balanced_peak_moves() -> None:
     """Four ranks with 24 images each, one rank's 30% larger: LPT reaches the even peak by reassigning images

@@ -30,14 +30,15 @@ item where it was loaded when no priced plan beats that.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 __all__ = [
     "CPU_GLOO", "GPU_NVLINK", "EncoderPlan", "EncoderTraffic", "ItemExchange", "ItemPrices", "LinkCost", "SplitChunk",
-    "encoder_lower_bound", "exchange_price", "item_prices", "plan_encoder_work", "plan_item_exchange", "resolve_link",
-    "resharding_may_pay", "split_lengths",
+    "encoder_lower_bound", "exchange_price", "gain_beyond_price_error", "item_prices", "plan_encoder_work",
+    "plan_item_exchange", "resolve_link", "resharding_may_pay", "split_lengths",
 ]
 
 # The resharder's all-to-alls that any exchange runs: the stem tokens out and the outputs back, forward and backward.
@@ -163,6 +164,16 @@ def exchange_price(link: LinkCost) -> float:
     """What any resharding of a micro-batch costs every rank of the group over ``link``, whatever moves: the
     resharder's all-to-alls (:attr:`ItemPrices.exchange`)."""
     return float(link.cost(0.0, _EXCHANGE_MESSAGES))
+
+
+def gain_beyond_price_error(price_error: float) -> float:
+    """The least relative gain a plan must predict to be a gain at all, where each rank's predicted cost may be off
+    by ``price_error`` (a fraction) either way: the peak kept in place may be overstated by it and the planned peak
+    understated by it, so only ``in_place * (1 - e) > planned * (1 + e)`` is sure to pay, a gain of
+    ``(1 + e) / (1 - e) - 1``. Infinite (never reshard) where the prices miss by 100% or more."""
+    if not price_error >= 0:
+        raise ValueError(f"price_error={price_error} must be non-negative")
+    return 2.0 * price_error / (1.0 - price_error) if price_error < 1.0 else math.inf
 
 
 def resharding_may_pay(base: np.ndarray, in_place: np.ndarray, *, exchange: float, min_gain: float) -> bool:

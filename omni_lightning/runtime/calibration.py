@@ -156,7 +156,7 @@ class ResharderCalibrator:
     largest work of the same forward on any rank, :func:`~omni_lightning.balance.calibration.paced_by_slowest`) and
     broadcasts them with how far they miss the timed forwards
     (:func:`~omni_lightning.balance.calibration.forward_price_error`), and every rank's resharder plans from the same
-    figures, moving items only for a predicted gain beyond that error. Where the records cannot price the
+    figures, moving items only for a predicted gain that error cannot account for. Where the records cannot price the
     modules the resharder keeps its prices (a warning says so). Until then the plan runs on the prices it had, so
     the first batches split what they would have split. The first ``skip`` batches are left out: they include
     one-off work (allocations, caches).

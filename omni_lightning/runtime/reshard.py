@@ -36,6 +36,7 @@ from omni_lightning.balance.reshard import (
     ItemExchange,
     LinkCost,
     exchange_price,
+    gain_beyond_price_error,
     item_prices,
     plan_encoder_work,
     plan_item_exchange,
@@ -126,12 +127,10 @@ class Resharder:
     def calibrate(self, prices: CostModel, *, price_error: float = 0.0) -> None:
         """Plan from ``prices``, in seconds (the link's compute rate becomes one unit a second), from now on (what
         :class:`~omni_lightning.runtime.calibration.ResharderCalibrator` measures). ``price_error``: how far those
-        prices missed the measured times; a plan reshards only for a predicted gain beyond it (and ``min_gain``),
-        since a smaller one is within what the prices cannot tell. Every rank of the group must be given the same
-        prices and error."""
-        if not price_error >= 0:
-            raise ValueError(f"price_error={price_error} must be non-negative")
-        self.min_gain = max(self.min_gain, price_error)
+        prices missed the measured times; a plan reshards only for a predicted gain that error cannot account for
+        (:func:`~omni_lightning.balance.reshard.gain_beyond_price_error`, and at least ``min_gain``). Every rank of
+        the group must be given the same prices and error."""
+        self.min_gain = max(self.min_gain, gain_beyond_price_error(price_error))
         self.costs = {name: prices.module(name) for name in self.costs}
         if self.llm is not None:
             self.llm = prices.llm
