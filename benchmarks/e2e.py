@@ -433,10 +433,12 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as scratch:
         shards = write_shards(args, scratch)
-        # Repeats interleave the configurations, so that a slow spell of this shared machine hits all of them.
-        records: dict[str, list[dict[str, Any]]] = {name: [] for name in "abcd"}
-        for _ in range(args.repeats):
-            for name in records:
+        # Repeats interleave the configurations, so that a slow spell of this shared machine hits all of them, and
+        # each repeat starts one configuration later, so that none always runs right after the same other one.
+        names = "abcd"
+        records: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        for repeat in range(args.repeats):
+            for name in names[repeat % len(names):] + names[:repeat % len(names)]:
                 records[name].append(run(name, shards, args, Path(scratch)))
         results = {name: summarize(runs, args) for name, runs in records.items()}
         # Two measurements of (a) made as every figure is made (least CPU over repeats), from disjoint repeats.

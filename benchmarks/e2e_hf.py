@@ -298,8 +298,8 @@ def main(argv: list[str] | None = None) -> None:
                        stdout=subprocess.DEVNULL)
         shards, dialogue_files = write_dialogues(made, Path(scratch) / "data", shards=2 * args.ranks)
         records: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGURATIONS}
-        for _ in range(args.repeats):  # interleaved, so a slow spell of this shared machine hits both
-            for name in records:
+        for repeat in range(args.repeats):  # interleaved, so a slow spell of this shared machine hits both,
+            for name in list(records)[:: 1 - 2 * (repeat % 2)]:  # and alternating which goes first
                 records[name].append(run(name, checkpoint, shards, dialogue_files, args, Path(scratch)))
     results = {name: summarize(runs, slice(steps, 2 * steps)) for name, runs in records.items()}
     base = results["f"]["modeled_step_s"]
