@@ -188,6 +188,20 @@ def test_whole_items_go_where_the_plain_rule_puts_them(seed: int, n_ranks: int, 
         np.testing.assert_array_equal(plan.rank_of, surplus if first else lpt)
 
 
+def _random_items_on_a_base(seed: int, n_ranks: int, enc_sp: int, items: int, price_scale: float, base_scale: float
+                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, ItemPrices]:
+    """Log-normal item costs on random owners, each rank's base (its LLM work) and traffic prices, all scaled."""
+    rng = np.random.default_rng(seed)
+    costs = rng.lognormal(0.0, 1.5, items)
+    owners = np.sort(rng.integers(0, n_ranks, items))
+    base = base_scale * rng.lognormal(0.0, 1.0, n_ranks)
+    degrees = max(enc_sp.bit_length() - 1, 0)
+    prices = ItemPrices(move=price_scale * costs * rng.uniform(0.1, 1.0, items),
+                        split=price_scale * costs[:, None] * rng.uniform(0.05, 0.5, (items, degrees)),
+                        exchange=price_scale * float(rng.uniform(0.0, 2.0)))
+    return costs, owners, base, prices
+
+
 @settings(max_examples=150, deadline=None)
 @given(seed=st.integers(0, 10_000), groups=st.integers(1, 4), enc_sp=st.sampled_from([1, 2, 4]),
        items=st.integers(0, 40), price_scale=st.sampled_from([0.0, 0.3, 10.0]),
@@ -199,14 +213,7 @@ def test_with_a_base_the_plan_never_slows_the_step_each_rank_runs(seed: int, gro
     """With each rank's LLM work as its base, the slowest rank's base plus encoder work never grows; the plan's
     figures are still its decisions' encoder cost, the base left out."""
     n_ranks = groups * enc_sp
-    rng = np.random.default_rng(seed)
-    costs = rng.lognormal(0.0, 1.5, items)
-    owners = np.sort(rng.integers(0, n_ranks, items))
-    base = base_scale * rng.lognormal(0.0, 1.0, n_ranks)
-    degrees = max(enc_sp.bit_length() - 1, 0)
-    prices = ItemPrices(move=price_scale * costs * rng.uniform(0.1, 1.0, items),
-                        split=price_scale * costs[:, None] * rng.uniform(0.05, 0.5, (items, degrees)),
-                        exchange=price_scale * float(rng.uniform(0.0, 2.0)))
+    costs, owners, base, prices = _random_items_on_a_base(seed, n_ranks, enc_sp, items, price_scale, base_scale)
     plan = plan_encoder_work(costs, owners, n_ranks=n_ranks, enc_sp=enc_sp, prices=prices, base=base)
     home = plan_encoder_work(costs, owners, n_ranks=n_ranks, enc_sp=enc_sp, reshard=False)
     np.testing.assert_allclose(plan.rank_cost, priced_load(plan, costs, owners, prices, n_ranks), rtol=1e-9,
@@ -214,7 +221,6 @@ def test_with_a_base_the_plan_never_slows_the_step_each_rank_runs(seed: int, gro
     assert (base + plan.rank_cost).max() <= (base + home.rank_cost).max() + 1e-9
     if plan.moved:
         assert (base + plan.rank_cost).max() * 1.01 < (base + home.rank_cost).max()
-
 
 
 @settings(max_examples=150, deadline=None)
@@ -227,14 +233,7 @@ def test_where_the_totals_say_resharding_cannot_pay_no_plan_gains_more_than_min_
     """The resharder skips the gather of item sizes where ``resharding_may_pay`` reads no from each rank's totals:
     that is sound only if the plan the item sizes would have given moves nothing or gains at most ``min_gain``."""
     n_ranks = groups * enc_sp
-    rng = np.random.default_rng(seed)
-    costs = rng.lognormal(0.0, 1.5, items)
-    owners = np.sort(rng.integers(0, n_ranks, items))
-    base = base_scale * rng.lognormal(0.0, 1.0, n_ranks)
-    degrees = max(enc_sp.bit_length() - 1, 0)
-    prices = ItemPrices(move=price_scale * costs * rng.uniform(0.1, 1.0, items),
-                        split=price_scale * costs[:, None] * rng.uniform(0.05, 0.5, (items, degrees)),
-                        exchange=price_scale * float(rng.uniform(0.0, 2.0)))
+    costs, owners, base, prices = _random_items_on_a_base(seed, n_ranks, enc_sp, items, price_scale, base_scale)
     home = plan_encoder_work(costs, owners, n_ranks=n_ranks, enc_sp=enc_sp, reshard=False)
     if resharding_may_pay(base, home.rank_cost, exchange=prices.exchange, min_gain=min_gain):
         return
