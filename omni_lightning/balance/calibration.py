@@ -191,8 +191,7 @@ def forward_price_error(records: Mapping[str, np.ndarray], modules: Sequence[str
     rates = _forward_rates(records, modules)
     missed = seconds = 0.0
     for name in modules:
-        rows = np.asarray(records.get(name, np.zeros((0, 2))), dtype=np.float64).reshape(-1, 2)
-        rows = rows[rows[:, 0] > 0]
+        rows = _records_with_work(records, name)
         missed += float(np.abs(rows[:, 1] - rates.get(name, rates["llm"]) * rows[:, 0]).sum())
         seconds += float(rows[:, 1].sum())
     return missed / seconds
@@ -205,16 +204,22 @@ def _forward_rates(records: Mapping[str, np.ndarray], modules: Sequence[str]) ->
         raise ValueError(f"records of module(s) {unknown}, but the prices have {list(modules)}")
     rates = {}
     for name in modules:
-        rows = np.asarray(records.get(name, np.zeros((0, 2))), dtype=np.float64).reshape(-1, 2)
-        if not np.isfinite(rows).all() or (rows < 0).any():
-            raise ValueError(f"{name}: work and seconds must be finite and non-negative")
-        keep = rows[:, 0] > 0
-        if keep.any() and (rate := float(rows[keep, 1].sum() / rows[keep, 0].sum())) > 0:
+        rows = _records_with_work(records, name)
+        if rows.size and (rate := float(rows[:, 1].sum() / rows[:, 0].sum())) > 0:
             rates[name] = rate
     if rates.get("llm", 0.0) <= 0:
         raise ValueError("the LLM's timed forwards carry no work or took no time: nothing to price the modules by")
     return rates
 
+
+
+def _records_with_work(records: Mapping[str, np.ndarray], name: str) -> np.ndarray:
+    """``name``'s ``(work, seconds)`` rows that carry work, as float64 ``[n, 2]``; raises ``ValueError`` on a
+    non-finite or negative entry."""
+    rows = np.asarray(records.get(name, np.zeros((0, 2))), dtype=np.float64).reshape(-1, 2)
+    if not np.isfinite(rows).all() or (rows < 0).any():
+        raise ValueError(f"{name}: work and seconds must be finite and non-negative")
+    return rows[rows[:, 0] > 0]
 
 def paced_by_slowest(per_rank: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
     """Each rank's ``(work, seconds)`` rows (:func:`fit_module_prices`) with each row's work replaced by the

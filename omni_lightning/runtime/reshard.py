@@ -208,13 +208,13 @@ class Resharder:
         steps = {}
         for name, own in zip(names, local, strict=True):
             cost, column = self.costs[name], columns[name]
-            in_place = cost.linear * work[:, column] + cost.quadratic * work[:, column + 1]
+            in_place = cost(work[:, column], work[:, column + 1])
             if not in_place.any():
                 steps[name] = EncoderStep(None, own.numel())
                 continue
             if resharding_may_pay(base, in_place, exchange=exchange, min_gain=self.min_gain):
                 return None
-            own_work = float(cost.linear * own.sum() + cost.quadratic * (own.double() ** 2).sum())
+            own_work = float(cost(own.sum().item(), (own.double() ** 2).sum().item()))
             steps[name] = EncoderStep(None, own.numel(), in_place, in_place, 0, 0, own_work)
             base = base + in_place
         return steps
