@@ -317,5 +317,6 @@ def main(argv: list[str] | None = None) -> None:
     (RESULTS / f"{stem}.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
+
 if __name__ == "__main__":
     main()

@@ -92,6 +92,7 @@ class EncoderOutputs(Mapping[str, tuple["torch.Tensor", ...]]):
     def __len__(self) -> int:
         return len(self._outputs)
 
+
 MediaShape = tuple[int, ...]
 
 

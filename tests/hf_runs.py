@@ -270,5 +270,3 @@ def _data_parallel_representatives(layout: dict[str, Any], ranks: int, dp: int) 
     pp = int(layout.get("pp", 1))
     per_stage = ranks // pp
     return list(range(0, per_stage, per_stage // dp))
-
-

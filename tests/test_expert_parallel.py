@@ -123,7 +123,6 @@ def test_tensor_parallel_peers_split_a_moe_layers_tokens() -> None:
 MOE = ReferenceMLLMConfig.tiny(moe=True)
 
 
-
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("layout", "devices"),

@@ -57,5 +57,6 @@ def _count_gathers(rank: int, world_size: int, monkeypatch: pytest.MonkeyPatch) 
     assert blocks and gathers == Counter({(fqn, state): steps for fqn in blocks
                                           for state in ("FORWARD", "PRE_BACKWARD")})
 
+
 def test_the_root_is_gathered_once_for_the_encoder_stage_and_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     run_distributed(_count_gathers, 2, monkeypatch)

@@ -56,6 +56,8 @@ from omni_lightning.models.adapters.hf_qwen2_vl import mrope_positions
 from omni_lightning.models.pretrained import SUPPORTED_FAMILIES, build_pretrained
 
 transformers = pytest.importorskip("transformers")
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def qwen2_vl(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint directory of each family (named for the first; every test runs on each). LLaVA-OneVision's ties

@@ -109,6 +109,7 @@ def test_loggers_progress_bar_and_validate_across_ranks(tmp_path: Path, tiny_sha
     trainer.fit(module, datamodule=data)
 
     rows = list(csv.DictReader((tmp_path / "csv" / "version_0" / "metrics.csv").open()))
+
     def logged(name: str) -> list[float]:
         return [float(row[name]) for row in rows if row.get(name)]
     assert len(logged("throughput/flops_per_s")) == 3  # every step after the first

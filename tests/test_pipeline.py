@@ -134,7 +134,6 @@ LAYOUTS = {
 }
 
 
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_pipeline_matches_single_process(name: str, tmp_path: Path, tiny_shards: str, seed_checkpoint: Path,

@@ -200,7 +200,6 @@ def test_on_a_wall_clock_each_forward_is_matched_with_the_slowest_ranks_work() -
         4 / 3 * 3.0 * RATES["vision"] * FLOPS.vision.linear, rel=1e-9)
 
 
-
 def test_the_price_error_is_how_far_the_fitted_rates_miss_the_timed_forwards() -> None:
     """Forwards at one rate per module: no error. A per-call constant (every forward 1 ms more, whatever its work)
     is spread over the work by the ratio, and what it misses is the error; records without work are left out."""

@@ -251,6 +251,7 @@ def test_the_gain_a_plan_must_predict_covers_the_price_error_on_both_peaks() -> 
     with pytest.raises(ValueError, match="price_error=nan must be non-negative"):
         gain_beyond_price_error(float("nan"))
 
+
 def test_only_the_surplus_over_the_balanced_peak_moves() -> None:
     """Four ranks with 24 images each, one rank's 30% larger: LPT reaches the even peak by reassigning images
     everywhere (71 of 96); moving only what the heavy rank holds over LPT's peak reaches it within 1% with 3."""

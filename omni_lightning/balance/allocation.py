@@ -271,4 +271,3 @@ def pool_problem(
         llm=llm,
         recompute=recompute,
     )
-

@@ -212,7 +212,6 @@ def _forward_rates(records: Mapping[str, np.ndarray], modules: Sequence[str]) ->
     return rates
 
 
-
 def _records_with_work(records: Mapping[str, np.ndarray], name: str) -> np.ndarray:
     """``name``'s ``(work, seconds)`` rows that carry work, as float64 ``[n, 2]``; raises ``ValueError`` on a
     non-finite or negative entry."""
@@ -220,6 +219,7 @@ def _records_with_work(records: Mapping[str, np.ndarray], name: str) -> np.ndarr
     if not np.isfinite(rows).all() or (rows < 0).any():
         raise ValueError(f"{name}: work and seconds must be finite and non-negative")
     return rows[rows[:, 0] > 0]
+
 
 def paced_by_slowest(per_rank: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
     """Each rank's ``(work, seconds)`` rows (:func:`fit_module_prices`) with each row's work replaced by the

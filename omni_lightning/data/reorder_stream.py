@@ -735,4 +735,3 @@ class ReorderedStream:
     def _owned_ids(self, gathered: np.ndarray) -> range:
         mine = np.flatnonzero(gathered[:, self._owner] == self._rank())
         return range(int(mine[0]), int(mine[-1]) + 1) if mine.size else range(0)
-

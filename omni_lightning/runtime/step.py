@@ -571,4 +571,3 @@ def _pool_step(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, o
         return PoolLLMStep(model, link, meshes, side, device)
     runner = _pipeline_runner(model, layout, device, options, None, source=link)
     return PoolLLMStep(model, link, meshes, side, device, PipelineStep(model, runner, meshes))
-

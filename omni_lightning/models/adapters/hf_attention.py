@@ -84,8 +84,6 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return out[None], None
 
 
-
-
 @dataclass(frozen=True)
 class SplitItems:
     """The rows after a tower's whole items: this rank's chunk of each item split over an SP block
