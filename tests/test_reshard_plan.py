@@ -221,6 +221,7 @@ def test_with_a_base_the_plan_never_slows_the_step_each_rank_runs(seed: int, gro
     assert (base + plan.rank_cost).max() <= (base + home.rank_cost).max() + 1e-9
     if plan.moved:
         assert (base + plan.rank_cost).max() * 1.01 < (base + home.rank_cost).max()
+        assert plan.rank_cost.max() * 1.01 < home.rank_cost.max()  # the encoder stage's own peak drops too
 
 
 @settings(max_examples=150, deadline=None)
@@ -275,6 +276,22 @@ def test_a_base_the_loader_balanced_keeps_every_item_home() -> None:
     plan = plan_encoder_work(costs, owners, n_ranks=2, base=base)
     assert plan.moved == 0
     np.testing.assert_array_equal(plan.rank_cost, [8.0, 0.0])
+
+
+def test_an_item_stays_home_where_moving_it_only_carries_the_encoder_stage_peak_elsewhere() -> None:
+    """A huge image on the rank with the most LLM work: moving it whole to the idle rank evens out what each rank
+    runs (20 on rank 0 kept, 10 and a bit moved), but the encoder stage's busiest rank still encodes it, and the
+    exchange back waits for that rank, so the move would only add the exchange. Two images there with two idle ranks
+    beside it, though, go one to each: the stage's peak halves."""
+    base, prices = np.array([10.0, 0.0]), ItemPrices(move=np.array([0.1]), split=np.zeros((1, 0)), exchange=0.1)
+    plan = plan_encoder_work(np.array([10.0]), np.array([0]), n_ranks=2, prices=prices, base=base)
+    assert plan.moved == 0
+    np.testing.assert_array_equal(plan.rank_cost, [10.0, 0.0])
+    prices = ItemPrices(move=np.array([0.1, 0.1]), split=np.zeros((2, 0)), exchange=0.1)
+    plan = plan_encoder_work(np.array([5.0, 5.0]), np.array([0, 0]), n_ranks=3, prices=prices,
+                             base=np.array([10.0, 0.0, 0.0]))
+    assert plan.moved == 2
+    np.testing.assert_allclose(plan.rank_cost, [0.3, 5.2, 5.2])
 
 
 def test_a_long_item_is_split_over_the_ranks_with_room_on_top_of_their_base() -> None:

@@ -24,7 +24,8 @@ gradients the other way), a split item's block runs four Ulysses all-to-alls per
 exchange at all costs every rank the resharder's all-to-alls. :func:`item_prices` turns those bytes and messages
 into the planner's cost units over a :class:`LinkCost`; with them the plan charges a moved item to its sender and
 its receiver, splits an item only over a degree whose per-member share plus its traffic is cheaper, and keeps every
-item where it was loaded when no priced plan beats that.
+item where it was loaded when no priced plan beats that, on each rank's whole step and on the encoder stage alone
+(the exchange that returns the encoded items waits for the stage's busiest rank).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ __all__ = [
 
 # The resharder's all-to-alls that any exchange runs: the stem tokens out and the outputs back, forward and backward.
 _EXCHANGE_MESSAGES = 4
+# A resharded plan must beat keeping every item home by more than this factor; among those that do, one within it
+# of the best is enough (fewer moves and splits for about the same peak).
+_MARGIN = 1.01
 
 
 @dataclass(frozen=True)
@@ -187,7 +191,10 @@ def resharding_may_pay(base: np.ndarray, in_place: np.ndarray, *, exchange: floa
     """
     peak_in_place = float((base + in_place).max())
     floor = max(float(base.sum() + in_place.sum()) / base.size, float(base.max())) + exchange
-    return peak_in_place > floor * (1.0 + min_gain)
+    # plan_encoder_work also wants the encoder stage's own peak lower by its margin, and no plan takes that below
+    # the mean encoder work plus the exchange.
+    stage_floor = float(in_place.sum()) / base.size + exchange
+    return peak_in_place > floor * (1.0 + min_gain) and float(in_place.max()) > stage_floor * _MARGIN
 
 
 @dataclass
@@ -237,6 +244,10 @@ def plan_encoder_work(
         prices: what moving and splitting each item costs (:func:`item_prices`); ``None`` prices compute only.
             The plan's ``rank_cost`` then includes each rank's traffic, and the plan keeps every item in place
             unless a resharded plan has a lower priced peak.
+        A resharded plan must lower the busiest rank's encoder work alone as well (``rank_cost``, without
+        ``base``): the exchange that returns the encoded items waits for the busiest encoder rank, so a plan that
+        only carries the encoder stage's peak from a rank with much LLM work to one with little would add the
+        exchange and that wait to every rank.
         base: each rank's other work in the same step (``[n_ranks]``, e.g. its share of the LLM's work on the
             micro-batch, when the encoders and the LLM run one after the other on every rank): the plan evens out
             ``base + rank_cost``, what each rank runs, rather than the encoder work alone, so it does not move
@@ -274,11 +285,13 @@ def plan_encoder_work(
                                for plan in _plan_with_threshold(costs, owners, order, n_ranks, enc_sp,
                                                                 fair_share / 2**k, prices, placed, base)]
     peaks = [float((base + plan.rank_cost).max()) for plan in candidates]
-    best = min(peaks)
-    # Within 1% of the best is enough, but a resharded plan must also beat keeping every item home by more than 1%
-    # itself (the best does whenever home is not within 1% of it, so some candidate always qualifies).
-    return next(plan for plan, peak in zip(candidates, peaks, strict=True)
-                if peak <= best * 1.01 and (plan is in_place or peak * 1.01 < peaks[0]))
+    # A resharded plan must beat keeping every item home by more than 1%, on what each rank runs and on the encoder
+    # stage alone; of the plans that do (home always does), the first within 1% of the lowest peak is enough.
+    stage_peak_home = float(in_place.rank_cost.max())
+    qualified = [(plan, peak) for plan, peak in zip(candidates, peaks, strict=True) if plan is in_place
+                 or (peak * _MARGIN < peaks[0] and float(plan.rank_cost.max()) * _MARGIN < stage_peak_home)]
+    best = min(peak for _, peak in qualified)
+    return next(plan for plan, peak in qualified if peak <= best * _MARGIN)
 
 
 def _plan_with_threshold(
