@@ -24,6 +24,7 @@ from omni_lightning.balance.calibration import (
     forward_price_error,
     paced_by_slowest,
     training_passes,
+    unmeasured_modules,
 )
 from omni_lightning.balance.cost import CostModel, ModuleCost
 from omni_lightning.balance.reshard import gain_beyond_price_error
@@ -57,7 +58,7 @@ def test_each_module_is_priced_at_its_measured_seconds_per_unit_of_training() ->
 
 def test_an_encoder_without_timed_work_is_priced_at_the_llms_rate() -> None:
     """No records, only dummy forwards (no work: a rank without items), or no measurable time: its prices at the
-    LLM's measured rate, so that the plan's units stay one."""
+    LLM's measured rate, so that the plan's units stay one, and it is named unmeasured."""
     rng = np.random.default_rng(1)
     llm = _rows(rng, "llm", 6)
     dummies = np.array([[0.0, 0.01], [0.0, 0.02]])
@@ -65,10 +66,12 @@ def test_an_encoder_without_timed_work_is_priced_at_the_llms_rate() -> None:
     prices = fit_module_prices({"llm": llm, "vision": dummies, "audio": untimed}, prices=FLOPS)
     for name in ("vision", "audio"):
         assert prices.module(name).linear == pytest.approx(3.0 * RATES["llm"] * FLOPS.module(name).linear, rel=1e-9)
+    assert unmeasured_modules({"llm": llm, "vision": dummies, "audio": untimed}, FLOPS.modules) == ["vision", "audio"]
     # Dummy forwards beside timed work are left out: they would price work that is not there.
     vision = np.concatenate([_rows(rng, "vision", 4), dummies])
     assert fit_module_prices({"llm": llm, "vision": vision}, prices=FLOPS).vision.linear == pytest.approx(
         3.0 * RATES["vision"] * FLOPS.vision.linear, rel=1e-9)
+    assert unmeasured_modules({"llm": llm, "vision": vision}, FLOPS.modules) == ["audio"]
 
 
 @pytest.mark.parametrize(("records", "kwargs", "message"), [
@@ -287,6 +290,42 @@ def test_the_calibrator_times_what_the_plan_gave_each_rank_then_every_rank_plans
     run_distributed(_calibrate_on_a_world, 4)
 
 
+def _price_an_unmeasured_encoder_later(rank: int, world_size: int) -> None:
+    costs = {"vision": FLOPS.vision, "audio": FLOPS.audio}
+    resharder = Resharder(dist.group.WORLD, {}, costs, llm=FLOPS.llm, min_gain=0.0)
+    calibrator = ResharderCalibrator(resharder, steps=1, clock=(clock := _FakeClock()), skip=0)
+    images = {"vision": torch.tensor([256, 256, 256, 256] if rank == 0 else [], dtype=torch.int64),
+              "audio": torch.tensor([32], dtype=torch.int64)}
+    tokens = (64, 64 * 65 // 2)
+    work = calibrator.llm_work(*tokens)
+    # Batch 0 holds no image: vision is priced at the LLM's rate, and its items stay home.
+    for name, done in (("audio", FLOPS.audio.linear * 32 + FLOPS.audio.quadratic * 32**2), ("llm", work)):
+        with calibrator.timed(name, done):
+            clock.now += RATES[name] * done
+    calibrator.end_batch()
+    assert resharder.unmeasured == {"vision"} and not calibrator.calibrated
+    assert calibrator.measures("vision") and not calibrator.measures("llm") and not calibrator.measures("audio")
+    steps = resharder.plan(images, {"vision": 4, "audio": 4}, tokens)
+    assert steps["vision"].items_moved == 0
+    # Batch 1 times the images where they are: priced from then on, and they spread over the ranks.
+    with calibrator.timed("vision", steps["vision"].work):
+        clock.now += RATES["vision"] * float(FLOPS.vision(images["vision"].double(), images["vision"].double() ** 2)
+                                             .sum())
+    calibrator.end_batch()
+    assert calibrator.calibrated and not resharder.unmeasured
+    rate = resharder.prices.vision.linear / FLOPS.vision.linear / 3.0
+    assert rate == pytest.approx(RATES["vision"], rel=1e-9)
+    steps = resharder.plan(images, {"vision": 4, "audio": 4}, tokens)
+    assert steps["vision"].items_moved == world_size - 1
+
+
+@pytest.mark.distributed
+def test_an_encoder_the_first_batches_did_not_time_keeps_its_items_home_until_it_is_timed() -> None:
+    """Priced at the LLM's rate, a rare encoder's huge items can look many times costlier than they are and be split
+    or moved where that does not pay: they stay home until a later batch has timed the encoder on its own items."""
+    run_distributed(_price_an_unmeasured_encoder_later, 4)
+
+
 class _RecordPrices(pl.Callback):
     """Each rank writes its resharder's prices after every training batch."""
 
@@ -302,12 +341,14 @@ class _RecordPrices(pl.Callback):
 def test_a_job_times_its_first_batches_and_plans_from_their_prices_on_every_rank(
         tmp_path: Path, tiny_shards: str, seed_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the strategy: batch 0 is left out, batch 1 timed (each rank's encoders and LLM forward); at the end
-    of its forward every rank prices its plan alike from the records of both ranks, for batch 2 on. The vision tower
-    is frozen: it is priced at about its forward's measured rate, the rest at three times theirs."""
-    fitted = calibration.fit_module_prices
+    of its forward every rank prices its plan alike from the records of both ranks, for batch 2 on. An encoder of
+    which neither rank held an item is timed again in batch 2 and priced after it, from every record so far. The
+    vision tower is frozen: it is priced at about its forward's measured rate, the rest at three times theirs."""
+    fitted, fits = calibration.fit_module_prices, []
 
     def keep_records(records: dict[str, np.ndarray], **kwargs: Any) -> CostModel:
-        np.savez(tmp_path / "records.npz", **records)  # rank 0 fits, once
+        fits.append(records)  # rank 0 fits
+        np.savez(tmp_path / f"records{len(fits)}.npz", **records)
         return fitted(records, **kwargs)
 
     monkeypatch.setattr(calibration, "fit_module_prices", keep_records)
@@ -318,17 +359,26 @@ def test_a_job_times_its_first_batches_and_plans_from_their_prices_on_every_rank
         devices=2, max_steps=4, callbacks=[_RecordPrices(tmp_path)], module=module)
     ranks = [json.loads((tmp_path / f"prices_rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]
-    assert ranks[0][0] != ranks[0][1] == ranks[0][-1]  # FLOPs, then seconds from batch 1 on
-    records = np.load(tmp_path / "records.npz")
-    for name in ("vision", "audio", "llm"):  # one micro-batch of each rank, each forward timed
-        assert records[name].shape == (2, 2) and (records[name][:, 1] > 0).all(), name
-    assert (records["llm"][:, 0] > 0).all()
     frozen = ReferenceMLLM(ReferenceMLLMConfig.tiny())
     freeze_parts(frozen, ["vision"], frozen.encoder_names)
     passes = frozen.training_passes()
     assert passes["vision"] < 1.5
-    rates = {name: rows[rows[:, 0] > 0, 1].sum() / rows[rows[:, 0] > 0, 0].sum()
-             for name in ("vision", "audio", "llm") if (rows := records[name])[:, 0].any()}
-    for index, name in ((0, "vision"), (2, "audio"), (4, "llm")):
-        rate = rates.get(name, rates["llm"])
-        assert ranks[0][1][index] == pytest.approx(ranks[0][0][index] * passes[name] * rate, rel=1e-9), name
+    first = np.load(tmp_path / "records1.npz")
+    for name in ("vision", "audio", "llm"):  # one micro-batch of each rank, each forward over work timed
+        assert first[name].shape[0] <= 2 and (first[name] > 0).all(), name
+    assert first["llm"].shape == (2, 2)
+    unmeasured = [name for name in ("vision", "audio") if not first[name].size]
+    n_fits = 2 if unmeasured else 1
+    assert len(list(tmp_path.glob("records*.npz"))) == n_fits
+    assert ranks[0][0] != ranks[0][1] and ranks[0][n_fits] == ranks[0][-1]  # FLOPs, then seconds from batch 1 on
+    for k in range(1, n_fits + 1):
+        records = np.load(tmp_path / f"records{k}.npz")
+        if k == 2:  # batch 2 timed only what batch 1 left unmeasured
+            assert records["llm"].shape == (2, 2)
+            assert all(records[name].shape == first[name].shape for name in ("vision", "audio")
+                       if name not in unmeasured)
+        rates = {name: rows[rows[:, 0] > 0, 1].sum() / rows[rows[:, 0] > 0, 0].sum()
+                 for name in ("vision", "audio", "llm") if (rows := records[name])[:, 0].any()}
+        for index, name in ((0, "vision"), (2, "audio"), (4, "llm")):
+            rate = rates.get(name, rates["llm"])
+            assert ranks[0][k][index] == pytest.approx(ranks[0][0][index] * passes[name] * rate, rel=1e-9), name

@@ -24,7 +24,7 @@ from omni_lightning.balance.cost import CostModel, ModuleCost, fit_cost_model_to
 
 __all__ = [
     "JointCalibration", "fit_joint_calibration", "fit_module_prices", "forward_price_error", "paced_by_slowest",
-    "training_passes",
+    "training_passes", "unmeasured_modules",
 ]
 
 
@@ -195,6 +195,14 @@ def forward_price_error(records: Mapping[str, np.ndarray], modules: Sequence[str
         missed += float(np.abs(rows[:, 1] - rates.get(name, rates["llm"]) * rows[:, 0]).sum())
         seconds += float(rows[:, 1].sum())
     return missed / seconds
+
+
+def unmeasured_modules(records: Mapping[str, np.ndarray], modules: Sequence[str]) -> list[str]:
+    """The modules whose records carry no timed work (:func:`fit_module_prices` prices them at the LLM's rate, a
+    guess that can miss a module's own rate many times over: a tiny LLM's many small matmuls against an encoder's
+    few large ones). Raises ``ValueError`` as :func:`fit_module_prices` does."""
+    rates = _forward_rates(records, modules)
+    return [name for name in modules if name not in rates]
 
 
 def _forward_rates(records: Mapping[str, np.ndarray], modules: Sequence[str]) -> dict[str, float]:

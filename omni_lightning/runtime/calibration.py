@@ -31,6 +31,7 @@ from omni_lightning.balance.calibration import (
     fit_module_prices,
     forward_price_error,
     paced_by_slowest,
+    unmeasured_modules,
 )
 from omni_lightning.balance.cost import CostModel, ModuleCost, work_features
 from omni_lightning.batch import PackedBatch, PackingSpec
@@ -161,6 +162,13 @@ class ResharderCalibrator:
     the first batches split what they would have split. The first ``skip`` batches are left out: they include
     one-off work (allocations, caches).
 
+    An encoder none of whose items those batches held (a workload's rare huge images) is priced at the LLM's rate,
+    which can miss its own many times over, so the resharder keeps its items home
+    (:meth:`~omni_lightning.runtime.reshard.Resharder.calibrate`) while its forwards, and those of any module still
+    unpriced, go on being timed; the prices are fitted again after twice as many measured batches (``2 * steps``,
+    then ``4 * steps``, ...), each time from every record so far, until every module is measured: a number of
+    batches every rank counts alike, and a number of collectives that grows with the logarithm of the batches.
+
     ``training_passes``: each module's training time over its forward's by name, read when the prices are fitted
     (:meth:`~omni_lightning.models.mllm.ReferenceMLLM.training_passes`: a frozen encoder runs its forward alone);
     without it every module trains in full, three times its forward.
@@ -180,20 +188,31 @@ class ResharderCalibrator:
         self.seen = 0
         self.calibrated = False
         self._records: dict[str, list[tuple[float, float]]] = {name: [] for name in self.prices.modules}
+        self._fit_at = skip + steps  # batches seen when the prices are next fitted
+        self._pending: frozenset[str] | None = None  # modules still timed after a fit left them unmeasured
+        # Each module's current prices over ``self.prices``: the records keep the units of the prices before.
+        self._scale = dict.fromkeys(self.prices.modules, 1.0)
 
     @property
     def measuring(self) -> bool:
-        """Whether the current training batch is timed."""
+        """Whether the current training batch is timed (for some module)."""
         return not self.calibrated and self.seen >= self.skip
 
+    def measures(self, module: str) -> bool:
+        """Whether ``module``'s forward of the current training batch is timed."""
+        return self.measuring and (self._pending is None or module in self._pending)
+
     def llm_work(self, tokens: int, pairs: int) -> float:
-        """This rank's share of the LLM work of a micro-batch of ``tokens`` and causal ``pairs``, in the prices the
-        records are taken in (the plan's until it is calibrated)."""
+        """This rank's share of the LLM work of a micro-batch of ``tokens`` and causal ``pairs``, in the plan's
+        current prices (what :meth:`timed` takes)."""
         return float(self.resharder.llm_price(tokens, pairs))
 
     def timed(self, module: str, work: float) -> AbstractContextManager[None]:
-        """Time the block as ``module``'s forward over ``work`` (in the prices) where this batch is measured."""
-        return self._timing(module, work) if self.measuring else nullcontext()
+        """Time the block as ``module``'s forward over ``work`` (in the plan's current prices) where this batch
+        measures it and there is work (a rank without items runs a dummy, which prices nothing: on an accelerator,
+        timing it would only cost synchronizations)."""
+        timing = work > 0 and self.measures(module)
+        return self._timing(module, work / self._scale[module]) if timing else nullcontext()
 
     @contextmanager
     def _timing(self, module: str, work: float) -> Iterator[None]:
@@ -204,38 +223,52 @@ class ResharderCalibrator:
     def end_batch(self) -> None:
         """After a training batch; after the last measured one, calibrate (a collective over the world)."""
         self.seen += 1
-        if not self.calibrated and self.seen >= self.skip + self.steps:
+        if not self.calibrated and self.seen == self._fit_at:
+            self._fit_at = self.skip + 2 * (self.seen - self.skip)
             self._calibrate()
 
     def _calibrate(self) -> None:
         mine = {name: np.asarray(rows, dtype=np.float64).reshape(-1, 2) for name, rows in self._records.items()}
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-        self.calibrated, self._records = True, {}
         if self.device.type != "cpu":  # a wall clock: ranks wait for each other inside a module
             everyone = paced_by_slowest(everyone)
         modules = self.prices.modules
         records = {name: np.concatenate([rank[name] for rank in everyone]) for name in modules}
         # Read now, not when the job was built: what trains is what a step's backward runs.
         passes = dict(self.training_passes()) if self.training_passes is not None else 3.0
+
+        def fit() -> np.ndarray:
+            fitted = fit_module_prices(records, prices=self.prices, train_per_forward=passes)
+            unmeasured = unmeasured_modules(records, modules)
+            return np.concatenate([fitted.coefficients, [forward_price_error(records, modules)],
+                                   [float(name in unmeasured) for name in modules]])
+
         values = _fitted_on_rank_zero(
-            lambda: np.append(fit_module_prices(records, prices=self.prices, train_per_forward=passes).coefficients,
-                              forward_price_error(records, modules)),
-            2 * len(modules) + 1, self.device,
-            "the encoder resharder keeps its prices: its timed forwards could not price them")
+            fit, 3 * len(modules) + 1, self.device,
+            "the encoder resharder keeps its prices for now: its timed forwards could not price them")
         if values is None:
+            self._pending = frozenset(modules)
             return
+        n = 2 * len(modules)
         prices = CostModel(**{name: ModuleCost(values[2 * i], values[2 * i + 1]) for i, name in enumerate(modules)})
-        self.resharder.calibrate(prices, price_error=float(values[-1]))
+        unmeasured = [name for name, flag in zip(modules, values[n + 1 :], strict=True) if flag]
+        self.resharder.calibrate(prices, price_error=float(values[n]), unmeasured=unmeasured)
+        self._scale = {name: _rate(prices.module(name), self.prices.module(name)) for name in modules}
+        self._pending = frozenset(unmeasured)
+        if not unmeasured:
+            self.calibrated, self._records = True, {}
         if dist.get_rank() == 0:
             rates = ", ".join(f"{name} {_rate(prices.module(name), self.prices.module(name)):.3g}" for name in modules)
             factors = ", ".join(f"{name} {passes if isinstance(passes, float) else passes[name]:.3g}"
                                 for name in modules)
             logger.info("encoder resharding priced from %d timed forwards, in seconds per unit of the prices before "
                         "(FLOPs unless a cost model was given): %s; training over forward: %s; the prices miss the "
-                        "forwards by %.1f%%, so a plan must gain at least %.1f%%",
-                        sum(len(r) for r in records.values()), rates, factors, 100 * values[-1],
-                        100 * self.resharder.min_gain)
+                        "forwards by %.1f%%, so a plan must gain at least %.1f%%%s",
+                        sum(len(r) for r in records.values()), rates, factors, 100 * values[n],
+                        100 * self.resharder.min_gain,
+                        f"; no timed work of {', '.join(unmeasured)} yet: their items stay home, and the prices are "
+                        f"fitted again after batch {self._fit_at - 1}" if unmeasured else "")
 
 
 def _rate(calibrated: ModuleCost, before: ModuleCost) -> float:

@@ -17,7 +17,7 @@ and backward collectives in the same order whatever its data: no FSDP or SP coll
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -108,7 +108,8 @@ class Resharder:
         self.sp_groups = dict(sp_groups)
         self.costs = dict(costs)
         self.enc_sp = enc_sp
-        self.min_gain = min_gain
+        self.min_gain = self._min_gain_asked = min_gain
+        self.unmeasured: frozenset[str] = frozenset()  # encoders whose items stay home (see calibrate)
         self.traffic = dict(traffic) if traffic is not None else None
         self.link = link
         self.llm, self.llm_share = llm, llm_share
@@ -124,13 +125,15 @@ class Resharder:
         """What the plan prices the encoders and (where it plans on top of it) the LLM by."""
         return CostModel(**self.costs, llm=self.llm if self.llm is not None else ModuleCost(0.0, 0.0))
 
-    def calibrate(self, prices: CostModel, *, price_error: float = 0.0) -> None:
+    def calibrate(self, prices: CostModel, *, price_error: float = 0.0, unmeasured: Iterable[str] = ()) -> None:
         """Plan from ``prices``, in seconds (the link's compute rate becomes one unit a second), from now on (what
         :class:`~omni_lightning.runtime.calibration.ResharderCalibrator` measures). ``price_error``: how far those
         prices missed the measured times; a plan reshards only for a predicted gain that error cannot account for
-        (:func:`~omni_lightning.balance.reshard.gain_beyond_price_error`, and at least ``min_gain``). Every rank of
-        the group must be given the same prices and error."""
-        self.min_gain = max(self.min_gain, gain_beyond_price_error(price_error))
+        (:func:`~omni_lightning.balance.reshard.gain_beyond_price_error`, and at least ``min_gain``).
+        ``unmeasured``: encoders whose prices no timed forward backs; their items stay home until a later call
+        leaves them out. Every rank of the group must be given the same prices, error and encoders."""
+        self.min_gain = max(self._min_gain_asked, gain_beyond_price_error(price_error))
+        self.unmeasured = frozenset(unmeasured)
         self.costs = {name: prices.module(name) for name in self.costs}
         if self.llm is not None:
             self.llm = prices.llm
@@ -212,7 +215,8 @@ class Resharder:
             if not in_place.any():
                 steps[name] = EncoderStep(None, own.numel())
                 continue
-            if resharding_may_pay(base, in_place, exchange=exchange, min_gain=self.min_gain):
+            if name not in self.unmeasured and resharding_may_pay(base, in_place, exchange=exchange,
+                                                                  min_gain=self.min_gain):
                 return None
             own_work = float(cost(own.sum().item(), (own.double() ** 2).sum().item()))
             steps[name] = EncoderStep(None, own.numel(), in_place, in_place, 0, 0, own_work)
@@ -268,7 +272,8 @@ class Resharder:
             prices = item_prices(item_lengths, self.traffic[name], self.link, enc_sp=self.enc_sp)
         exchange = prices.exchange if prices is not None else 0.0
         plan = None
-        if resharding_may_pay(base, unbalanced.rank_cost, exchange=exchange, min_gain=self.min_gain):
+        if name not in self.unmeasured and resharding_may_pay(base, unbalanced.rank_cost, exchange=exchange,
+                                                              min_gain=self.min_gain):
             plan = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, enc_sp=self.enc_sp, prices=prices,
                                      base=base)
         if plan is None or plan.moved == 0 or peak_in_place <= (base + plan.rank_cost).max() * (1.0 + self.min_gain):

@@ -144,7 +144,7 @@ class PlainStep:
                 encoded = self.source.outputs(0)
             encoded_at = time.thread_time()
             calibrator = self.calibrator if train else None
-            timing = calibrator is not None and calibrator.measuring  # reading the work syncs with the device
+            timing = calibrator is not None and calibrator.measures("llm")  # reading the work syncs with the device
             with calibrator.timed("llm", calibrator.llm_work(*llm_work(batch))) if timing else nullcontext():
                 logits = model(batch, encoded)
         # This thread's forward CPU seconds (a blocked collective costs none), for the measured balance.
