@@ -168,7 +168,9 @@ def fit_module_prices(records: Mapping[str, np.ndarray], *, prices: CostModel,
     what sways a plan, but a few noisy records over similar work cannot separate the two (on this project's CPU runs,
     the 8 records of 2 batches on 4 ranks gave a vision slope of about half the ratio), and the ratio keeps every
     module's constant in alike. A module the records do not exercise (or that took no measurable time) scales by the
-    LLM's rate. Raises ``ValueError`` where the LLM has no records with work, or on malformed input.
+    LLM's rate, a placeholder that keeps the plan's units one (:func:`unmeasured_modules` names those modules, whose
+    prices a plan should not act on). Raises ``ValueError`` where the LLM has no records with work, or on malformed
+    input.
     """
     rates = _forward_rates(records, prices.modules)
     if not isinstance(train_per_forward, Mapping):
