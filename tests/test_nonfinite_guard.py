@@ -216,3 +216,17 @@ def test_gradient_check_finds_any_non_finite_value(bad: float | None) -> None:
         params[2].grad[4] = bad
     assert int(_any_nonfinite_grad(params, torch.device("cpu"))) == (bad is not None)
     assert int(_any_nonfinite_grad([params[1]], torch.device("cpu"))) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), None], ids=["nan", "inf", "finite"])
+def test_gradient_check_is_exact_where_the_sum_of_squares_overflows(dtype: torch.dtype, bad: float | None) -> None:
+    """Finite gradients whose 2-norm overflows (the check's fast path) are still finite; a non-finite one among them
+    is still found."""
+    huge = torch.full((4,), 1e30, dtype=dtype)
+    assert not torch.isfinite(torch._foreach_norm([huge], 2)[0]).item()  # the case is the overflowing one
+    param = torch.nn.Parameter(torch.zeros(4, dtype=dtype))
+    param.grad = huge.clone()
+    if bad is not None:
+        param.grad[1] = bad
+    assert int(_any_nonfinite_grad([param], torch.device("cpu"))) == (bad is not None)
