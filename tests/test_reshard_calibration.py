@@ -326,6 +326,38 @@ def test_an_encoder_the_first_batches_did_not_time_keeps_its_items_home_until_it
     run_distributed(_price_an_unmeasured_encoder_later, 4)
 
 
+def _refit_only_what_was_timed_since(rank: int, world_size: int) -> None:
+    resharder = Resharder(dist.group.WORLD, {}, {"vision": FLOPS.vision, "audio": FLOPS.audio}, llm=FLOPS.llm,
+                          min_gain=0.0)
+    calibrator = ResharderCalibrator(resharder, steps=1, clock=(clock := _FakeClock()), skip=0)
+    fits = []
+    fit = calibrator._calibrate
+    calibrator._calibrate = lambda: (fits.append(calibrator.seen), fit())  # type: ignore[method-assign]
+
+    def batch(timed: dict[str, float]) -> None:
+        for name, done in timed.items():
+            with calibrator.timed(name, done):
+                clock.now += RATES[name] * done
+        calibrator.end_batch()
+
+    audio = FLOPS.audio.linear * 32 + FLOPS.audio.quadratic * 32**2
+    batch({"audio": audio, "llm": calibrator.llm_work(64, 64 * 65 // 2)})  # fitted after it: vision unmeasured
+    assert fits == [1] and resharder.unmeasured == {"vision"}
+    batch({"audio": audio})  # the refit due after batch 2 has nothing new to price: skipped on every rank
+    assert fits == [1] and resharder.unmeasured == {"vision"}
+    # Only rank 1 times an image in batch 3: every rank refits after batch 4, when the next one is due.
+    batch({"vision": float(FLOPS.vision(256, 256**2))} if rank == 1 else {})
+    batch({})
+    assert fits == [1, 4] and calibrator.calibrated and not resharder.unmeasured
+
+
+@pytest.mark.distributed
+def test_the_prices_are_fitted_again_only_once_some_rank_timed_an_unmeasured_encoder() -> None:
+    """Refitting gathers every record over the world: where no rank timed a module the last fit left unmeasured,
+    the ranks agree (one all-reduced count) that a refit would price nothing new, and skip it alike."""
+    run_distributed(_refit_only_what_was_timed_since, 2)
+
+
 class _RecordPrices(pl.Callback):
     """Each rank writes its resharder's prices after every training batch."""
 

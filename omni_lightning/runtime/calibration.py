@@ -166,8 +166,9 @@ class ResharderCalibrator:
     which can miss its own many times over, so the resharder keeps its items home
     (:meth:`~omni_lightning.runtime.reshard.Resharder.calibrate`) while its forwards, and those of any module still
     unpriced, go on being timed; the prices are fitted again after twice as many measured batches (``2 * steps``,
-    then ``4 * steps``, ...), each time from every record so far, until every module is measured: a number of
-    batches every rank counts alike, and a number of collectives that grows with the logarithm of the batches.
+    then ``4 * steps``, ...) where some rank timed such a module since the last fit, each time from every record
+    so far, until every module is measured: a number of batches every rank counts alike, and a number of
+    collectives that grows with the logarithm of the batches.
 
     ``training_passes``: each module's training time over its forward's by name, read when the prices are fitted
     (:meth:`~omni_lightning.models.mllm.ReferenceMLLM.training_passes`: a frozen encoder runs its forward alone);
@@ -190,6 +191,7 @@ class ResharderCalibrator:
         self._records: dict[str, list[tuple[float, float]]] = {name: [] for name in self.prices.modules}
         self._fit_at = skip + steps  # batches seen when the prices are next fitted
         self._pending: frozenset[str] | None = None  # modules still timed after a fit left them unmeasured
+        self._fitted_records = dict.fromkeys(self.prices.modules, 0)  # each module's records the last fit read
         # Each module's current prices over ``self.prices``: the records keep the units of the prices before.
         self._scale = dict.fromkeys(self.prices.modules, 1.0)
 
@@ -225,10 +227,20 @@ class ResharderCalibrator:
         self.seen += 1
         if not self.calibrated and self.seen == self._fit_at:
             self._fit_at = self.skip + 2 * (self.seen - self.skip)
-            self._calibrate()
+            if self._pending is None or self._timed_pending_since_last_fit():
+                self._calibrate()
+
+    def _timed_pending_since_last_fit(self) -> bool:
+        """Whether any rank timed a module the last fit left unmeasured since that fit (a collective over the
+        world: one integer, where gathering every record and fitting again would price nothing new)."""
+        timed = sum(len(self._records[name]) - self._fitted_records[name] for name in self._pending or ())
+        count = torch.tensor([timed], dtype=torch.int64, device=self.device)
+        dist.all_reduce(count)
+        return bool(count.item())
 
     def _calibrate(self) -> None:
         mine = {name: np.asarray(rows, dtype=np.float64).reshape(-1, 2) for name, rows in self._records.items()}
+        self._fitted_records = {name: len(rows) for name, rows in self._records.items()}
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         if self.device.type != "cpu":  # a wall clock: ranks wait for each other inside a module
