@@ -76,8 +76,10 @@ def main() -> None:
     parser.add_argument("--workload", default=str(SHARED_WORKLOADS / "vlm_dynres.yaml"))
     parser.add_argument("--configs", default="abcd")
     args = parser.parse_args()
-    run_args = argparse.Namespace(workload=args.workload, ranks=4, steps=12, samples_per_step=4, group_steps=4,
-                                  enc_sp=2, length_scale=0.08, max_llm_tokens=512, warmup=4, seed=0)
+    # e2e's own arguments and defaults, so that a setting e2e.run gains reaches these runs too.
+    training = argparse.ArgumentParser()
+    e2e.add_training_arguments(training)
+    run_args = training.parse_args(["--workload", args.workload, "--steps", "12"])
     for module in (dist, c10d):
         for name in WRAPPED:
             if hasattr(module, name):  # all_gather_single is new in PyTorch 2.13
