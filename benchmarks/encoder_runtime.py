@@ -48,6 +48,7 @@ from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.parallel.dims import ParallelDims
 from omni_lightning.parallel.layout import build_meshes
 from omni_lightning.runtime.encoders import LocalEncoders
+from omni_lightning.runtime.peers import SamplePeers
 from omni_lightning.runtime.reshard import Resharder
 
 RESULTS = Path(__file__).parent / "results" / "encoder_runtime.json"
@@ -156,7 +157,8 @@ def _tensor_parallel_peers(model: ReferenceMLLM, paths: list[str], rank: int, si
     """Per step, the slowest rank's encoder CPU seconds when the pairs (0, 1), (2, 3), ... are tensor-parallel
     peers: ``duplicated`` and ``split``, alternating on each pair's same micro-batch."""
     pairs = [dist.new_group([r, r + 1]) for r in range(0, size - 1, 2)]  # every rank takes part in every new_group
-    peers = pairs[rank // 2]
+    pair = pairs[rank // 2]
+    peers = SamplePeers(group=pair, cp_group=None, tp_group=pair)
     sources = {"duplicated": LocalEncoders(model), "split": LocalEncoders(model, peers=peers)}
     stream = iter(ShardStream(paths, dp_rank=rank // 2, dp_size=size // 2, batch_size=args.samples_per_step))
     records: dict[str, list[float]] = {"duplicated": [], "split": []}
