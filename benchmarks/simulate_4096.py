@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,8 +27,9 @@ ADVERSARIAL = sorted(str(p) for p in (Path(__file__).resolve().parent / "workloa
 
 def _run(workload: str, gpus: int) -> tuple[float, float, list[str]]:
     """Wall and CPU seconds of one simulation, and what it printed."""
-    command = [shutil.which("omni-lightning") or "omni-lightning", "simulate", "--workload", workload,
-               "--gpus", str(gpus)]
+    # The console script's own module, under this interpreter: an environment run without activating it has no
+    # omni-lightning on its PATH.
+    command = [sys.executable, "-m", "omni_lightning.cli", "simulate", "--workload", workload, "--gpus", str(gpus)]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, check=False)
