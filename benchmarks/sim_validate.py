@@ -78,6 +78,9 @@ def main() -> None:
     measured = {name: np.array(run["per_rank_step_s"]) for name, run in runs.items()}
     steps = len(measured["a"])
     half = steps // 2
+    if half == 0:
+        raise SystemExit(f"{args.results} times {steps} step(s): the fit needs at least 2, one half to calibrate on "
+                         "and one to hold out (rerun e2e.py with more steps than --warmup)")
     fitted, seen = fit_to_runs(runs, ("a", "b", "c"), slice(0, half))
     flops = reference_cost_model(CONFIG)
 
