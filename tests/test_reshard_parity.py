@@ -8,6 +8,7 @@ item or chunk changes the loss by far more than 1e-5 (it moves embeddings of the
 
 from __future__ import annotations
 
+import collections
 from contextlib import nullcontext
 
 import numpy as np
@@ -292,3 +293,48 @@ def test_a_rank_that_sends_every_item_and_receives_none_stays_in_step() -> None:
     pipeline (its gather met a peer's exchange backward). Outputs and gradients equal one process's, within the
     parity tolerance above (a tenth of it: only the encoders run)."""
     run_distributed(_check_idle_ranks, 4)
+
+
+# ------------------------------------------------------------------------------- a plan that keeps every item home
+def _graph_nodes(outputs: dict[str, tuple[torch.Tensor, ...]]) -> collections.Counter[str]:
+    """The kinds of autograd node the encoder outputs' backward runs, counted."""
+    seen, nodes, stack = set(), collections.Counter(), [t.grad_fn for out in outputs.values() for t in out]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        nodes[type(node).__name__] += 1
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return nodes
+
+
+def _check_home_plan_runs_as_without_resharding(rank: int, world: int) -> None:
+    config = ReferenceMLLMConfig.tiny()
+    graphs, outputs = [], []
+    for reshard in (False, True):
+        dims = ParallelDims(world_size=world, dp_shard=world, enc_sp=2 if reshard else 1)
+        layout = build_layout(dims, "cpu", pipeline=PipelineSettings(), placement=PlacementSettings(),
+                              reshard=reshard, link_cost="compute_only")
+        with torch.device("meta"):
+            model = ReferenceMLLM(config)
+        step = build_step(model, layout, device=torch.device("cpu"))
+        model.to_empty(device="cpu")
+        set_model_state_dict(model, initial_state_dict(config, seed=3),
+                             options=StateDictOptions(full_state_dict=True, strict=True))
+        step.source.start([pack_samples(_rank_samples("even", rank))], train=True)
+        encoded = step.source.outputs(0)
+        graphs.append(_graph_nodes(encoded))
+        outputs.append({name: out[0].detach() for name, out in encoded.items()})
+    assert step.encoder_stats["items_moved"] == 0 and step.encoder_stats["predicted_imbalance"] > 0
+    assert graphs[1] == graphs[0]
+    for name, out in outputs[0].items():
+        torch.testing.assert_close(outputs[1][name], out, rtol=0, atol=0)
+
+
+@pytest.mark.distributed
+def test_a_plan_that_keeps_every_item_home_encodes_as_a_step_without_resharding() -> None:
+    """Where the group's plan moves nothing (each rank one small image: resharding cannot gain), the encoders run as
+    they do without a resharder: the same outputs, bit for bit, and the same backward graph, without the data-
+    dependency chain that orders the encoders' collectives only where items travel."""
+    run_distributed(_check_home_plan_runs_as_without_resharding, 2)

@@ -27,7 +27,7 @@ from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.runtime.calibration import ResharderCalibrator
 from omni_lightning.runtime.items import item_layout, select_items
 from omni_lightning.runtime.peers import SamplePeers, gather_peer_outputs, split_items, sum_over_tensor_parallel_peers
-from omni_lightning.runtime.reshard import Resharder
+from omni_lightning.runtime.reshard import EncoderStep, Resharder
 
 __all__ = ["EncoderSource", "LocalEncoders"]
 
@@ -131,9 +131,14 @@ class LocalEncoders:
             steps = self.resharder.plan({name: share.own_tokens for name, share in shares.items()},
                                         {name: encoder.tokens_per_output for name, encoder in model.encoders.items()},
                                         work, group_work=self._group_work(batch))
+        timing = self.calibrator if self._train else None
+        if steps is not None and self.peers is None and _all_home_untimed(steps, timing):
+            # The group's one plan keeps every item home (the same on every rank of the group, which holds this
+            # rank's FSDP peers where no context- or tensor-parallel peers share its samples): encode as without
+            # resharding, with no data-dependency chain, for there are no collectives between the encoders to order.
+            return model.encode(batch)
         encoded: dict[str, tuple[torch.Tensor, ...]] = {}
         previous: torch.Tensor | None = None  # one chain of data dependencies orders the collectives in backward
-        timing = self.calibrator if self._train else None
         for name, encoder in model.encoders.items():
             share = shares[name]
             if steps is not None:
@@ -153,6 +158,13 @@ class LocalEncoders:
             previous = out
             encoded[name] = (out,)
         return encoded
+
+
+def _all_home_untimed(steps: Mapping[str, EncoderStep], timing: ResharderCalibrator | None) -> bool:
+    """Whether no encoder's items travel and no encoder's forward on this rank is timed for the calibrator."""
+    if any(step.exchange is not None for step in steps.values()):
+        return False
+    return timing is None or not any(step.work > 0 and timing.measures(name) for name, step in steps.items())
 
 
 def llm_work(batch: PackedBatch) -> tuple[int, int]:
