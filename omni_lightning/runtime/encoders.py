@@ -66,8 +66,9 @@ class LocalEncoders:
     """The encoder outputs of this rank's micro-batches, computed in line when the model asks.
 
     With ``resharder``, each micro-batch's items are first planned over the encoder group (an all-gather of their
-    sizes), moved to the ranks that encode them (long ones split over SP blocks), and their outputs moved back; every
-    rank of the group must then run the same micro-batches in the same order. Runs inside the model's
+    sizes, unless the loader's word settles it), moved to the ranks that encode them (long ones split over SP blocks),
+    and their outputs moved back; every rank of the group must then run the same micro-batches in the same order. A
+    micro-batch whose plan moves nothing is encoded as without a resharder. Runs inside the model's
     :meth:`~omni_lightning.models.mllm.ReferenceMLLM.encoder_stage`, so the model's own FSDP unit is gathered.
 
     With ``peers`` (the context- and tensor-parallel peers, which hold the same samples), the peers split the items
