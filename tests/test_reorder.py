@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from omni_lightning.balance import pipeline_order, reorder
@@ -392,6 +392,8 @@ def _group_time(step_cost: np.ndarray) -> float:
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10_000), n_ranks=st.integers(2, 6), steps=st.integers(1, 4), per_rank=st.integers(1, 30),
        per_byte=st.sampled_from([0.0, 1e-4, 1e-3, 1e-2, 1.0]), per_message=st.sampled_from([0.0, 0.5, 5.0]))
+# Found by hypothesis: bins matched to the ranks that hold them moved nothing, yet took longer than the naive split.
+@example(seed=1, n_ranks=2, steps=2, per_rank=3, per_byte=0.0, per_message=0.0)
 def test_a_priced_plan_never_takes_longer_than_the_naive_split(seed: int, n_ranks: int, steps: int, per_rank: int,
                                                                per_byte: float, per_message: float) -> None:
     costs, tokens, owners, nbytes = _inputs(seed, n_ranks, per_rank, sigma=1.5)

@@ -227,12 +227,18 @@ def plan_reorder_group(
             moved += len(away)
             moved_bytes += int(nbytes[away].sum()) if away else 0
     balanced = GroupPlan(plan, step_cost, sorted(leftover), moved, moved_bytes, evaluations)
-    if config.link is None or not moved:
+    if config.link is None:
         return balanced
-    # Ranks step together, so a group lasts the sum over its steps of the slowest rank's step.
+    # Ranks step together, so a group lasts the sum over its steps of the slowest rank's step. A plan that moves
+    # samples must beat keeping each where it was read by more than 1%; one that moves none (bins matched to the
+    # ranks that hold them) must still be no slower than the naive split, which can arrange a rank's own samples
+    # over its steps better than bins packed for the whole group do.
     home = plan_in_place(costs, tokens, owners, n_ranks=n_ranks, config=config)
+    home_time = home.step_cost.max(axis=0).sum()
+    if not moved:
+        return home if home_time < step_cost.max(axis=0).sum() else balanced
     priced = balanced.step_cost + exchange_cost(balanced, owners, nbytes, config.link)
-    if home.step_cost.max(axis=0).sum() <= priced.max(axis=0).sum() * 1.01:
+    if home_time <= priced.max(axis=0).sum() * 1.01:
         return home
     return balanced
 
