@@ -37,7 +37,7 @@ from omni_lightning.parallel.layout import build_layout
 from omni_lightning.parallel.settings import PipelineSettings, PlacementSettings
 from omni_lightning.runtime.loss import next_token_loss_sum
 from omni_lightning.runtime.reshard import Resharder
-from omni_lightning.runtime.step import build_step
+from omni_lightning.runtime.step import Step, build_step
 
 # The byte tokens' roles (ids 0-3) and their first text id.
 FIRST_TEXT_ID = BYTE_ROLES.first_free_id
@@ -147,18 +147,25 @@ def _reference(case: str, world: int, state: dict[str, torch.Tensor]) -> tuple[f
     return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def _check_parity(rank: int, world: int, layout: dict[str, int], case: str, link: str) -> None:
+def _built_step(dims: ParallelDims, *, reshard: bool, link: str) -> tuple[ReferenceMLLM, Step]:
+    """The tiny model at seed 3, parallelized for ``dims``, and its step, as a job builds them."""
     config = ReferenceMLLMConfig.tiny()
-    state = initial_state_dict(config, seed=3)
-    dims = ParallelDims(world_size=world, **layout)
-    layout = build_layout(dims, "cpu", pipeline=PipelineSettings(), placement=PlacementSettings(), reshard=True,
+    layout = build_layout(dims, "cpu", pipeline=PipelineSettings(), placement=PlacementSettings(), reshard=reshard,
                           link_cost=link)
-    meshes = layout.meshes
     with torch.device("meta"):
         model = ReferenceMLLM(config)
     step = build_step(model, layout, device=torch.device("cpu"))
     model.to_empty(device="cpu")
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
+    set_model_state_dict(model, initial_state_dict(config, seed=3),
+                         options=StateDictOptions(full_state_dict=True, strict=True))
+    return model, step
+
+
+def _check_parity(rank: int, world: int, layout: dict[str, int], case: str, link: str) -> None:
+    config = ReferenceMLLMConfig.tiny()
+    dims = ParallelDims(world_size=world, **layout)
+    model, step = _built_step(dims, reshard=True, link=link)
+    meshes = step.meshes
 
     dp_rank = dims.local_rank_in("dp", rank)
     batch = pack_samples(_rank_samples(case, dp_rank))
@@ -310,18 +317,10 @@ def _graph_nodes(outputs: dict[str, tuple[torch.Tensor, ...]]) -> collections.Co
 
 
 def _check_home_plan_runs_as_without_resharding(rank: int, world: int) -> None:
-    config = ReferenceMLLMConfig.tiny()
     graphs, outputs = [], []
     for reshard in (False, True):
         dims = ParallelDims(world_size=world, dp_shard=world, enc_sp=2 if reshard else 1)
-        layout = build_layout(dims, "cpu", pipeline=PipelineSettings(), placement=PlacementSettings(),
-                              reshard=reshard, link_cost="compute_only")
-        with torch.device("meta"):
-            model = ReferenceMLLM(config)
-        step = build_step(model, layout, device=torch.device("cpu"))
-        model.to_empty(device="cpu")
-        set_model_state_dict(model, initial_state_dict(config, seed=3),
-                             options=StateDictOptions(full_state_dict=True, strict=True))
+        _, step = _built_step(dims, reshard=reshard, link="compute_only")
         step.source.start([pack_samples(_rank_samples("even", rank))], train=True)
         encoded = step.source.outputs(0)
         graphs.append(_graph_nodes(encoded))
