@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 
 from omni_lightning.batch import BYTE_ROLES, IGNORE_INDEX
 from omni_lightning.data.packing import DecodedSample, pack_samples
@@ -17,7 +19,12 @@ from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.llm import MoEFeedForward
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.parallel import attention
-from omni_lightning.parallel.attention import flash_attn_available, select_attention_kernel, varlen_attention
+from omni_lightning.parallel.attention import (
+    equal_length_runs,
+    flash_attn_available,
+    select_attention_kernel,
+    varlen_attention,
+)
 from omni_lightning.runtime.loss import next_token_loss_sum
 
 # The byte tokens' roles (ids 0-3) and their first text id.
@@ -41,11 +48,16 @@ def naive_varlen_attention(q, k, v, cu_seqlens, causal):
     return out
 
 
+# Items of distinct lengths; and runs of neighbours of one length (frames, tiles) with an empty item among them.
+BOUNDS = [[0, 5, 6, 17, 30], [0, 4, 8, 12, 12, 13, 19, 25, 30]]
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
-def test_sdpa_varlen_matches_naive_reference(causal: bool, heads: int, kv_heads: int) -> None:
+@pytest.mark.parametrize("bounds", BOUNDS)
+def test_sdpa_varlen_matches_naive_reference(causal: bool, heads: int, kv_heads: int, bounds: list[int]) -> None:
     torch.manual_seed(0)
-    cu = torch.tensor([0, 5, 6, 17, 30], dtype=torch.int32)
+    cu = torch.tensor(bounds, dtype=torch.int32)
     q = torch.randn(30, heads, 8, requires_grad=True)
     k = torch.randn(30, kv_heads, 8, requires_grad=True)
     v = torch.randn(30, kv_heads, 8, requires_grad=True)
@@ -56,6 +68,49 @@ def test_sdpa_varlen_matches_naive_reference(causal: bool, heads: int, kv_heads:
     ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
     for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_items_of_one_length_attended_together_give_the_bits_of_one_at_a_time(causal: bool) -> None:
+    torch.manual_seed(0)
+    lengths = [6, 6, 6, 3, 3, 7]
+    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
+    q, k, v = (torch.randn(int(cu[-1]), 4, 8, requires_grad=True) for _ in range(3))
+    together = varlen_attention(q, k, v, cu, causal=causal, backend="sdpa")
+    one_at_a_time = torch.cat([varlen_attention(q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a], dtype=torch.int32),
+                                                causal=causal, backend="sdpa")
+                               for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)])
+    assert torch.equal(together, one_at_a_time)
+    grads = torch.autograd.grad(together.square().sum(), (q, k, v))
+    for got, want in zip(grads, torch.autograd.grad(one_at_a_time.square().sum(), (q, k, v)), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_sdpa_varlen_backward_has_one_node_per_run_and_no_slice_per_item() -> None:
+    """A slice's backward writes a gradient the size of the whole packed tensor: one per item would make the
+    backward quadratic in the items (a rank with a few hundred video frames spent seconds on it)."""
+    lengths = [4] * 50 + [3, 5, 5]
+    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
+    q, k, v = (torch.randn(int(cu[-1]), 2, 8, requires_grad=True) for _ in range(3))
+    out = varlen_attention(q, k, v, cu, causal=False, backend="sdpa")
+    seen, stack, names = set(), [out.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    assert not [name for name in names if name.startswith("SliceBackward")]
+    assert len([name for name in names if "ScaledDotProduct" in name]) == 3  # runs of 4, 3 and 5 tokens
+
+
+@given(st.lists(st.integers(0, 4), max_size=30))
+def test_equal_length_runs_rebuild_the_lengths_and_merge_every_pair_of_equal_neighbours(lengths: list[int]) -> None:
+    runs = equal_length_runs(lengths)
+    assert [length for length, count in runs for _ in range(count)] == lengths
+    assert all(count > 0 for _, count in runs)
+    assert all(a[0] != b[0] for a, b in zip(runs[:-1], runs[1:], strict=True))
 
 
 @pytest.mark.parametrize(("device", "dtype", "flash", "torch_varlen", "expected"), [

@@ -5,7 +5,7 @@ Items (images, audio clips, text samples) are packed back to back into one token
 (:func:`select_attention_kernel`): fp16/bf16 tensors on CUDA go straight to flash-attn's varlen kernel where it
 is installed, else to PyTorch's own (``torch.nn.attention.varlen``) where this torch has it; everything else
 (fp32 anywhere, any dtype on CPU) runs PyTorch SDPA item by item (optionally causal), which does the same work,
-``sum(len_i ** 2)``, at the cost of one call per item.
+``sum(len_i ** 2)``, at the cost of one call per run of neighbouring items of one length.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["AttentionBackend", "AttentionKernel", "attention_kernel", "cu_seqlens_from_lengths",
-           "flash_attn_available", "select_attention_kernel", "varlen_attention"]
+           "equal_length_runs", "flash_attn_available", "select_attention_kernel", "varlen_attention"]
 
 AttentionBackend = Literal["auto", "sdpa", "flash"]
 AttentionKernel = Literal["flash_attn", "torch_varlen", "sdpa"]
@@ -147,22 +147,38 @@ def varlen_attention(
         assert _TORCH_VARLEN is not None
         return _TORCH_VARLEN(q, k, v, cu, max_seqlen, causal, scale)
     # Item by item: the work is sum(len_i ** 2), as with flash-attn, where a block-diagonal mask over the packed
-    # sequence would cost (sum len_i) ** 2 and make the cost model's per-item attention term wrong.
+    # sequence would cost (sum len_i) ** 2 and make the cost model's per-item attention term wrong. Neighbours of one
+    # length (a video's frames, an image's tiles) go in one call, as a batch.
     bounds = cu_seqlens.tolist()
     if bounds[-1] != total:
         raise ValueError(f"cu_seqlens covers {bounds[-1]} tokens but the packed tensor has {total}")
-    # [1, heads, len, dim]: with a batch dimension SDPA can take its fused (flash) kernels, which keep no attention
-    # matrix for the backward; 3-D inputs fall back to the math kernel, which keeps one per item and head.
-    outputs = [
-        F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1)[None],
-            k[start:end].transpose(0, 1)[None],
-            v[start:end].transpose(0, 1)[None],
+    runs = equal_length_runs([end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)])
+    sizes = [length * count for length, count in runs]
+    outputs = []
+    # One split, not a slice per item: each slice's backward would write a gradient the size of the whole packed
+    # tensor, which makes the backward quadratic in the number of items.
+    for (length, count), q_run, k_run, v_run in zip(runs, q.split(sizes), k.split(sizes), v.split(sizes),
+                                                     strict=True):
+        if not length:
+            continue
+        # [items, heads, len, dim]: with a batch dimension SDPA can take its fused (flash) kernels, which keep no
+        # attention matrix for the backward; 3-D inputs fall back to the math kernel, which keeps one per item.
+        out = F.scaled_dot_product_attention(
+            *(t.unflatten(0, (count, length)).transpose(1, 2) for t in (q_run, k_run, v_run)),
             is_causal=causal,
             enable_gqa=n_heads != k.shape[1],
             scale=scale,
-        )[0].transpose(0, 1)
-        for start, end in zip(bounds[:-1], bounds[1:], strict=True)
-        if end > start
-    ]
-    return torch.cat(outputs)
+        )
+        outputs.append(out.transpose(1, 2).flatten(0, 1))
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+
+def equal_length_runs(lengths: list[int]) -> list[tuple[int, int]]:
+    """``lengths`` as ``(length, count)`` runs of neighbours of equal length, in order."""
+    runs: list[tuple[int, int]] = []
+    for length in lengths:
+        if runs and runs[-1][0] == length:
+            runs[-1] = (length, runs[-1][1] + 1)
+        else:
+            runs.append((length, 1))
+    return runs

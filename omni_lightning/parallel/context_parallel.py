@@ -101,19 +101,20 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Conte
     groups = q.shape[1] // k.shape[1]
     local_positions = shard.local_index.new_tensor(shard.cu_seqlens)  # sample starts, to make positions relative
     outputs = []
-    for sample in range(len(shard.cu_seqlens) - 1):
-        lo, hi = shard.local_cu_seqlens[sample], shard.local_cu_seqlens[sample + 1]
-        if lo == hi:
+    # Split once rather than slice per sample: each slice's backward writes a gradient the size of the whole tensor.
+    local_lengths = [hi - lo for lo, hi in zip(shard.local_cu_seqlens[:-1], shard.local_cu_seqlens[1:], strict=True)]
+    lengths = [end - start for start, end in zip(shard.cu_seqlens[:-1], shard.cu_seqlens[1:], strict=True)]
+    pieces = zip(q.split(local_lengths), keys.split(lengths), values.split(lengths),
+                 shard.local_index.split(local_lengths), strict=True)
+    for sample, (queries, sample_keys, sample_values, local_index) in enumerate(pieces):
+        if not queries.shape[0]:
             continue
-        start, end = shard.cu_seqlens[sample], shard.cu_seqlens[sample + 1]
-        query_positions = shard.local_index[lo:hi] - local_positions[sample]
-        key_positions = torch.arange(end - start, device=q.device)
+        query_positions = local_index - local_positions[sample]
+        key_positions = torch.arange(sample_keys.shape[0], device=q.device)
         mask = key_positions[None, :] <= query_positions[:, None]
-        sample_keys = keys[start:end].repeat_interleave(groups, dim=1)
-        sample_values = values[start:end].repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(
-            q[lo:hi].transpose(0, 1), sample_keys.transpose(0, 1), sample_values.transpose(0, 1), attn_mask=mask,
-            scale=scale)
+            queries.transpose(0, 1), sample_keys.repeat_interleave(groups, dim=1).transpose(0, 1),
+            sample_values.repeat_interleave(groups, dim=1).transpose(0, 1), attn_mask=mask, scale=scale)
         outputs.append(out.transpose(0, 1))
     if not outputs:  # no local tokens: keep the gathered keys and values in the graph for the backward exchange
         return q + 0.0 * (keys.sum() + values.sum())
