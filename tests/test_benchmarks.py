@@ -33,6 +33,7 @@ RUNS: dict[str, tuple[list[str], str]] = {
                        "--micro-batches", "2", "--samples-per-step", "2", "--out", "smoke"],
                       "critical-path step (s)/(p): "),
     "guard_cost.py": (["--calls", "2", "--repeats", "1"], "guard gradient check per step: "),
+    "attention_items.py": (["--items", "2", "--repeats", "1"], "attention forward+backward, "),
     "link_cost.py": (["--ranks", "2", "--megabytes", "0.01", "--calls", "3"], ""),
     "planner_cost.py": (["--workload", "vlm_dynres", "--ranks", "16", "--micro-batches", "2"], "slowest planner: "),
     "simulate_4096.py": (["--workload", "vlm_dynres", "--gpus", "64"], "slowest simulate --gpus "),
