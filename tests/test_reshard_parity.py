@@ -8,13 +8,13 @@ item or chunk changes the loss by far more than 1e-5 (it moves embeddings of the
 
 from __future__ import annotations
 
-import collections
 from contextlib import nullcontext
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from autograd_graph import backward_node_kinds
 from distributed import run_distributed
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -303,19 +303,6 @@ def test_a_rank_that_sends_every_item_and_receives_none_stays_in_step() -> None:
 
 
 # ------------------------------------------------------------------------------- a plan that keeps every item home
-def _graph_nodes(outputs: dict[str, tuple[torch.Tensor, ...]]) -> collections.Counter[str]:
-    """The kinds of autograd node the encoder outputs' backward runs, counted."""
-    seen, nodes, stack = set(), collections.Counter(), [t.grad_fn for out in outputs.values() for t in out]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        nodes[type(node).__name__] += 1
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return nodes
-
-
 def _check_home_plan_runs_as_without_resharding(rank: int, world: int) -> None:
     graphs, outputs = [], []
     for reshard in (False, True):
@@ -323,7 +310,7 @@ def _check_home_plan_runs_as_without_resharding(rank: int, world: int) -> None:
         _, step = _built_step(dims, reshard=reshard, link="compute_only")
         step.source.start([pack_samples(_rank_samples("even", rank))], train=True)
         encoded = step.source.outputs(0)
-        graphs.append(_graph_nodes(encoded))
+        graphs.append(backward_node_kinds(t for out in encoded.values() for t in out))
         outputs.append({name: out[0].detach() for name, out in encoded.items()})
     assert step.encoder_stats["items_moved"] == 0 and step.encoder_stats["predicted_imbalance"] > 0
     assert graphs[1] == graphs[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import itertools
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -175,10 +176,4 @@ def varlen_attention(
 
 def equal_length_runs(lengths: list[int]) -> list[tuple[int, int]]:
     """``lengths`` as ``(length, count)`` runs of neighbours of equal length, in order."""
-    runs: list[tuple[int, int]] = []
-    for length in lengths:
-        if runs and runs[-1][0] == length:
-            runs[-1] = (length, runs[-1][1] + 1)
-        else:
-            runs.append((length, 1))
-    return runs
+    return [(length, len(list(run))) for length, run in itertools.groupby(lengths)]
