@@ -12,12 +12,23 @@ import torch._dynamo  # noqa: F401
 import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.fsdp  # noqa: F401
 import torch.distributed.tensor.parallel  # noqa: F401
+from hypothesis import settings
 
 from omni_lightning.data.synthetic import make_synthetic_shards
 from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.module import initial_state_dict
 
 torch.set_num_threads(1)
+
+# The test command draws the same examples on every run, so that a counterexample fails the commit that brings it
+# rather than a later, unrelated one that happens to draw it; `pytest --hypothesis-profile=explore` draws fresh ones.
+settings.register_profile("deterministic", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("hypothesis_profile", None) is None:
+        settings.load_profile("deterministic")
 
 
 @pytest.fixture(scope="session")
