@@ -197,6 +197,37 @@ def test_flash_varlen_matches_sdpa() -> None:
     torch.testing.assert_close(flash.float(), sdpa.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_host_bounds_are_read_once_per_tensor_and_again_after_an_in_place_change(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: list[list[int]] = []
+    monkeypatch.setattr(attention, "_read_bounds", lambda cu: reads.append(cu.tolist()) or cu.tolist())
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    assert attention.host_bounds(cu) is attention.host_bounds(cu) and reads == [[0, 3, 7]]
+    cu[2] = 9
+    assert attention.host_bounds(cu) == [0, 3, 9] and len(reads) == 2
+    other = torch.tensor([0, 3, 7], dtype=torch.int32)
+    assert attention.host_bounds(other) == [0, 3, 7] and len(reads) == 3
+    key = id(cu)
+    del cu
+    assert key not in attention._HOST_BOUNDS  # dropped with its tensor: a later tensor with that id reads afresh
+
+
+def test_a_forward_and_backward_read_each_packed_batchs_bounds_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every attention layer of the LLM and of each encoder, forward and backward, takes its bounds from one read
+    of their tensor (on an accelerator each read waits for the device)."""
+    calls: list[int] = []
+    reads: list[int] = []
+    host_bounds, read_bounds = attention.host_bounds, attention._read_bounds
+    monkeypatch.setattr(attention, "host_bounds", lambda cu: calls.append(id(cu)) or host_bounds(cu))
+    monkeypatch.setattr(attention, "_read_bounds", lambda cu: reads.append(id(cu)) or read_bounds(cu))
+    torch.manual_seed(0)
+    model = ReferenceMLLM(ReferenceMLLMConfig.tiny())
+    rng = np.random.default_rng(2)
+    batch = pack_samples([_sample(rng, "a", images=2), _sample(rng, "b", audio_frames=12)])
+    model(batch).float().square().mean().backward()
+    assert len(calls) >= 2 * len(reads) and sorted(set(calls)) == sorted(reads)
+
+
 def test_empty_attention_keeps_inputs_in_the_graph() -> None:
     q = torch.zeros(0, 4, 8, requires_grad=True)
     k = torch.zeros(0, 4, 8, requires_grad=True)

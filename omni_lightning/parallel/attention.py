@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import itertools
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["AttentionBackend", "AttentionKernel", "attention_kernel", "cu_seqlens_from_lengths",
-           "equal_length_runs", "flash_attn_available", "select_attention_kernel", "varlen_attention"]
+           "equal_length_runs", "flash_attn_available", "host_bounds", "select_attention_kernel", "varlen_attention"]
 
 AttentionBackend = Literal["auto", "sdpa", "flash"]
 AttentionKernel = Literal["flash_attn", "torch_varlen", "sdpa"]
@@ -31,6 +32,31 @@ _HALF = (torch.float16, torch.bfloat16)
 def cu_seqlens_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     """``[l0, l1, ...]`` -> int32 ``[0, l0, l0+l1, ...]``."""
     return F.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
+
+
+# Each live cu_seqlens tensor's host copy, by id: (the tensor, weakly; its version when read; the bounds).
+_HOST_BOUNDS: dict[int, tuple[weakref.ref[torch.Tensor], int, list[int]]] = {}
+
+
+def host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
+    """``cu_seqlens`` as host integers, read once per tensor (again only after an in-place change).
+
+    Every layer of a forward attends over the same boundaries, and so does the recomputation of its checkpointed
+    blocks; on an accelerator each read waits for the device to finish all work queued before it, which would stall
+    the host's run-ahead at every layer."""
+    key = id(cu_seqlens)
+    cached = _HOST_BOUNDS.get(key)
+    if cached is not None and cached[0]() is cu_seqlens and cached[1] == cu_seqlens._version:
+        return cached[2]
+    bounds = _read_bounds(cu_seqlens)
+    # Dropped with the tensor, so that a later tensor given the same id is read afresh.
+    alive = weakref.ref(cu_seqlens, lambda _, key=key: _HOST_BOUNDS.pop(key, None))
+    _HOST_BOUNDS[key] = (alive, cu_seqlens._version, bounds)
+    return bounds
+
+
+def _read_bounds(cu_seqlens: torch.Tensor) -> list[int]:
+    return cu_seqlens.tolist()
 
 
 # Looked up once, at import: the kernel choice runs inside compiled graphs, which should not trace a lookup.
@@ -139,7 +165,8 @@ def varlen_attention(
     kernel = attention_kernel(backend, q.device.type, q.dtype)
     if kernel != "sdpa":
         if max_seqlen is None:
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            bounds = host_bounds(cu_seqlens)
+            max_seqlen = max(end - start for start, end in itertools.pairwise(bounds))
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         if kernel == "flash_attn":
             from flash_attn import flash_attn_varlen_func
@@ -150,7 +177,7 @@ def varlen_attention(
     # Item by item: the work is sum(len_i ** 2), as with flash-attn, where a block-diagonal mask over the packed
     # sequence would cost (sum len_i) ** 2 and make the cost model's per-item attention term wrong. Neighbours of one
     # length (a video's frames, an image's tiles) go in one call, as a batch.
-    bounds = cu_seqlens.tolist()
+    bounds = host_bounds(cu_seqlens)
     if bounds[-1] != total:
         raise ValueError(f"cu_seqlens covers {bounds[-1]} tokens but the packed tensor has {total}")
     runs = equal_length_runs([end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)])
