@@ -21,13 +21,14 @@ from omni_lightning.module import initial_state_dict
 torch.set_num_threads(1)
 
 # The test command draws the same examples on every run, so that a counterexample fails the commit that brings it
-# rather than a later, unrelated one that happens to draw it; `pytest --hypothesis-profile=explore` draws fresh ones.
+# rather than a later, unrelated one that happens to draw it; `pytest --hypothesis-profile=explore` draws fresh ones,
+# and `--hypothesis-seed=N` (which derandomizing would override) the draws of that seed.
 settings.register_profile("deterministic", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if config.getoption("hypothesis_profile", None) is None:
+    if config.getoption("hypothesis_profile", None) is None and config.getoption("hypothesis_seed", None) is None:
         settings.load_profile("deterministic")
 
 

@@ -20,6 +20,7 @@ from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.llm import MoEFeedForward
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.parallel import attention
+from omni_lightning.parallel.activation_checkpoint import apply_ac
 from omni_lightning.parallel.attention import (
     equal_length_runs,
     flash_attn_available,
@@ -199,33 +200,46 @@ def test_flash_varlen_matches_sdpa() -> None:
 
 def test_host_bounds_are_read_once_per_tensor_and_again_after_an_in_place_change(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    reads: list[list[int]] = []
-    monkeypatch.setattr(attention, "_read_bounds", lambda cu: reads.append(cu.tolist()) or cu.tolist())
+    reads: list[tuple[int, ...]] = []
+    monkeypatch.setattr(attention, "_read_bounds", lambda cu: reads.append(tuple(cu.tolist())) or reads[-1])
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
-    assert attention.host_bounds(cu) is attention.host_bounds(cu) and reads == [[0, 3, 7]]
+    assert attention.host_bounds(cu) is attention.host_bounds(cu) and reads == [(0, 3, 7)]
     cu[2] = 9
-    assert attention.host_bounds(cu) == [0, 3, 9] and len(reads) == 2
+    assert attention.host_bounds(cu) == (0, 3, 9) and len(reads) == 2
     other = torch.tensor([0, 3, 7], dtype=torch.int32)
-    assert attention.host_bounds(other) == [0, 3, 7] and len(reads) == 3
+    assert attention.host_bounds(other) == (0, 3, 7) and len(reads) == 3
     key = id(cu)
     del cu
     assert key not in attention._HOST_BOUNDS  # dropped with its tensor: a later tensor with that id reads afresh
+    with torch.inference_mode():  # no version counter: read every time, and still right
+        frozen = torch.tensor([0, 2, 5], dtype=torch.int32)
+        assert attention.host_bounds(frozen) == attention.host_bounds(frozen) == (0, 2, 5) and len(reads) == 5
+        q = torch.randn(5, 2, 4)
+        torch.testing.assert_close(varlen_attention(q, q, q, frozen, causal=True),
+                                   varlen_attention(q, q, q, frozen.clone(), causal=True))
 
 
-def test_a_forward_and_backward_read_each_packed_batchs_bounds_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every attention layer of the LLM and of each encoder, forward and backward, takes its bounds from one read
-    of their tensor (on an accelerator each read waits for the device)."""
-    calls: list[int] = []
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_forward_and_backward_read_each_packed_batchs_bounds_once(checkpointed: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every attention layer of the LLM and of each encoder takes its bounds from one read of their tensor, also where
+    the backward recomputes checkpointed blocks (on an accelerator each read waits for the device)."""
+    seen: list[torch.Tensor] = []  # kept alive, so that no two of them share an id
     reads: list[int] = []
     host_bounds, read_bounds = attention.host_bounds, attention._read_bounds
-    monkeypatch.setattr(attention, "host_bounds", lambda cu: calls.append(id(cu)) or host_bounds(cu))
+    monkeypatch.setattr(attention, "host_bounds", lambda cu: seen.append(cu) or host_bounds(cu))
     monkeypatch.setattr(attention, "_read_bounds", lambda cu: reads.append(id(cu)) or read_bounds(cu))
     torch.manual_seed(0)
     model = ReferenceMLLM(ReferenceMLLMConfig.tiny())
+    if checkpointed:
+        apply_ac([*model.llm.layers.values(), *(block for encoder in model.encoders.values() for block in
+                                                 encoder.blocks)])
     rng = np.random.default_rng(2)
     batch = pack_samples([_sample(rng, "a", images=2), _sample(rng, "b", audio_frames=12)])
     model(batch).float().square().mean().backward()
-    assert len(calls) >= 2 * len(reads) and sorted(set(calls)) == sorted(reads)
+    forward_calls = sum(len(model.encoders[name].blocks) for name in model.encoders) + len(model.llm.layers)
+    assert len(seen) == forward_calls * (2 if checkpointed else 1)
+    assert sorted(reads) == sorted({id(cu) for cu in seen}) and len(reads) == 1 + len(model.encoders)
 
 
 def test_empty_attention_keeps_inputs_in_the_graph() -> None:

@@ -35,15 +35,19 @@ def cu_seqlens_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
 
 
 # Each live cu_seqlens tensor's host copy, by id: (the tensor, weakly; its version when read; the bounds).
-_HOST_BOUNDS: dict[int, tuple[weakref.ref[torch.Tensor], int, list[int]]] = {}
+_HOST_BOUNDS: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[int, ...]]] = {}
 
 
-def host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
-    """``cu_seqlens`` as host integers, read once per tensor (again only after an in-place change).
+def host_bounds(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
+    """``cu_seqlens`` as host integers, read once per tensor (again after an in-place change that bumps its version
+    counter; a write through ``.data`` or a NumPy view does not).
 
     Every layer of a forward attends over the same boundaries, and so does the recomputation of its checkpointed
     blocks; on an accelerator each read waits for the device to finish all work queued before it, which would stall
-    the host's run-ahead at every layer."""
+    the host's run-ahead at every layer. An inference tensor (validation under ``torch.inference_mode``) keeps no
+    version counter to tell an in-place change by, so it is read every time."""
+    if cu_seqlens.is_inference():
+        return _read_bounds(cu_seqlens)
     key = id(cu_seqlens)
     cached = _HOST_BOUNDS.get(key)
     if cached is not None and cached[0]() is cu_seqlens and cached[1] == cu_seqlens._version:
@@ -55,8 +59,8 @@ def host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
     return bounds
 
 
-def _read_bounds(cu_seqlens: torch.Tensor) -> list[int]:
-    return cu_seqlens.tolist()
+def _read_bounds(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
+    return tuple(cu_seqlens.tolist())
 
 
 # Looked up once, at import: the kernel choice runs inside compiled graphs, which should not trace a lookup.
