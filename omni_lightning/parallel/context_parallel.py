@@ -21,6 +21,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from omni_lightning.balance.reshard import split_lengths
+from omni_lightning.parallel.attention import host_bounds
 
 __all__ = ["ContextShard", "cp_attention", "head_tail_indices", "shard_for_context_parallel"]
 
@@ -64,7 +65,7 @@ class ContextShard:
 
 def shard_for_context_parallel(cu_seqlens: torch.Tensor, group: dist.ProcessGroup) -> ContextShard:
     """The head-tail shard of this rank (identical bookkeeping on every peer: it depends on ``cu_seqlens`` only)."""
-    bounds = cu_seqlens.tolist()
+    bounds = list(host_bounds(cu_seqlens))
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     kept = head_tail_indices(lengths, cp)

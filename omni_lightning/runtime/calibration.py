@@ -35,6 +35,7 @@ from omni_lightning.balance.calibration import (
 )
 from omni_lightning.balance.cost import CostModel, ModuleCost, work_features
 from omni_lightning.batch import PackedBatch, PackingSpec
+from omni_lightning.parallel.attention import host_bounds
 from omni_lightning.parallel.timing import ActionLog
 from omni_lightning.runtime.items import item_layout
 
@@ -53,7 +54,7 @@ def micro_batch_features(batch: PackedBatch, spec: PackingSpec) -> np.ndarray:
     """The cost features (:func:`~omni_lightning.balance.cost.work_features`) of a packed micro-batch: every
     encoder's items, and the LLM's sequences."""
     items = {fmt.name: item_layout(batch, spec, fmt.name)[0].tolist() for fmt in spec.encoders}
-    return work_features(spec.encoder_names, items, np.diff(batch["cu_seqlens"].cpu().numpy()).tolist())
+    return work_features(spec.encoder_names, items, np.diff(host_bounds(batch["cu_seqlens"])).tolist())
 
 
 class JointCalibrator:

@@ -24,6 +24,7 @@ import torch
 
 from omni_lightning.batch import GROUP_WORK_KEY, Encoded, EncoderOutputs, PackedBatch
 from omni_lightning.models.mllm import ReferenceMLLM
+from omni_lightning.parallel.attention import host_bounds
 from omni_lightning.runtime.calibration import ResharderCalibrator
 from omni_lightning.runtime.items import item_layout, select_items
 from omni_lightning.runtime.peers import SamplePeers, gather_peer_outputs, split_items, sum_over_tensor_parallel_peers
@@ -170,7 +171,7 @@ def _all_home_untimed(steps: Mapping[str, EncoderStep], timing: ResharderCalibra
 
 def llm_work(batch: PackedBatch) -> tuple[int, int]:
     """The LLM's tokens and causal attention pairs in ``batch`` (the cost features of its sequences)."""
-    lengths = np.diff(batch["cu_seqlens"].cpu().numpy()).astype(np.int64)
+    lengths = np.diff(host_bounds(batch["cu_seqlens"])).astype(np.int64)  # read once for every LLM layer too
     return int(lengths.sum()), int((lengths * (lengths + 1) // 2).sum())
 
 

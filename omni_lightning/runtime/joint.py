@@ -50,6 +50,7 @@ from omni_lightning.balance.digest import plan_digest
 from omni_lightning.balance.pipeline_order import assign_encoder_items, lpt_ranks, stage_shares_of
 from omni_lightning.batch import EncoderOutputs
 from omni_lightning.parallel.agreement import check_plans_agree
+from omni_lightning.parallel.attention import host_bounds
 from omni_lightning.parallel.timing import ActionLog, timed, waiting
 from omni_lightning.runtime.items import item_layout, select_items
 from omni_lightning.runtime.peers import SamplePeers
@@ -260,7 +261,8 @@ class JointEncoders:
     def _plan_stages(self, micro_batches: list[dict[str, Any]]) -> None:
         n = len(micro_batches)
         if self.one_f_one_b:
-            lengths = [np.diff(batch["cu_seqlens"].cpu().numpy().astype(np.float64)) for batch in micro_batches]
+            lengths = [np.diff(np.asarray(host_bounds(batch["cu_seqlens"]), dtype=np.float64))
+                       for batch in micro_batches]
             llm = self.llm_share * np.array([self.llm_cost(tokens.sum(), (tokens * (tokens + 1) / 2).sum())
                                              for tokens in lengths])
             everything = [items for m in range(n) for items in self._items[m]]
