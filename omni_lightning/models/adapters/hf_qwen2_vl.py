@@ -12,6 +12,7 @@ as four small integers (exact in bf16 and fp16) and :meth:`~Qwen2VLVisionAdapter
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
@@ -26,7 +27,7 @@ from omni_lightning.batch import PackedBatch, PackingSpec, input_key
 from omni_lightning.models.adapters.hf_attention import SplitItems, use_tower_attention
 from omni_lightning.models.adapters.hf_llm import HFCausalLMAdapter
 from omni_lightning.models.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair_flops, matmul_flops
-from omni_lightning.parallel.attention import cu_seqlens_from_lengths
+from omni_lightning.parallel.attention import cu_seqlens_from_lengths, host_bounds
 
 __all__ = ["Qwen25VLTextAdapter", "Qwen25VLVisionAdapter", "Qwen2VLTextAdapter", "Qwen2VLVisionAdapter",
            "mrope_positions", "position_columns", "positions_from_columns"]
@@ -48,7 +49,8 @@ def positions_from_columns(columns: torch.Tensor) -> torch.Tensor:
 
 
 def _longest(cu_seqlens: torch.Tensor) -> int:
-    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+    """The longest item, from the one host read of ``cu_seqlens`` every block shares (:func:`host_bounds`)."""
+    return max((end - start for start, end in itertools.pairwise(host_bounds(cu_seqlens))), default=0)
 
 
 class Qwen2VLVisionAdapter(nn.Module):
@@ -218,10 +220,11 @@ class Qwen25VLVisionAdapter(Qwen2VLVisionAdapter):
         config, unit = self.config, self.tokens_per_output
         hidden, positions = x[:, :-_POSITION_COLUMNS], positions_from_columns(x[:, -_POSITION_COLUMNS:])
         cu = cu_seqlens.to(torch.int32)
-        whole = int(cu[-1])
+        item_bounds = host_bounds(cu)
+        whole = item_bounds[-1]
         # Each item's grid from its own positions: one temporal patch, rows and columns counted from zero.
         grid_thw = torch.tensor([[1, int(positions[a:b, 0].max()) + 1, int(positions[a:b, 1].max()) + 1]
-                                 for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True) if b > a],
+                                 for a, b in itertools.pairwise(item_bounds) if b > a],
                                 dtype=torch.long).reshape(-1, 3)
         if whole:
             window_index, cu_windows = get_vision_window_index(grid_thw, spatial_merge_size=self.merge,
