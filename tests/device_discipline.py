@@ -9,6 +9,11 @@ job. :func:`device_discipline` also wraps the tensor collectives of ``torch.dist
 collectives (Ulysses, EP, resharding) and ``batch_isend_irecv``: a marked tensor handed to any group but those
 created as gloo groups (the host-side exchanges of loader metadata and plans) raises :class:`HostTensorInCollective`.
 Both are inherited by fork-started ranks.
+
+:func:`device_syncs` counts, on top of the marks, what would make the host wait for the device in a GPU job: a read of
+a tensor that would be on the device (``.item()``, ``.tolist()``, ``float()``/``int()``/``bool()``, ``.cpu()``,
+``.numpy()``), and a blocking copy from the host to it (``torch.tensor(data, device=...)``, ``.to(device)`` of a
+host tensor without ``non_blocking=True``), both of which wait for every kernel queued before them.
 """
 
 from __future__ import annotations
@@ -82,6 +87,41 @@ class HostTensors(TorchFunctionMode):
                 elif not host and is_host(tensor):
                     delattr(tensor, _MARK)
         return out
+
+
+_READS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy", "__array__"}
+
+
+class _DeviceSyncs(TorchFunctionMode):
+    """Records every operation that would wait for the device (see the module docstring), inside :class:`HostTensors`.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        first = args[0] if args else None
+        device_tensor = isinstance(first, torch.Tensor) and not is_host(first)
+        if name in _READS and device_tensor:
+            self.syncs.append(name)
+        elif name in ("tensor", "as_tensor") and kwargs.get("device") is not None and not (
+                isinstance(first, torch.Tensor) and not is_host(first)):
+            self.syncs.append(f"{name}(device=)")
+        elif name == "to" and is_host(first) and not kwargs.get("non_blocking", False) and (
+                kwargs.get("device") is not None or any(isinstance(a, str | torch.device) for a in args[1:])):
+            self.syncs.append("to(device)")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def device_syncs() -> Iterator[list[str]]:
+    """The operations inside the block that would wait for the device in a GPU job, by name (see the module
+    docstring). Tensors made before the block count as on the device."""
+    with HostTensors(), _DeviceSyncs() as counter:
+        yield counter.syncs
 
 
 def _host_result(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool | None:

@@ -21,6 +21,7 @@ from omni_lightning.models.config import AudioEncoderConfig, VisionEncoderConfig
 from omni_lightning.models.flops import audio_encoder_cost, vision_encoder_cost
 from omni_lightning.models.layers import EncoderBlock, GeluMLP, sincos_features
 from omni_lightning.parallel.attention import AttentionBackend, cu_seqlens_from_lengths
+from omni_lightning.parallel.transfer import to_device
 
 __all__ = ["VisionEncoder", "AudioEncoder"]
 
@@ -91,9 +92,9 @@ class VisionEncoder(nn.Module):
     def dummy_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A single 2x2-patch item, run by a rank that has no images so that its collectives match the others'; in
         the stem's compute dtype."""
-        positions = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]], device=device)
+        positions = to_device([[0, 0], [0, 1], [1, 0], [1, 1]], device)
         patches = torch.zeros(4, self.config.patch_dim, device=device, dtype=self.patch_embed.weight.dtype)
-        return patches, positions, torch.tensor([[2, 2]], device=device)
+        return patches, positions, to_device([[2, 2]], device)
 
 
 class AudioEncoder(nn.Module):
@@ -137,15 +138,16 @@ class AudioEncoder(nn.Module):
     def embed(self, mels: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The convolutional stem: ``(tokens [n_frames // 4, dim], tokens per clip)``. Clips are resharded after it,
         so a split clip needs no convolution halo from its neighbours' chunks."""
-        if lengths.numel() == 0 or bool((lengths % self.config.downsample).any()):
+        clip_lengths = lengths.tolist()  # one read of the device, for the check and the split
+        if not clip_lengths or any(length % self.config.downsample for length in clip_lengths):
             raise ValueError(
-                f"audio clip lengths {lengths.tolist()} must be non-empty multiples of {self.config.downsample}"
+                f"audio clip lengths {clip_lengths} must be non-empty multiples of {self.config.downsample}"
             )
         # Convolve clip by clip: a kernel sliding across a clip boundary would mix two recordings.
         mels = mels.to(self.conv1.weight.dtype)  # mel frames arrive fp32; weights may be bf16
         clips = [
             F.gelu(self.conv2(F.gelu(self.conv1(clip.t().unsqueeze(0))))).squeeze(0).t()
-            for clip in mels.split(lengths.tolist())
+            for clip in mels.split(clip_lengths)
         ]
         positions = torch.cat([torch.arange(clip.shape[0], device=mels.device) for clip in clips])
         x = torch.cat(clips)
@@ -164,5 +166,5 @@ class AudioEncoder(nn.Module):
         """One clip of ``downsample`` frames for a rank without audio (see :meth:`VisionEncoder.dummy_inputs`)."""
         return (
             torch.zeros(self.config.downsample, self.config.n_mels, device=device, dtype=self.conv1.weight.dtype),
-            torch.tensor([self.config.downsample], device=device),
+            to_device([self.config.downsample], device),
         )

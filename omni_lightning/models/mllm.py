@@ -18,6 +18,7 @@ from omni_lightning.models.llm import Decoder
 from omni_lightning.models.moe import MoEFeedForward
 from omni_lightning.parallel.context_parallel import shard_for_context_parallel
 from omni_lightning.parallel.layout import ModelGroups
+from omni_lightning.parallel.transfer import to_device
 
 __all__ = ["ReferenceMLLM"]
 
@@ -221,8 +222,7 @@ class ReferenceMLLM(nn.Module):
         return features
 
     def _placeholders(self, input_ids: torch.Tensor, name: str) -> torch.Tensor:
-        ids = torch.tensor(self.packing.placeholder_ids(name), device=input_ids.device)
-        return torch.isin(input_ids, ids)
+        return torch.isin(input_ids, to_device(self.packing.placeholder_ids(name), input_ids.device))
 
     def local_labels(self, batch: PackedBatch) -> torch.Tensor:
         """The labels of the tokens this rank's logits cover (all of them unless context parallelism is on)."""

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from omni_lightning.batch import IGNORE_INDEX, PackedBatch, PackingSpec, input_key, media_key
+from omni_lightning.parallel.attention import host_bounds
+from omni_lightning.parallel.transfer import to_device
 
 __all__ = ["filler_batch", "item_layout", "select_items", "split_micro_batches"]
 
@@ -32,31 +34,47 @@ def select_items(inputs: tuple[torch.Tensor, ...], rows: list[np.ndarray], items
         starts = np.concatenate([[0], np.cumsum(item_rows)]).astype(np.int64)
         pieces = [np.arange(starts[i], starts[i + 1]) for i in np.asarray(items, dtype=np.int64).tolist()]
         index = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-        picked.append(tensor[torch.as_tensor(index, device=tensor.device)])
+        picked.append(tensor[to_device(index, tensor.device)])
     return tuple(picked)
 
 
 def filler_batch(spec: PackingSpec, device: torch.device) -> PackedBatch:
     """A micro-batch of one filler token and no loss, for a step with fewer samples than micro-batches."""
     batch: PackedBatch = {
-        "input_ids": torch.tensor([spec.roles.filler], device=device),
-        "labels": torch.tensor([IGNORE_INDEX], device=device),
+        "input_ids": to_device([spec.roles.filler], device),
+        "labels": to_device([IGNORE_INDEX], device),
         "position_ids": torch.zeros(1, dtype=torch.long, device=device),
-        "cu_seqlens": torch.tensor([0, 1], dtype=torch.int32, device=device),
+        "cu_seqlens": to_device([0, 1], device, torch.int32),
         "keys": [], "num_samples": 0,
     }
     for fmt in spec.encoders:
         for name, empty in zip(fmt.input_names, fmt.empty(spec), strict=True):
-            batch[input_key(fmt.name, name)] = torch.from_numpy(empty).to(device)
+            batch[input_key(fmt.name, name)] = to_device(empty, device)
     batch.update({media_key(name): [] for name in spec.assembled_encoders})
     return batch
+
+
+def _placeholders_per_sample(batch: PackedBatch, spec: PackingSpec) -> dict[str, list[int]]:
+    """Each encoder's placeholder tokens in each sample of ``batch``, from one read of the device for all of them
+    (not one a sample: on an accelerator each read waits for the work queued before it)."""
+    ids, names = batch["input_ids"], [fmt.name for fmt in spec.encoders]
+    if not names:
+        return {}
+    bounds = batch["cu_seqlens"].long()
+    start = torch.zeros(1, dtype=torch.int64, device=ids.device)
+    counts = []
+    for name in names:
+        wanted = to_device(spec.placeholder_ids(name), ids.device)
+        counts.append(torch.cat([start, torch.isin(ids, wanted).cumsum(0)])[bounds].diff())
+    return dict(zip(names, torch.stack(counts).tolist(), strict=True))
 
 
 def split_micro_batches(batch: PackedBatch, n: int, spec: PackingSpec) -> list[PackedBatch]:
     """Cut one packed batch into ``n`` packed micro-batches of whole samples, contiguous and even by tokens (a
     micro-batch no sample falls in is a :func:`filler_batch`)."""
-    cu = batch["cu_seqlens"].long().tolist()
+    cu = list(host_bounds(batch["cu_seqlens"]))
     ids = batch["input_ids"]
+    placeholders = _placeholders_per_sample(batch, spec)
     # Each encoder's items of each sample, in packing order: a sample's placeholders consume its items' outputs (or,
     # where the model assembles them, its media items' assembled tokens).
     item_bounds, media_bounds, layouts = {}, {}, {}
@@ -68,10 +86,9 @@ def split_micro_batches(batch: PackedBatch, n: int, spec: PackingSpec) -> list[P
                      for m, shape in batch[media_key(fmt.name)]]
         else:
             units = [(1, int(n)) for n in tokens // fmt.tokens_per_output(spec)]
-        placeholder = torch.isin(ids, torch.tensor(spec.placeholder_ids(fmt.name), device=ids.device))
         items, units_taken, unit = [0], [0], 0
-        for a, b in zip(cu[:-1], cu[1:], strict=True):
-            remaining, taken = int(placeholder[a:b].sum()), 0
+        for remaining in placeholders[fmt.name]:
+            taken = 0
             while remaining > 0:
                 remaining -= units[unit][1]
                 taken += units[unit][0]

@@ -26,7 +26,9 @@ class StepLoss:
     """How one step's losses are scaled before their backward.
 
     Args:
-        loss_tokens: the global loss tokens the summed token losses are divided by.
+        loss_tokens: the global loss tokens the summed token losses are divided by: a number, or a scalar tensor on
+            the compute device (the all-reduced count, which the step never reads back: on an accelerator a read
+            would stall the host between the forward and the backward).
         data_parallel: the ranks FSDP averages gradients over (``dp_cp``): undone here.
         weight: the share of the optimizer step this loss stands for: 1 when ``loss_tokens`` counts the whole
             step, ``1 / k`` for each of ``k`` equally weighted parts (Lightning's gradient accumulation of batches
@@ -35,15 +37,17 @@ class StepLoss:
         aux_parts: the micro-batches the load-balance loss is a mean over (times the accumulated parts).
     """
 
-    loss_tokens: float
+    loss_tokens: float | torch.Tensor
     data_parallel: int
     weight: float = 1.0
     aux_coef: float = 0.0
     aux_parts: int = 1
 
     @property
-    def token_scale(self) -> float:
-        """The factor of a summed token loss."""
+    def token_scale(self) -> float | torch.Tensor:
+        """The factor of a summed token loss (a tensor where ``loss_tokens`` is one)."""
+        if isinstance(self.loss_tokens, torch.Tensor):
+            return self.data_parallel * self.weight / self.loss_tokens.clamp(min=1.0)
         return self.data_parallel * self.weight / max(self.loss_tokens, 1.0)
 
     @property
@@ -52,8 +56,12 @@ class StepLoss:
         return self.aux_coef * self.data_parallel / self.aux_parts
 
     def __call__(self, loss_sum: torch.Tensor, aux_share: torch.Tensor | float = 0.0) -> torch.Tensor:
-        """The scaled loss of a micro-batch's summed token loss and its load-balance share."""
-        return loss_sum * self.token_scale + aux_share * self.aux_scale
+        """The scaled loss of a micro-batch's summed token loss and its load-balance share (in ``loss_sum``'s
+        dtype)."""
+        scale = self.token_scale
+        if isinstance(scale, torch.Tensor):
+            scale = scale.to(loss_sum.dtype)
+        return loss_sum * scale + aux_share * self.aux_scale
 
 
 _loss_parallel_depth = 0

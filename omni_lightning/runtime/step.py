@@ -33,6 +33,7 @@ from omni_lightning.parallel.fsdp import set_gradient_sync
 from omni_lightning.parallel.grad_norm import clip_grad_norm_
 from omni_lightning.parallel.layout import OmniLayout, OmniMeshes
 from omni_lightning.parallel.timing import action_clock
+from omni_lightning.parallel.transfer import to_device
 from omni_lightning.runtime.calibration import JointCalibrator, ResharderCalibrator
 from omni_lightning.runtime.encoders import EncoderSource, LocalEncoders, llm_work
 from omni_lightning.runtime.items import split_micro_batches
@@ -156,22 +157,23 @@ class PlainStep:
         loss_sum, loss_tokens = next_token_loss_sum(logits, model.local_labels(batch))
         cp = meshes.size("cp") if meshes is not None else 1
         step = batch.get("step") if train else None
-        # CP peers hold the same samples: each counts 1 / cp of them.
-        step_tokens = float(step["loss_tokens"]) / cp if step is not None else float(loss_tokens)
         aux_share = model.llm.moe_aux_loss()  # this rank's share of the MoE load-balance loss (0 if dense)
-        # One collective for everything that needs the global batch.
+        # One collective for everything that needs the global batch. Nothing of it is read back here: the loss is
+        # scaled by the all-reduced count on the device (on an accelerator a read would stall the host between the
+        # forward and the backward), and the host's numbers reach the device in one copy that does not wait.
         device = loss_sum.device
-        totals = torch.stack([
-            _whole_aux(model, aux_share.detach().double()), loss_sum.detach().double(), loss_tokens.double(),
-            torch.tensor(batch["input_ids"].numel() / cp, dtype=torch.float64, device=device),
-            torch.tensor(batch["num_samples"] / cp, dtype=torch.float64, device=device),
-            torch.tensor(step_tokens, dtype=torch.float64, device=device),
-        ])
+        # CP peers hold the same samples: each counts 1 / cp of them.
+        step_count = float(step["loss_tokens"]) if step is not None else 0.0
+        host = to_device([batch["input_ids"].numel() / cp, batch["num_samples"] / cp, step_count / cp], device,
+                         torch.float64)
+        step_tokens = host[2] if step is not None else loss_tokens.double()  # no step's count: this batch's own
+        totals = torch.stack([_whole_aux(model, aux_share.detach().double()), loss_sum.detach().double(),
+                              loss_tokens.double(), host[0], host[1], step_tokens])
         if (group := _loss_group(meshes)) is not None:
             dist.all_reduce(totals, group=group)
         aux, global_loss_sum, global_tokens, tokens, samples, global_step_tokens = totals
         accumulate = accumulate if train else 1
-        loss = StepLoss(float(global_step_tokens), _data_parallel(meshes), weight=1.0 if step is not None else
+        loss = StepLoss(global_step_tokens, _data_parallel(meshes), weight=1.0 if step is not None else
                         1 / accumulate, aux_coef=model.config.llm.moe_aux_loss_coef, aux_parts=accumulate)
         stats = {"loss": (global_loss_sum / global_tokens.clamp(min=1.0)).float(), "tokens": tokens,
                  "samples": samples, "moe_aux_loss": aux.float()}
@@ -200,9 +202,11 @@ def _micro_batches_and_counts(batch: PackedBatch, n: int, model: ReferenceMLLM, 
     micro = batch.get("micro_batches") or split_micro_batches(batch, n, model.packing)
     device = micro[0]["input_ids"].device
     cp = meshes.size("cp")  # CP peers hold the same micro-batches: each counts 1 / cp of them
-    counts = torch.tensor([float(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)),
-                           float(sum(mb["input_ids"].numel() for mb in micro)),
-                           float(sum(mb["num_samples"] for mb in micro))], dtype=torch.float64, device=device) / cp
+    # Counted on the device and never read back (see PlainStep.run); the host's counts reach it in one copy.
+    loss_tokens = torch.stack([(mb["labels"] != IGNORE_INDEX).sum() for mb in micro]).sum().double().reshape(1)
+    known = to_device([sum(mb["input_ids"].numel() for mb in micro), sum(mb["num_samples"] for mb in micro)], device,
+                      torch.float64)
+    counts = torch.cat([loss_tokens, known]) / cp
     if (group := _loss_group(meshes)) is not None:
         dist.all_reduce(counts, group=group)
     return micro, counts
@@ -227,7 +231,7 @@ class PipelineStep:
         runner, meshes = self.runner, self.meshes
         micro, counts = _micro_batches_and_counts(batch, runner.n_microbatches, self.model, meshes)
         accumulate = accumulate if train else 1
-        loss = StepLoss(float(counts[0]), _data_parallel(meshes), weight=1 / accumulate,
+        loss = StepLoss(counts[0], _data_parallel(meshes), weight=1 / accumulate,
                         aux_coef=self.model.config.llm.moe_aux_loss_coef,
                         aux_parts=accumulate * runner.n_microbatches)  # a mean over the schedule's micro-batches
         with vocab_parallel_loss() if meshes.get("tp") is not None else nullcontext():
@@ -347,7 +351,7 @@ class PoolLLMStep:
         device = micro[0]["input_ids"].device
         accumulate = accumulate if train else 1
         data_parallel = _data_parallel(meshes)
-        loss = StepLoss(float(counts[0]), data_parallel, weight=1 / accumulate,
+        loss = StepLoss(counts[0], data_parallel, weight=1 / accumulate,
                         aux_coef=model.config.llm.moe_aux_loss_coef, aux_parts=accumulate * n)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         aux_total = torch.zeros((), dtype=torch.float64, device=device)

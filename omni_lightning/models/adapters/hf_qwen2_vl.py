@@ -28,6 +28,7 @@ from omni_lightning.models.adapters.hf_attention import SplitItems, use_tower_at
 from omni_lightning.models.adapters.hf_llm import HFCausalLMAdapter
 from omni_lightning.models.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair_flops, matmul_flops
 from omni_lightning.parallel.attention import cu_seqlens_from_lengths, host_bounds
+from omni_lightning.parallel.transfer import to_device
 
 __all__ = ["Qwen25VLTextAdapter", "Qwen25VLVisionAdapter", "Qwen2VLTextAdapter", "Qwen2VLVisionAdapter",
            "mrope_positions", "position_columns", "positions_from_columns"]
@@ -112,9 +113,9 @@ class Qwen2VLVisionAdapter(nn.Module):
 
     def dummy_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One merge window, for a rank that has no images."""
-        positions = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]], device=device)
+        positions = to_device([[0, 0], [0, 1], [1, 0], [1, 1]], device)
         patches = torch.zeros(4, self.patch_width, device=device, dtype=self.patch_embed.proj.weight.dtype)
-        return patches, positions, torch.tensor([[2, 2]], device=device)
+        return patches, positions, to_device([[2, 2]], device)
 
     def cost(self) -> ModuleCost:
         """Per patch: the stem, every block (qkv, projection, MLP) and a quarter of the merger; per pair of
@@ -170,7 +171,7 @@ def mrope_positions(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, grids: to
     ids = input_ids.tolist()
     sides = (grids.long() // merge).tolist()
     out = np.zeros((3, len(ids)), dtype=np.int64)
-    bounds, item = cu_seqlens.tolist(), 0
+    bounds, item = host_bounds(cu_seqlens), 0  # the LLM's attention reads the same bounds
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         position, i = 0, start
         while i < end:
@@ -206,6 +207,19 @@ def mrope_positions(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, grids: to
     return torch.from_numpy(out).to(input_ids.device)
 
 
+def _item_grids(positions: torch.Tensor, item_bounds: tuple[int, ...]) -> torch.Tensor:
+    """Each whole item's ``(1, rows, columns)`` on the host, from its patches' positions (one temporal patch, rows and
+    columns counted from zero): the items' largest positions in one read of the device, not two per item."""
+    lengths = np.diff(item_bounds).astype(np.int64)
+    lengths = lengths[lengths > 0]
+    if not lengths.size:
+        return torch.zeros(0, 3, dtype=torch.long)
+    rows = positions[: item_bounds[-1], :2]
+    owner = to_device(np.repeat(np.arange(lengths.size), lengths), rows.device)[:, None].expand(-1, 2)
+    largest = rows.new_zeros(lengths.size, 2).scatter_reduce(0, owner, rows, "amax").cpu()
+    return torch.cat([torch.ones(lengths.size, 1, dtype=torch.long), largest.long() + 1], dim=1)
+
+
 class Qwen25VLVisionAdapter(Qwen2VLVisionAdapter):
     """Qwen2.5-VL's tower: as Qwen2-VL's, but attending within windows of ``window_size`` pixels (tokens reordered
     window by window, as the model does) except in its full-attention blocks."""
@@ -222,18 +236,14 @@ class Qwen25VLVisionAdapter(Qwen2VLVisionAdapter):
         cu = cu_seqlens.to(torch.int32)
         item_bounds = host_bounds(cu)
         whole = item_bounds[-1]
-        # Each item's grid from its own positions: one temporal patch, rows and columns counted from zero.
-        grid_thw = torch.tensor([[1, int(positions[a:b, 0].max()) + 1, int(positions[a:b, 1].max()) + 1]
-                                 for a, b in itertools.pairwise(item_bounds) if b > a],
-                                dtype=torch.long).reshape(-1, 3)
+        grid_thw = _item_grids(positions, item_bounds)
         if whole:
             window_index, cu_windows = get_vision_window_index(grid_thw, spatial_merge_size=self.merge,
                                                                window_size=config.window_size,
                                                                patch_size=config.patch_size)
         else:  # split items only
             window_index, cu_windows = torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.int32)
-        window_index = window_index.to(hidden.device)
-        cu_windows = cu_windows.to(hidden.device)
+        window_index, cu_windows = to_device(window_index, hidden.device), to_device(cu_windows, hidden.device)
 
         def by_window(t: torch.Tensor) -> torch.Tensor:
             head = t[:whole].reshape(whole // unit, unit, t.shape[1])[window_index].reshape(whole, t.shape[1])
