@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from device_discipline import device_syncs
 from distributed import run_distributed
 
 from omni_lightning.balance.cost import ModuleCost
@@ -131,6 +132,14 @@ def _loader_word(rank: int, world_size: int, monkeypatch: pytest.MonkeyPatch) ->
         assert (gathers, checks) == ([], [])
         assert steps == gathered_steps and stats == {**gathered_stats, "size_gathers": 0.0}
         assert gathered_stats["size_gathers"] == 1.0
+        # Given the lengths on the host too, such a plan reads nothing back from the device.
+        vision, audio = (torch.tensor(x, dtype=torch.int64) for x in items[rank])
+        with device_syncs() as syncs:
+            hosted = resharder.plan({"vision": vision, "audio": audio}, multiples, llm[rank],
+                                    group_work=_word(everyone, items, llm),
+                                    host_lengths={"vision": np.asarray(items[rank][0], dtype=np.int64),
+                                                  "audio": np.asarray(items[rank][1], dtype=np.int64)})
+        assert syncs == [] and {name: repr(step) for name, step in hosted.items()} == steps
     # Two images on rank 0 alone: resharding may pay, so the word is no reason to skip the gather; nor is a word
     # about other ranks, or one that does not price an encoder.
     lopsided = [([64, 64], [])] + [([], [])] * (world_size - 1)

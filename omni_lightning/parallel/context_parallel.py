@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from omni_lightning.balance.reshard import split_lengths
 from omni_lightning.parallel.attention import host_bounds
+from omni_lightning.parallel.transfer import to_device
 
 __all__ = ["ContextShard", "cp_attention", "head_tail_indices", "shard_for_context_parallel"]
 
@@ -70,14 +71,14 @@ def shard_for_context_parallel(cu_seqlens: torch.Tensor, group: dist.ProcessGrou
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     kept = head_tail_indices(lengths, cp)
     device = cu_seqlens.device
-    order = torch.tensor([i for share in kept for i in share], dtype=torch.long, device=device)
+    order = to_device([i for share in kept for i in share], device, torch.long)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=device)
     local_cu = [0]
     for length in lengths:
         chunks = split_lengths(length, 2 * cp)
         local_cu.append(local_cu[-1] + chunks[rank] + chunks[2 * cp - 1 - rank])
-    return ContextShard(group, torch.tensor(kept[rank], dtype=torch.long, device=device),
+    return ContextShard(group, to_device(kept[rank], device, torch.long),
                         [len(share) for share in kept], inverse, bounds, local_cu)
 
 

@@ -31,6 +31,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from omni_lightning.parallel.transfer import to_device
+
 __all__ = ["ExpertCompute", "ExpertDispatcher", "apply_ep", "expert_major_order", "gather_rows", "row_share",
            "split_rows", "sync_expert_gradients", "sync_token_split_gradients"]
 
@@ -68,7 +70,7 @@ class ExpertDispatcher:
         received_counts = received_counts.view(self.ep, self.local_experts)
         recv_counts = received_counts.sum(1).tolist()
         received = funcol.all_to_all_single_autograd(rows, recv_counts, send_counts, self.group)
-        order = torch.as_tensor(expert_major_order(received_counts.cpu().numpy()), device=rows.device)
+        order = to_device(expert_major_order(received_counts.cpu().numpy()), rows.device)
         outputs = compute(received[order], received_counts.sum(0))
         restored = torch.empty_like(outputs).index_copy(0, order, outputs)
         return funcol.all_to_all_single_autograd(restored, send_counts, recv_counts, self.group)

@@ -25,6 +25,7 @@ import torch
 from omni_lightning.batch import GROUP_WORK_KEY, Encoded, EncoderOutputs, PackedBatch
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.parallel.attention import host_bounds
+from omni_lightning.parallel.transfer import to_device
 from omni_lightning.runtime.calibration import ResharderCalibrator
 from omni_lightning.runtime.items import item_layout, select_items
 from omni_lightning.runtime.peers import SamplePeers, gather_peer_outputs, split_items, sum_over_tensor_parallel_peers
@@ -132,7 +133,8 @@ class LocalEncoders:
             work = llm_work(batch) if self.resharder.llm is not None else (0, 0)
             steps = self.resharder.plan({name: share.own_tokens for name, share in shares.items()},
                                         {name: encoder.tokens_per_output for name, encoder in model.encoders.items()},
-                                        work, group_work=self._group_work(batch))
+                                        work, group_work=self._group_work(batch),
+                                        host_lengths={name: share.own_token_counts for name, share in shares.items()})
         timing = self.calibrator if self._train else None
         if steps is not None and self.peers is None and _all_home_untimed(steps, timing):
             # The group's one plan keeps every item home (the same on every rank of the group, which holds this
@@ -197,4 +199,5 @@ class _Share:
             self.own_inputs: tuple[torch.Tensor, ...] | None = inputs if mine.size else None
         else:
             self.own_inputs = select_items(inputs, rows, mine) if mine.size else None
-        self.own_tokens = torch.as_tensor(tokens[mine], dtype=torch.int64, device=self.device)
+        self.own_token_counts = tokens[mine]
+        self.own_tokens = to_device(self.own_token_counts, self.device, torch.int64)

@@ -52,6 +52,7 @@ from omni_lightning.batch import EncoderOutputs
 from omni_lightning.parallel.agreement import check_plans_agree
 from omni_lightning.parallel.attention import host_bounds
 from omni_lightning.parallel.timing import ActionLog, timed, waiting
+from omni_lightning.parallel.transfer import to_device
 from omni_lightning.runtime.items import item_layout, select_items
 from omni_lightning.runtime.peers import SamplePeers
 from omni_lightning.runtime.reshard import EncoderStep, Resharder
@@ -107,7 +108,7 @@ class _Items:
         """Row index that turns the peers' outputs of ``rank``'s share, concatenated peer by peer, into item order."""
         mine = np.flatnonzero(self.owner == rank)
         order = _item_order(self.output_rows[mine], self.peer[mine], tp)
-        return torch.as_tensor(order, device=self.device)
+        return to_device(order, self.device)
 
     def peer_rows_in_share(self, rank: int, peer: int) -> torch.Tensor:
         """Rows of ``rank``'s share (in item order) that tensor-parallel peer ``peer`` encodes."""
@@ -116,7 +117,7 @@ class _Items:
         starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         pieces = [np.arange(starts[k], starts[k + 1]) for k in np.flatnonzero(self.peer[mine] == peer)]
         index = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-        return torch.as_tensor(index, device=self.device)
+        return to_device(index, self.device)
 
     def inputs_of(self, rank: int, peer: int = 0) -> tuple[torch.Tensor, ...] | None:
         items = np.flatnonzero((self.owner == rank) & (self.peer == peer))
@@ -124,7 +125,7 @@ class _Items:
 
     def item_order(self, pp: int) -> torch.Tensor:
         """Row index that turns the shares, concatenated by rank, into item order."""
-        return torch.as_tensor(_item_order(self.output_rows, self.owner, pp), device=self.device)
+        return to_device(_item_order(self.output_rows, self.owner, pp), self.device)
 
 
 class JointEncoders:
@@ -394,9 +395,11 @@ class JointEncoders:
         running = [items for modality, items in enumerate(self._items[m]) if self._runs[m, modality]]
         if self.resharder is None or not running:
             return None
-        own = {items.name: torch.as_tensor(items.tokens[(items.owner == self.rank) & (items.peer == self.tp_rank)],
-                                           device=items.device) for items in running}
-        steps = self.resharder.plan(own, {items.name: items.encoder.tokens_per_output for items in running})
+        own = {items.name: np.asarray(items.tokens[(items.owner == self.rank) & (items.peer == self.tp_rank)],
+                                      dtype=np.int64) for items in running}
+        steps = self.resharder.plan({items.name: to_device(own[items.name], items.device) for items in running},
+                                    {items.name: items.encoder.tokens_per_output for items in running},
+                                    host_lengths=own)
         self.items_moved += int(self.resharder.stats.get("items_moved", 0))
         return steps
 

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from omni_lightning.balance.pipeline_order import lpt_ranks
 from omni_lightning.parallel.compat import all_gather_single
+from omni_lightning.parallel.transfer import to_device
 
 __all__ = ["SamplePeers", "gather_peer_outputs", "split_items", "sum_over_tensor_parallel_peers"]
 
@@ -84,7 +85,7 @@ class _GatherPeerOutputs(torch.autograd.Function):
         if peers.cp_group is not None:  # each context-parallel peer holds its token share's part of the gradient
             grad = grad.contiguous()
             dist.all_reduce(grad, group=peers.cp_group)
-        mine = grad[torch.as_tensor(ctx.mine, device=grad.device)]
+        mine = grad[to_device(ctx.mine, grad.device)]
         return mine, None, None, None
 
 

@@ -42,6 +42,7 @@ from omni_lightning.balance.digest import plan_digest
 from omni_lightning.batch import EncoderOutputs, PackedBatch, PackingSpec, input_key
 from omni_lightning.parallel.agreement import check_plans_agree
 from omni_lightning.parallel.placement import PoolLayout
+from omni_lightning.parallel.transfer import to_device
 from omni_lightning.runtime.encoders import LocalEncoders
 from omni_lightning.runtime.items import item_layout, select_items
 from omni_lightning.runtime.joint import share_items
@@ -156,7 +157,7 @@ class EncoderPoolLink:
             for work in works:
                 work.wait()
             order = arrival_order(plan["rows"][fmt.name], plan["owners"][fmt.name], len(self.servers))
-            leaf = torch.cat(buffers)[torch.as_tensor(order, device=buffers[0].device)].requires_grad_(self.train)
+            leaf = torch.cat(buffers)[to_device(order, buffers[0].device)].requires_grad_(self.train)
             if self.train:
                 leaf.register_post_accumulate_grad_hook(lambda _, m=m: self._gradient_ready(m))
             leaves.append(leaf)
@@ -189,7 +190,7 @@ class EncoderPoolLink:
             owner, rows = plan["owners"][fmt.name], plan["rows"][fmt.name]
             order = arrival_order(rows, owner, len(self.servers))
             by_arrival = torch.empty_like(grad)
-            by_arrival[torch.as_tensor(order, device=grad.device)] = grad * self.gradient_scale
+            by_arrival[to_device(order, grad.device)] = grad * self.gradient_scale
             sizes = [int(rows[owner == s].sum()) for s in range(len(self.servers))]
             for piece, server in zip(by_arrival.split(sizes), self.servers, strict=True):
                 if piece.shape[0]:
@@ -216,7 +217,7 @@ class EncoderPoolLink:
             inputs = tuple(batch[input_key(fmt.name, n)] for n in fmt.input_names)
             _, rows = item_layout(batch, self.spec, fmt.name)
             picked = select_items(inputs, rows, np.flatnonzero(mine[fmt.name]))
-            header = torch.tensor([d for x in picked for d in x.shape], dtype=torch.int64, device=device)
+            header = to_device([d for x in picked for d in x.shape], device, torch.int64)
             self._isend(header, server, "items", self.tags.of(m, e, "header"))
             for i, tensor in enumerate(picked):
                 if tensor.numel():

@@ -45,6 +45,7 @@ from omni_lightning.balance.reshard import (
 from omni_lightning.parallel.agreement import check_plans_agree
 from omni_lightning.parallel.attention import cu_seqlens_from_lengths
 from omni_lightning.parallel.compat import all_gather_single
+from omni_lightning.parallel.transfer import to_device
 
 __all__ = ["EncoderStep", "Resharder"]
 
@@ -148,8 +149,8 @@ class Resharder:
         return self.llm_share * (self.llm.linear * np.asarray(tokens) + self.llm.quadratic * np.asarray(pairs))
 
     def plan(self, lengths: Mapping[str, torch.Tensor], multiples: Mapping[str, int],
-             llm_work: tuple[int, int] = (0, 0), *, group_work: Mapping[str, Any] | None = None
-             ) -> dict[str, EncoderStep]:
+             llm_work: tuple[int, int] = (0, 0), *, group_work: Mapping[str, Any] | None = None,
+             host_lengths: Mapping[str, np.ndarray] | None = None) -> dict[str, EncoderStep]:
         """All-gather every encoder's item lengths and this rank's LLM work on the micro-batch (``llm_work``: its
         tokens and causal attention pairs; integers only) and plan each encoder in turn, each on top of the LLM's
         work (with ``llm``) and the encoders planned before it; then, where some rank has an item, check that every
@@ -159,11 +160,14 @@ class Resharder:
         (:data:`~omni_lightning.batch.GROUP_WORK_KEY`). Where it speaks for this group's ranks and shows that no
         encoder's items could gain from resharding (:func:`~omni_lightning.balance.reshard.resharding_may_pay`),
         every item stays home and nothing is gathered or checked: every member of the group reads the same word and
-        prices, so all of them skip the collectives or none does."""
+        prices, so all of them skip the collectives or none does.
+
+        ``host_lengths``: the same lengths on the host, where the caller has them; a plan the word settles then
+        reads nothing back from the device (on an accelerator each read waits for the work queued before it)."""
         names = list(lengths)
         local = [lengths[name].to(torch.int64) for name in names]
         if group_work is not None and tuple(group_work["ranks"]) == self.global_ranks:
-            kept = self._kept_home(names, local, group_work)
+            kept = self._kept_home(names, local, group_work, host_lengths)
             if kept is not None:
                 self.stats = {**_summary(kept), "size_gathers": 0.0}
                 return kept
@@ -186,8 +190,8 @@ class Resharder:
         self.stats = {**_summary(steps), "size_gathers": 1.0}
         return steps
 
-    def _kept_home(self, names: list[str], local: list[torch.Tensor], word: Mapping[str, Any]
-                   ) -> dict[str, EncoderStep] | None:
+    def _kept_home(self, names: list[str], local: list[torch.Tensor], word: Mapping[str, Any],
+                   host_lengths: Mapping[str, np.ndarray] | None) -> dict[str, EncoderStep] | None:
         """Every encoder's step with its items kept home, where the loader's per-rank work (``word``) shows that
         none could gain from resharding; ``None`` where one might, or where the word does not price one of them.
 
@@ -218,7 +222,8 @@ class Resharder:
             if name not in self.unmeasured and resharding_may_pay(base, in_place, exchange=exchange,
                                                                   min_gain=self.min_gain):
                 return None
-            own_work = float(cost(own.sum().item(), (own.double() ** 2).sum().item()))
+            on_host = host_lengths[name] if host_lengths is not None else own.cpu().numpy()
+            own_work = float(cost(int(on_host.sum()), float((on_host.astype(np.float64) ** 2).sum())))
             steps[name] = EncoderStep(None, own.numel(), in_place, in_place, 0, 0, own_work)
             base = base + in_place
         return steps
@@ -237,7 +242,7 @@ class Resharder:
         head_width = n_names + 2
         flat = torch.cat(local)
         row = torch.zeros(head_width + self._capacity, dtype=torch.int64, device=device)
-        row[:head_width] = torch.tensor([t.numel() for t in local] + list(llm_work), dtype=torch.int64)
+        row[:head_width] = to_device([t.numel() for t in local] + list(llm_work), device, torch.int64)
         head = min(flat.numel(), self._capacity)
         row[head_width : head_width + head] = flat[:head]
         rows = torch.empty(self.n_ranks * row.numel(), dtype=torch.int64, device=device)
@@ -315,10 +320,10 @@ class Resharder:
                                                    sum(exchange.send_counts), with_dummy=idle, device=device)
         if dependency is not None:
             tokens = tokens + 0.0 * dependency.sum()
-        send = tokens[torch.as_tensor(exchange.send_index, device=device)]
+        send = tokens[to_device(exchange.send_index, device)]
         received = funcol.all_to_all_single_autograd(send, exchange.recv_counts, exchange.send_counts, self.group)
-        local = received[torch.as_tensor(exchange.local_index, device=device)]
-        lengths = torch.as_tensor(exchange.whole_lengths, dtype=torch.int64, device=device)
+        local = received[to_device(exchange.local_index, device)]
+        lengths = to_device(exchange.whole_lengths, device, torch.int64)
         # A member of an SP block whose chunk of a short item came out empty still joins the item's exchanges.
         with timed:
             if not idle:
@@ -326,7 +331,7 @@ class Resharder:
             else:  # a dummy item keeps this rank's FSDP and autograd steps in line with its peers'
                 outputs = encoder.encode(dummy + 0.0 * local.sum(), cu_seqlens_from_lengths(dummy_lengths))[:0]
         multiple = encoder.tokens_per_output
-        back = outputs[torch.as_tensor(exchange.back_index, device=device)]
+        back = outputs[to_device(exchange.back_index, device)]
         returned = funcol.all_to_all_single_autograd(
             back, [n // multiple for n in exchange.send_counts], [n // multiple for n in exchange.recv_counts],
             self.group,
@@ -334,7 +339,7 @@ class Resharder:
         self.stats["bytes_moved"] = self.stats.get("bytes_moved", 0.0) + _bytes_moved(
             exchange, self.rank, tokens.shape[1] * tokens.element_size(), back.shape[1] * back.element_size() / multiple
         )
-        return returned[torch.as_tensor(exchange.assemble_index, device=device)]
+        return returned[to_device(exchange.assemble_index, device)]
 
 
 def _embed_once(encoder: nn.Module, inputs: tuple[torch.Tensor, ...] | None, own_tokens: int, *, with_dummy: bool,

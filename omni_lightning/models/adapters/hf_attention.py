@@ -26,6 +26,7 @@ from omni_lightning.balance.reshard import SplitChunk
 from omni_lightning.parallel.attention import varlen_attention
 from omni_lightning.parallel.context_parallel import ContextShard, cp_attention
 from omni_lightning.parallel.sequence_parallel import long_short_attention
+from omni_lightning.parallel.transfer import to_device
 
 __all__ = ["PACKED_ATTENTION", "TOWER_ATTENTION", "PackedItems", "SplitItems", "packed_attention",
            "tower_attention", "use_packed_attention", "use_tower_attention"]
@@ -106,7 +107,7 @@ def tower_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         raise ValueError(f"attention dropout {dropout} is not supported in the towers: set it to 0")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     if cu_seq_lens_q is None:  # one item (a caller without bounds)
-        cu_seq_lens_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+        cu_seq_lens_q = to_device([0, q.shape[0]], q.device, torch.int32)
     split = split_items or SplitItems((), {})
     out = long_short_attention(q, k, v, cu_seq_lens_q, split.chunks, split.sp_groups, scale=scaling,
                                chunk_segments=split.segments)

@@ -16,6 +16,7 @@ from omni_lightning.models.adapters.hf_attention import PackedItems, use_packed_
 from omni_lightning.models.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair_flops, matmul_flops
 from omni_lightning.models.layers import GeluMLP
 from omni_lightning.parallel.attention import cu_seqlens_from_lengths
+from omni_lightning.parallel.transfer import to_device
 
 __all__ = ["WhisperEncoderAdapter"]
 
@@ -62,11 +63,12 @@ class WhisperEncoderAdapter(nn.Module):
         return lengths // _STEM_STRIDE
 
     def embed(self, mels: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if lengths.numel() == 0 or bool((lengths % _MELS_PER_TOKEN).any()) or int(lengths.max()) > self.max_frames:
-            raise ValueError(f"audio clip lengths {lengths.tolist()} must be non-empty multiples of "
+        clip_lengths = lengths.tolist()  # one read of the device, for the checks and the split
+        if not clip_lengths or any(n % _MELS_PER_TOKEN or n > self.max_frames for n in clip_lengths):
+            raise ValueError(f"audio clip lengths {clip_lengths} must be non-empty multiples of "
                              f"{_MELS_PER_TOKEN} of at most {self.max_frames} frames (Whisper's position table)")
         clips = [F.gelu(self.conv2(F.gelu(self.conv1(clip.t()[None].to(self.conv1.weight.dtype)))))[0].t()
-                 for clip in mels.split(lengths.tolist())]
+                 for clip in mels.split(clip_lengths)]
         x = torch.cat([clip + self.embed_positions[: clip.shape[0]].to(clip.dtype) for clip in clips])
         return x, self.item_tokens(mels, lengths)
 
@@ -85,7 +87,7 @@ class WhisperEncoderAdapter(nn.Module):
     def dummy_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """One clip of 4 mel frames, for a rank that has no audio."""
         return (torch.zeros(_MELS_PER_TOKEN, self.config.num_mel_bins, device=device, dtype=self.conv1.weight.dtype),
-                torch.tensor([_MELS_PER_TOKEN], device=device))
+                to_device([_MELS_PER_TOKEN], device))
 
     def cost(self) -> ModuleCost:
         """Per cost-model audio token (4 mel frames, 2 encoder positions) and per pair of such tokens (4 pairs of

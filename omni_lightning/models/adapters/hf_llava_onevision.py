@@ -29,6 +29,7 @@ from omni_lightning.models.adapters.hf_attention import PackedItems, SplitItems,
 from omni_lightning.models.adapters.hf_llm import HFCausalLMAdapter
 from omni_lightning.models.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair_flops, matmul_flops
 from omni_lightning.parallel.attention import cu_seqlens_from_lengths
+from omni_lightning.parallel.transfer import to_device
 
 __all__ = ["LlavaOnevisionAssembly", "LlavaOnevisionTextAdapter", "LlavaOnevisionVisionAdapter", "any_resolution"]
 
@@ -120,7 +121,7 @@ class LlavaOnevisionVisionAdapter(nn.Module):
         """One patch, for a rank that has no images."""
         weight = self.patch_embedding.weight
         patches = torch.zeros(1, weight[0].numel(), device=device, dtype=weight.dtype)
-        return patches, torch.zeros(1, 2, dtype=torch.long, device=device), torch.tensor([[1, 1]], device=device)
+        return patches, torch.zeros(1, 2, dtype=torch.long, device=device), to_device([[1, 1]], device)
 
     def idle_parameters(self) -> Iterator[nn.Parameter]:
         """The layers past the deepest feature layer and the final norm: kept for export, never run."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -28,7 +29,8 @@ from omni_lightning.models.adapters.hf_qwen2_vl import (
     positions_from_columns,
 )
 from omni_lightning.models.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair_flops, matmul_flops
-from omni_lightning.parallel.attention import cu_seqlens_from_lengths
+from omni_lightning.parallel.attention import cu_seqlens_from_lengths, host_bounds
+from omni_lightning.parallel.transfer import to_device
 
 __all__ = ["Qwen25OmniAudioAdapter", "Qwen25OmniTextAdapter"]
 
@@ -76,14 +78,15 @@ class Qwen25OmniAudioAdapter(nn.Module):
         return [size] * (frames // size) + ([frames % size] if frames % size else [])
 
     def embed(self, mels: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if bool((lengths % (_FRAMES_PER_TOKEN * _POOL)).any()) or lengths.numel() == 0:
-            raise ValueError(f"audio clip lengths {lengths.tolist()} must be non-empty multiples of 4 mel frames")
+        clip_lengths = lengths.tolist()  # one read of the device, for the check and the split
+        if not clip_lengths or any(n % (_FRAMES_PER_TOKEN * _POOL) for n in clip_lengths):
+            raise ValueError(f"audio clip lengths {clip_lengths} must be non-empty multiples of 4 mel frames")
         if mels.shape[-1] != self.config.num_mel_bins:
             raise ValueError(f"{mels.shape[-1]} mel bins do not fit the audio tower's {self.config.num_mel_bins}: "
                              "decode audio with the checkpoint's feature extractor")
         weight = self.conv1.weight
         pieces, indices = [], []
-        for clip in mels.split(lengths.tolist()):
+        for clip in mels.split(clip_lengths):
             for chunk in clip.split(self._chunks(clip.shape[0])):
                 x = F.gelu(self.conv1(chunk.t()[None].to(weight.dtype)))
                 x = F.gelu(self.conv2(x))[0].t()
@@ -96,11 +99,11 @@ class Qwen25OmniAudioAdapter(nn.Module):
     def encode(self, x: torch.Tensor, cu_seqlens: torch.Tensor, chunks: Sequence[SplitChunk] = (),
                sp_groups: Mapping[int, dist.ProcessGroup] | None = None) -> torch.Tensor:
         x, index = x[:, :-_INDEX_COLUMNS], positions_from_columns(x[:, -_INDEX_COLUMNS:])[:, 0]
-        whole = int(cu_seqlens[-1])
-        clip_tokens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        bounds = host_bounds(cu_seqlens)
+        whole, clip_tokens = bounds[-1], np.diff(bounds).tolist()
         # The tower attends within each chunk of a clip: its 2 * n_window frames are n_window stem tokens.
         windows = [w // _FRAMES_PER_TOKEN for n in clip_tokens for w in self._chunks(n * _FRAMES_PER_TOKEN)]
-        cu = cu_seqlens_from_lengths(torch.tensor(windows, dtype=torch.long, device=x.device))
+        cu = cu_seqlens_from_lengths(to_device(windows, x.device, torch.long))
         split = SplitItems(chunks, sp_groups or {}, index[whole:] // self.n_window) if chunks else None
         for block in self.blocks:
             x = block(x, cu_seqlens=cu, max_seqlen=max(windows, default=0), split_items=split)[0]
@@ -113,7 +116,7 @@ class Qwen25OmniAudioAdapter(nn.Module):
         """One clip of 4 mel frames, for a rank that has no audio."""
         mels = torch.zeros(_FRAMES_PER_TOKEN * _POOL, self.config.num_mel_bins, device=device,
                            dtype=self.conv1.weight.dtype)
-        return mels, torch.tensor([_FRAMES_PER_TOKEN * _POOL], device=device)
+        return mels, to_device([_FRAMES_PER_TOKEN * _POOL], device)
 
     def idle_parameters(self) -> Iterator[nn.Parameter]:
         """The audio BOS/EOS embedding: kept for export, never run by the thinker."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -43,6 +44,7 @@ from omni_lightning.models.adapters.hf_qwen2_vl import (
 from omni_lightning.models.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair_flops, matmul_flops
 from omni_lightning.models.lora import lora_layer_plan
 from omni_lightning.models.moe import combine_experts
+from omni_lightning.parallel.attention import host_bounds
 from omni_lightning.parallel.expert_parallel import gather_rows, split_rows
 
 __all__ = ["FusedExperts", "Qwen3VLMoeTextAdapter", "Qwen3VLVisionAdapter", "RoutedMoE"]
@@ -104,7 +106,7 @@ class Qwen3VLVisionAdapter(Qwen2VLVisionAdapter):
         hidden, positions = x[:, :-_POSITION_COLUMNS], positions_from_columns(x[:, -_POSITION_COLUMNS:])
         rotary = self.rotary_pos_emb(hidden, positions)
         cu = cu_seqlens.to(torch.int32)
-        longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+        longest = int(np.diff(host_bounds(cu)).max(initial=0))  # one read, shared with every block's attention
         split = SplitItems(chunks, sp_groups or {}) if chunks else None
         deep = []
         for index, block in enumerate(self.blocks):

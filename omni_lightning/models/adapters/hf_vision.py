@@ -16,6 +16,7 @@ from omni_lightning.models.adapters.hf_attention import PackedItems, use_packed_
 from omni_lightning.models.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair_flops, matmul_flops
 from omni_lightning.models.layers import GeluMLP
 from omni_lightning.parallel.attention import cu_seqlens_from_lengths
+from omni_lightning.parallel.transfer import to_device
 
 __all__ = ["SiglipVisionAdapter"]
 
@@ -102,10 +103,10 @@ class SiglipVisionAdapter(nn.Module):
 
     def dummy_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One 2x2-patch item (one merge window), for a rank that has no images."""
-        positions = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]], device=device)
+        positions = to_device([[0, 0], [0, 1], [1, 0], [1, 1]], device)
         weight = self.patch_embedding.weight
         patches = torch.zeros(4, weight[0].numel(), device=device, dtype=weight.dtype)
-        return patches, positions, torch.tensor([[2, 2]], device=device)
+        return patches, positions, to_device([[2, 2]], device)
 
     def cost(self) -> ModuleCost:
         """Per patch: patch embedding, the layers (q, k, v, out, MLP) and the projector's share; per pair: attention."""
