@@ -307,3 +307,28 @@ def test_a_long_item_is_split_over_the_ranks_with_room_on_top_of_their_base() ->
 def test_a_base_must_give_each_rank_a_finite_non_negative_load(base: np.ndarray) -> None:
     with pytest.raises(ValueError, match="base"):
         plan_encoder_work(np.array([1.0]), np.array([0]), n_ranks=2, base=base)
+
+
+@given(ranks_log2=st.integers(1, 6), enc_sp_log2=st.integers(1, 3), seed=st.integers(0, 2**32 - 1),
+       adds=st.integers(0, 40))
+def test_block_peaks_stay_the_peaks_a_full_reduction_gives(ranks_log2: int, enc_sp_log2: int, seed: int,
+                                                           adds: int) -> None:
+    """The split loop's incremental block peaks: after any sequence of growing loads, each aligned block's peak and
+    the least-loaded block are exactly what reducing every rank's load gives (ties: the lowest block)."""
+    enc_sp = 2 ** min(enc_sp_log2, ranks_log2)
+    rng = np.random.default_rng(seed)
+    load = rng.choice([0.0, 0.1, 0.3, 1e-9, 7.0], 2**ranks_log2) + rng.uniform(0, 1, 2**ranks_log2) * (seed % 2)
+    peaks = reshard._BlockPeaks(load.tolist(), enc_sp)
+    for _ in range(adds):
+        degree = 2 ** int(rng.integers(1, enc_sp.bit_length()))
+        block = peaks.least_loaded(degree)
+        assert block == int(np.argmin(load.reshape(-1, degree).max(axis=1)))
+        amount = float(rng.choice([0.1, 1e-12, 3.0, 1 / 3]))
+        load[block * degree : (block + 1) * degree] += amount
+        peaks.add_to_block(block, degree, amount)
+        rank = int(rng.integers(0, load.size))
+        load[rank] += amount
+        peaks.add_to_rank(rank, amount)
+        assert peaks.load == load.tolist()
+        for size, block_peaks in peaks.peaks.items():
+            assert block_peaks == load.reshape(-1, size).max(axis=1).tolist()

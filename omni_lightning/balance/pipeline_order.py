@@ -9,6 +9,7 @@ items on the joint pipeline's insertions.
 
 from __future__ import annotations
 
+import heapq
 import math
 from functools import lru_cache
 
@@ -450,13 +451,22 @@ def lpt_ranks(costs: np.ndarray, loads: np.ndarray, ranks: np.ndarray) -> np.nda
     """Longest item first onto the rank of ``ranks`` with the least work so far (``loads``, updated in place);
     on ties the higher rank (pure). Returns each item's rank."""
     owner = np.zeros(costs.size, dtype=np.int64)
-    # Python floats, not numpy scalars, for the per-item choice among a handful of ranks: the same IEEE additions.
-    load, cost, candidates = loads.tolist(), costs.tolist(), [int(r) for r in ranks]
+    if not costs.size:
+        return owner
+    if not len(ranks):
+        raise ValueError(f"no rank to place {costs.size} item(s) on")
+    # A heap of (load, -rank): its top is the least-loaded rank, on ties the higher, and only the chosen rank's load
+    # changes, so each item costs O(log ranks) (a simulated step places millions). Python floats: the same IEEE
+    # additions as one load array would make.
+    heap = [(float(loads[r]), -r) for r in dict.fromkeys(int(r) for r in ranks)]
+    heapq.heapify(heap)
+    cost = costs.tolist()
     for item in np.lexsort((np.arange(costs.size), -costs)).tolist():
-        rank = min(candidates, key=lambda r: (load[r], -r))
-        owner[item] = rank
-        load[rank] += cost[item]
-    loads[:] = load
+        load, negative = heapq.heappop(heap)
+        owner[item] = -negative
+        heapq.heappush(heap, (load + cost[item], negative))
+    for load, negative in heap:
+        loads[-negative] = load
     return owner
 
 

@@ -63,6 +63,8 @@ from omni_lightning.sim.cluster import (
 from omni_lightning.sim.draws import SamplePool, StepDraw, draw_step
 from omni_lightning.sim.schedules import joint_pipeline, one_f_one_b
 
+_RESHARD_MIN_GAIN = 0.05  # the runtime resharder's default (runtime.reshard.Resharder's min_gain)
+
 __all__ = ["ASSUMPTIONS", "OmniOptions", "PlacementResult", "Scenario", "Simulation"]
 
 # Capabilities the runtime lacks, which omni may be credited with only when a scenario names them:
@@ -430,12 +432,18 @@ class Simulation:
                 # Without a pipeline every GPU runs its encoders and then its share of the LLM on the micro-batch,
                 # and the resharder balances the two together.
                 base = llm_cost[:, key % micro] / peers if pp == 1 else np.zeros(replicas)
-                plan = reshard.plan_encoder_work(costs, replica[chunk], n_ranks=replicas, enc_sp=enc_sp, base=base)
                 kept = np.bincount(replica[chunk], weights=costs, minlength=replicas)
-                # The runtime resharder's min_gain: nothing moves.
-                if (base + kept).max() <= (base + plan.rank_cost).max() * 1.05:
-                    plan = reshard.EncoderPlan(replica[chunk].copy(), np.full(chunk.size, -1), np.ones(chunk.size,
-                                               dtype=np.int64), kept, 0)
+                home = reshard.EncoderPlan(replica[chunk].copy(), np.full(chunk.size, -1), np.ones(chunk.size,
+                                           dtype=np.int64), kept, 0)
+                # Where no plan could gain the runtime resharder's min_gain (its check of the loader's word, which
+                # needs each rank's totals only), nothing is planned and nothing moves: the plan would keep every
+                # item home anyway, and a step of many small items skips most of the planning.
+                plan = home
+                if reshard.resharding_may_pay(base, kept, exchange=0.0, min_gain=_RESHARD_MIN_GAIN):
+                    plan = reshard.plan_encoder_work(costs, replica[chunk], n_ranks=replicas, enc_sp=enc_sp,
+                                                     base=base)
+                    if (base + kept).max() <= (base + plan.rank_cost).max() * (1.0 + _RESHARD_MIN_GAIN):
+                        plan = home
                 comm, tokens, big = self._encoder_traffic(plan, items[chunk], dp_gpu[replica[chunk]], dp_gpu)
                 f, b = self._split_work(plan.rank_cost, layout)
                 enc_f[:, key] += f + comm / 2
@@ -487,11 +495,13 @@ class Simulation:
             stage = np.zeros(costs.size, dtype=np.int64)
         peer = np.zeros(costs.size, dtype=np.int64)
         loads = np.zeros((pp, peers))
-        for m in range(layout.micro_batches):
-            for s in range(pp):
-                mine = np.flatnonzero((micro_batch == m) & (stage == s))
-                if mine.size:
-                    peer[mine] = lpt_ranks(costs[mine], loads[s], np.arange(peers))
+        # Each (micro-batch, stage)'s items in index order, micro-batch by micro-batch and stage by stage: one sort,
+        # not a scan of every item for each of them.
+        position = micro_batch * pp + stage
+        by_position = np.argsort(position, kind="stable")
+        for mine in np.split(by_position, np.flatnonzero(np.diff(position[by_position])) + 1):
+            if mine.size:
+                peer[mine] = lpt_ranks(costs[mine], loads[stage[mine[0]]], np.arange(peers))
         return stage, peer
 
     @staticmethod
