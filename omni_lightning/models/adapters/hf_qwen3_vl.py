@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -37,6 +36,7 @@ from omni_lightning.models.adapters.hf_llm import TP_STYLES, head_norm_plan
 from omni_lightning.models.adapters.hf_qwen2_vl import (
     Qwen2VLTextAdapter,
     Qwen2VLVisionAdapter,
+    _longest,
     mrope_positions,
     position_columns,
     positions_from_columns,
@@ -44,7 +44,6 @@ from omni_lightning.models.adapters.hf_qwen2_vl import (
 from omni_lightning.models.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair_flops, matmul_flops
 from omni_lightning.models.lora import lora_layer_plan
 from omni_lightning.models.moe import combine_experts
-from omni_lightning.parallel.attention import host_bounds
 from omni_lightning.parallel.expert_parallel import gather_rows, split_rows
 
 __all__ = ["FusedExperts", "Qwen3VLMoeTextAdapter", "Qwen3VLVisionAdapter", "RoutedMoE"]
@@ -106,7 +105,7 @@ class Qwen3VLVisionAdapter(Qwen2VLVisionAdapter):
         hidden, positions = x[:, :-_POSITION_COLUMNS], positions_from_columns(x[:, -_POSITION_COLUMNS:])
         rotary = self.rotary_pos_emb(hidden, positions)
         cu = cu_seqlens.to(torch.int32)
-        longest = int(np.diff(host_bounds(cu)).max(initial=0))  # one read, shared with every block's attention
+        longest = _longest(cu)
         split = SplitItems(chunks, sp_groups or {}) if chunks else None
         deep = []
         for index, block in enumerate(self.blocks):
