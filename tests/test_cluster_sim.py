@@ -205,7 +205,7 @@ def test_omni_prices_samples_and_encoder_work_as_the_runtime_does(monkeypatch: p
     from omni_lightning.sim import placements
 
     loader, bases = [], []
-    real_reorder, real_plan = reorder.plan_reorder_group, placements.reshard.plan_encoder_work
+    real_reorder, real_plan = reorder.plan_reorder_group, placements.reshard.plan_resharding
 
     def spy_reorder(costs: np.ndarray, *args: object, **kwargs: object) -> reorder.GroupPlan:
         loader.append((np.array(costs), kwargs.get("micro_batch_costs")))
@@ -216,7 +216,7 @@ def test_omni_prices_samples_and_encoder_work_as_the_runtime_does(monkeypatch: p
         return real_plan(costs, owners, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(reorder, "plan_reorder_group", spy_reorder)
-    monkeypatch.setattr(placements.reshard, "plan_encoder_work", spy_plan)
+    monkeypatch.setattr(placements.reshard, "plan_resharding", spy_plan)
     sim = Simulation(_scenario(pp=pp, micro_batches=4))
     sim.omni(OmniOptions(multiplex=multiplex))
     _, _, ids = sim._omni_micro_batches(OmniOptions(multiplex=multiplex), 0, 0)
@@ -288,3 +288,68 @@ def test_whole_sample_bound_is_the_largest_sample_when_ranks_get_few() -> None:
     mean = sum(c.sum() for c in costs) / len(costs)
     expected = max(1.0, max(c.max() for c in costs) / mean)
     assert sim.whole_sample_bound == pytest.approx(expected)
+
+
+def test_the_simulator_counts_each_encoders_traffic_as_the_runtime_resharder_does() -> None:
+    from omni_lightning.models.config import ReferenceMLLMConfig
+    from omni_lightning.models.mllm import ReferenceMLLM
+    from omni_lightning.runtime.step import _encoder_traffic
+    from omni_lightning.sim.placements import _traffic_of
+
+    config = ReferenceMLLMConfig()
+    model = ReferenceMLLM(config)
+    for name in ("vision", "audio"):
+        assert _traffic_of(config, name) == _encoder_traffic(model.encoders[name], model.output_width(name), 2), name
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_omni_plans_each_encoders_items_in_turn_priced_as_the_runtime_resharder(monkeypatch: pytest.MonkeyPatch,
+                                                                                  pp: int) -> None:
+    """Per insertion, the simulator calls the runtime resharder's own decision (``plan_resharding``) once per
+    encoder with items, in the model's encoder order, with that encoder's items alone, priced by its traffic over
+    the link the runtime prices on a GPU, each on top of the insertion's base and the encoders planned before it."""
+    from omni_lightning.sim import placements
+
+    calls: list[object] = []  # per insertion: its base, then (lengths, traffic, link, prices, costs, kwargs, plan)
+    real_prices, real_plan = placements.reshard.item_prices, placements.reshard.plan_resharding
+    real_insertion = Simulation._resharder_plan
+
+    def spy_insertion(self: Simulation, items: np.ndarray, owners: np.ndarray, n_ranks: int, enc_sp: int,
+                      base: np.ndarray) -> reshard.EncoderPlan:
+        calls.append(["insertion", np.array(base)])
+        return real_insertion(self, items, owners, n_ranks, enc_sp, base)
+
+    def spy_prices(lengths: np.ndarray, traffic: reshard.EncoderTraffic, link: reshard.LinkCost,
+                   **kwargs: object) -> reshard.ItemPrices:
+        prices = real_prices(lengths, traffic, link, **kwargs)
+        calls.append([np.array(lengths), traffic, link, prices])
+        return prices
+
+    def spy_plan(costs: np.ndarray, owners: np.ndarray, **kwargs: object) -> reshard.EncoderPlan:
+        plan = real_plan(costs, owners, **kwargs)
+        calls[-1] += [np.array(costs), kwargs, plan]
+        return plan
+
+    monkeypatch.setattr(Simulation, "_resharder_plan", spy_insertion)
+    monkeypatch.setattr(placements.reshard, "item_prices", spy_prices)
+    monkeypatch.setattr(placements.reshard, "plan_resharding", spy_plan)
+    scenario = _scenario(pp=pp, enc_sp=2)
+    sim = Simulation(replace(scenario, workload=load_workload("omni_mix")))
+    sim.omni()
+    traffic = {name: placements._traffic_of(sim.scenario.model.config, name) for name in ("vision", "audio")}
+    order, seen, moved = list(traffic), [], 0
+    for call in calls:
+        if isinstance(call[0], str):
+            base, last = call[1], -1
+            continue
+        lengths, item_traffic, link, prices, costs, kwargs, plan = call
+        assert link == reshard.GPU_NVLINK and kwargs["prices"] is prices and kwargs["min_gain"] == 0.05
+        (name,) = [name for name, t in traffic.items() if t == item_traffic]
+        assert order.index(name) > last, "encoders planned out of the model's order"
+        last = order.index(name)
+        np.testing.assert_allclose(costs, sim.cost_model.module(name)(lengths, lengths.astype(np.float64) ** 2))
+        np.testing.assert_allclose(kwargs["base"], base)
+        base = base + plan.rank_cost
+        seen.append(name)
+        moved += plan.moved
+    assert set(seen) == {"vision", "audio"} and moved

@@ -20,6 +20,7 @@ from omni_lightning.balance.reshard import (
     gain_beyond_price_error,
     item_prices,
     plan_encoder_work,
+    plan_resharding,
     resharding_may_pay,
 )
 
@@ -240,6 +241,34 @@ def test_where_the_totals_say_resharding_cannot_pay_no_plan_gains_more_than_min_
         return
     plan = plan_encoder_work(costs, owners, n_ranks=n_ranks, enc_sp=enc_sp, prices=prices, base=base)
     assert plan.moved == 0 or (base + home.rank_cost).max() <= (base + plan.rank_cost).max() * (1 + min_gain) + 1e-9
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 10_000), groups=st.integers(1, 4), enc_sp=st.sampled_from([1, 2, 4]),
+       items=st.integers(1, 40), price_scale=st.sampled_from([0.0, 0.3, 10.0]),
+       base_scale=st.sampled_from([0.0, 1.0, 10.0]), min_gain=st.sampled_from([0.0, 0.05, 0.2]))
+def test_the_resharder_keeps_items_home_unless_its_priced_plan_gains_min_gain(
+        seed: int, groups: int, enc_sp: int, items: int, price_scale: float, base_scale: float,
+        min_gain: float) -> None:
+    """``plan_resharding`` (the runtime resharder's decision, which the simulator calls too) returns either every item
+    where it was loaded, or a plan whose busiest rank, traffic included, beats that by more than ``min_gain``; and
+    it reshards whenever the gate lets the priced plan through and that plan gains so much."""
+    n_ranks = groups * enc_sp
+    costs, owners, base, prices = _random_items_on_a_base(seed, n_ranks, enc_sp, items, price_scale, base_scale)
+    home = plan_encoder_work(costs, owners, n_ranks=n_ranks, reshard=False)
+    plan = plan_resharding(costs, owners, n_ranks=n_ranks, enc_sp=enc_sp, prices=prices, base=base,
+                           min_gain=min_gain)
+    peak_home = float((base + home.rank_cost).max())
+    if plan.moved == 0:
+        np.testing.assert_array_equal(plan.rank_of, owners)
+        assert plan.items_split == 0
+        np.testing.assert_array_equal(plan.rank_cost, home.rank_cost)
+        if resharding_may_pay(base, home.rank_cost, exchange=prices.exchange, min_gain=min_gain):
+            priced = plan_encoder_work(costs, owners, n_ranks=n_ranks, enc_sp=enc_sp, prices=prices, base=base)
+            assert priced.moved == 0 or peak_home <= float((base + priced.rank_cost).max()) * (1 + min_gain)
+    else:
+        assert float((base + plan.rank_cost).max()) * (1 + min_gain) < peak_home
+        np.testing.assert_allclose(plan.rank_cost, priced_load(plan, costs, owners, prices, n_ranks))
 
 
 def test_the_gain_a_plan_must_predict_covers_the_price_error_on_both_peaks() -> None:

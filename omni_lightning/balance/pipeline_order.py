@@ -458,13 +458,16 @@ def lpt_ranks(costs: np.ndarray, loads: np.ndarray, ranks: np.ndarray) -> np.nda
     # A heap of (load, -rank): its top is the least-loaded rank, on ties the higher, and only the chosen rank's load
     # changes, so each item costs O(log ranks) (a simulated step places millions). Python floats: the same IEEE
     # additions as one load array would make.
-    heap = [(float(loads[r]), -r) for r in dict.fromkeys(int(r) for r in ranks)]
+    load_of = np.asarray(loads, dtype=np.float64).tolist()
+    heap = [(load_of[r], -r) for r in dict.fromkeys(np.asarray(ranks, dtype=np.int64).tolist())]
     heapq.heapify(heap)
-    cost = costs.tolist()
-    for item in np.lexsort((np.arange(costs.size), -costs)).tolist():
-        load, negative = heapq.heappop(heap)
-        owner[item] = -negative
-        heapq.heappush(heap, (load + cost[item], negative))
+    cost, placed, replace_top = costs.tolist(), owner.tolist(), heapq.heapreplace
+    # A stable sort of the negated costs: descending cost, ties in index order.
+    for item in np.argsort(-costs, kind="stable").tolist():
+        load, negative = heap[0]
+        placed[item] = -negative
+        replace_top(heap, (load + cost[item], negative))
+    owner[:] = placed
     for load, negative in heap:
         loads[-negative] = load
     return owner

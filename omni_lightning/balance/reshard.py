@@ -39,7 +39,7 @@ import numpy as np
 __all__ = [
     "CPU_GLOO", "GPU_NVLINK", "EncoderPlan", "EncoderTraffic", "ItemExchange", "ItemPrices", "LinkCost", "SplitChunk",
     "encoder_lower_bound", "exchange_price", "gain_beyond_price_error", "item_prices", "plan_encoder_work",
-    "plan_item_exchange", "resolve_link", "resharding_may_pay", "split_lengths",
+    "plan_item_exchange", "plan_resharding", "resolve_link", "resharding_may_pay", "split_lengths",
 ]
 
 # The resharder's all-to-alls that any exchange runs: the stem tokens out and the outputs back, forward and backward.
@@ -118,6 +118,14 @@ class EncoderTraffic:
     ulysses_bytes: float
     ulysses_messages: int
 
+    @classmethod
+    def of_encoder(cls, *, width: int, layers: int, output_width: int, tokens_per_output: int,
+                   element_bytes: int) -> EncoderTraffic:
+        """The traffic of an encoder of ``layers`` attention blocks ``width`` wide whose output rows are
+        ``output_width`` wide, each shared by ``tokens_per_output`` stem tokens, in elements of ``element_bytes``."""
+        return cls(stem_bytes=width * element_bytes, output_bytes=output_width * element_bytes / tokens_per_output,
+                   ulysses_bytes=8 * layers * width * element_bytes, ulysses_messages=8 * layers)
+
 
 @dataclass(frozen=True)
 class ItemPrices:
@@ -195,6 +203,25 @@ def resharding_may_pay(base: np.ndarray, in_place: np.ndarray, *, exchange: floa
     # the mean encoder work plus the exchange.
     stage_floor = float(in_place.sum()) / base.size + exchange
     return peak_in_place > floor * (1.0 + min_gain) and float(in_place.max()) > stage_floor * _MARGIN
+
+
+def plan_resharding(
+    costs: np.ndarray, owners: np.ndarray, *, n_ranks: int, enc_sp: int = 1, prices: ItemPrices | None = None,
+    base: np.ndarray | None = None, min_gain: float = 0.05,
+) -> EncoderPlan:
+    """The resharder's plan of one encoder's items on a micro-batch (pure; same on every rank): every item where it
+    was loaded unless some plan could gain more than ``min_gain`` (:func:`resharding_may_pay`) and the priced plan
+    (:func:`plan_encoder_work`) does lower the busiest rank's ``base`` plus encoder work by more than that. The
+    arguments are :func:`plan_encoder_work`'s; ``prices`` also gives the exchange the gate counts."""
+    home = plan_encoder_work(costs, owners, n_ranks=n_ranks, reshard=False)
+    base = np.zeros(n_ranks) if base is None else np.asarray(base, dtype=np.float64)
+    exchange = prices.exchange if prices is not None else 0.0
+    if not resharding_may_pay(base, home.rank_cost, exchange=exchange, min_gain=min_gain):
+        return home
+    plan = plan_encoder_work(costs, owners, n_ranks=n_ranks, enc_sp=enc_sp, prices=prices, base=base)
+    if plan.moved == 0 or (base + home.rank_cost).max() <= (base + plan.rank_cost).max() * (1.0 + min_gain):
+        return home
+    return plan
 
 
 @dataclass
@@ -404,16 +431,30 @@ def _move_surplus(
     load += np.bincount(owners[whole], weights=costs[whole], minlength=load.size)
     # Only a rank above the target sends, and a receiver stays under it: no other rank's items ever move.
     heaviest_first = np.asarray(order, dtype=np.int64)
-    for item in heaviest_first[(whole & (load[owners] > target))[heaviest_first]].tolist():
-        owner = int(owners[item])
-        if load[owner] <= target:
+    senders = heaviest_first[(whole & (load[owners] > target))[heaviest_first]].tolist()
+    # Python floats in the per-item loop, the same IEEE additions as the array's; a heap of (load, rank) whose
+    # entries go stale when a rank's load changes (each change pushes the new one), so its top is the least-loaded
+    # rank, on ties the lowest, as an argmin of the loads.
+    loads, placed, cost, owner_of, move_of = (load.tolist(), rank_of.tolist(), costs.tolist(), owners.tolist(),
+                                              prices.move.tolist())
+    heap = [(value, rank) for rank, value in enumerate(loads)]
+    heapq.heapify(heap)
+    for item in senders:
+        owner = owner_of[item]
+        if loads[owner] <= target:
             continue
-        rank, move = int(np.argmin(load)), prices.move[item]
-        if rank == owner or costs[item] <= move or load[rank] + costs[item] + move > target:
+        while heap[0][0] != loads[heap[0][1]]:
+            heapq.heappop(heap)
+        rank, move = heap[0][1], move_of[item]
+        if rank == owner or cost[item] <= move or loads[rank] + cost[item] + move > target:
             continue
-        load[owner] += move - costs[item]
-        load[rank] += costs[item] + move
-        rank_of[item] = rank
+        loads[owner] += move - cost[item]
+        loads[rank] += cost[item] + move
+        heapq.heapreplace(heap, (loads[rank], rank))
+        heapq.heappush(heap, (loads[owner], owner))
+        placed[item] = rank
+    rank_of[:] = placed
+    load = np.asarray(loads, dtype=np.float64)
     return _plan_of(rank_of, sp_start, sp_degree, owners, load, prices, base)
 
 
@@ -444,25 +485,30 @@ def _place_whole_items(
     # ties the lowest) in O(log ranks) instead of a linear removal per item.
     heap = [(load[r], r) for r in range(len(load))]
     heapq.heapify(heap)
-    for item in order:
-        if not whole[item]:
-            continue
-        current, rank = heapq.heappop(heap)
+    pop, push, replace_top = heapq.heappop, heapq.heappush, heapq.heapreplace
+    for item in [item for item in order if whole[item]]:
+        current, rank = heap[0]
         while current != load[rank]:
-            current, rank = heapq.heappop(heap)
-        owner, move = owner_of[item], move_of[item]
+            pop(heap)
+            current, rank = heap[0]
+        owner, move, work = owner_of[item], move_of[item], cost[item]
+        if rank == owner:
+            placed[item] = rank
+            load[rank] += work
+            replace_top(heap, (load[rank], rank))
         # The least-loaded rank, unless the item costs no more at home than it would there, its move's price
         # included (the receiver pays it; so does the sender, which only staying avoids).
-        if rank != owner and (load[owner] <= current + move or cost[item] <= move):
-            heapq.heappush(heap, (current, rank))
-            rank = owner
-        elif rank != owner:
+        elif load[owner] <= current + move or work <= move:
+            placed[item] = owner
+            load[owner] += work
+            push(heap, (load[owner], owner))
+        else:
             load[owner] += move
-            heapq.heappush(heap, (load[owner], owner))
             load[rank] += move
-        placed[item] = rank
-        load[rank] += cost[item]
-        heapq.heappush(heap, (load[rank], rank))
+            placed[item] = rank
+            load[rank] += work
+            replace_top(heap, (load[rank], rank))  # the top is this rank's entry: replace it before any push
+            push(heap, (load[owner], owner))
     rank_of[:] = placed
     loads = np.asarray(load, dtype=np.float64)
     return _plan_of(rank_of, sp_start, sp_degree, owners, loads, prices, base), float(loads.max())

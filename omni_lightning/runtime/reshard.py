@@ -40,6 +40,7 @@ from omni_lightning.balance.reshard import (
     item_prices,
     plan_encoder_work,
     plan_item_exchange,
+    plan_resharding,
     resharding_may_pay,
 )
 from omni_lightning.parallel.agreement import check_plans_agree
@@ -270,18 +271,14 @@ class Resharder:
         owners = np.repeat(np.arange(self.n_ranks), [len(x) for x in per_rank])
         cost = self.costs[name]
         item_costs = cost.linear * item_lengths + cost.quadratic * item_lengths.astype(np.float64) ** 2
-        unbalanced = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, reshard=False)
-        peak_in_place = (base + unbalanced.rank_cost).max()
         prices = None
         if self.traffic is not None and self.link is not None:
             prices = item_prices(item_lengths, self.traffic[name], self.link, enc_sp=self.enc_sp)
-        exchange = prices.exchange if prices is not None else 0.0
-        plan = None
-        if name not in self.unmeasured and resharding_may_pay(base, unbalanced.rank_cost, exchange=exchange,
-                                                              min_gain=self.min_gain):
-            plan = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, enc_sp=self.enc_sp, prices=prices,
-                                     base=base)
-        if plan is None or plan.moved == 0 or peak_in_place <= (base + plan.rank_cost).max() * (1.0 + self.min_gain):
+        unbalanced = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, reshard=False)
+        plan = unbalanced if name in self.unmeasured else plan_resharding(
+            item_costs, owners, n_ranks=self.n_ranks, enc_sp=self.enc_sp, prices=prices, base=base,
+            min_gain=self.min_gain)
+        if plan.moved == 0:
             # Already about as even as resharding would make it (e.g. the loader balanced the samples): every rank
             # encodes its own items and nothing travels.
             work = float(item_costs[owners == self.rank].sum())

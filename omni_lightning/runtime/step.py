@@ -478,16 +478,12 @@ def _reshard_pricing(model: ReferenceMLLM, layout: OmniLayout, device: torch.dev
 
 
 def _encoder_traffic(encoder: nn.Module, output_width: int, element_bytes: int) -> EncoderTraffic:
-    """The bytes an encoder's items move per stem token: its stem rows (the attention width, read from the
-    encoder's config where it has one, else the output width, a bound for the usual projector), its output rows
-    shared by the stem tokens merged into each, and its Ulysses all-to-alls (q, k, v and the output per block,
-    forward and backward)."""
+    """The bytes an encoder's items move per stem token (:meth:`EncoderTraffic.of_encoder`), its width read from
+    the encoder's config where it has one, else the output width, a bound for the usual projector."""
     config = getattr(encoder, "config", None)
     width = getattr(config, "dim", None) or getattr(config, "hidden_size", None) or output_width
-    layers = len(encoder.blocks)
-    return EncoderTraffic(stem_bytes=width * element_bytes,
-                          output_bytes=output_width * element_bytes / encoder.tokens_per_output,
-                          ulysses_bytes=8 * layers * width * element_bytes, ulysses_messages=8 * layers)
+    return EncoderTraffic.of_encoder(width=width, layers=len(encoder.blocks), output_width=output_width,
+                                     tokens_per_output=encoder.tokens_per_output, element_bytes=element_bytes)
 
 
 def _pipeline_runner(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, options: StepOptions,

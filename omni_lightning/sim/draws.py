@@ -31,7 +31,8 @@ class SamplePool:
     """Priced samples of every modality of a workload, and their encoder items.
 
     Per sample: ``llm`` and ``encoder`` cost (FLOPs), ``tokens`` (LLM); per item: ``item_sample`` (the sample it
-    belongs to), ``item_cost``, ``item_tokens`` (encoder tokens), ``item_llm_tokens`` (what it becomes in the LLM).
+    belongs to), ``item_cost``, ``item_tokens`` (encoder tokens), ``item_llm_tokens`` (what it becomes in the LLM),
+    ``item_encoder`` (the encoder that encodes it, a position in ``encoder_names``, the packing's encoders).
     ``by_modality`` lists the sample indices of each modality, in the spec's order.
     """
 
@@ -42,6 +43,8 @@ class SamplePool:
     item_cost: np.ndarray
     item_tokens: np.ndarray
     item_llm_tokens: np.ndarray
+    item_encoder: np.ndarray
+    encoder_names: tuple[str, ...]
     by_modality: list[np.ndarray]
     weights: np.ndarray
 
@@ -59,11 +62,12 @@ class SamplePool:
             metas.extend(sample_metadata(alone, rng, max_llm_tokens=seq_len) for _ in range(per_modality))
             by_modality.append(np.arange(start, len(metas)))
         costs = cost_model.costs(metas, packing)
-        item_sample, item_cost, item_tokens, item_llm = [], [], [], []
+        item_sample, item_cost, item_tokens, item_llm, item_encoder = [], [], [], [], []
         for index, meta in enumerate(metas):
             for name, shapes in meta.media_shapes().items():  # every encoder item, by its modality's rule
                 modality = packing.modality(name)
                 cost = cost_model.module(modality.encoder)
+                encoder = packing.encoder_names.index(modality.encoder)
                 for shape in shapes:
                     sizes = modality.item_tokens(shape, packing)
                     for n, llm in zip(sizes, _llm_tokens(name, shape, meta.merge_dict, len(sizes)), strict=True):
@@ -71,6 +75,7 @@ class SamplePool:
                         item_cost.append(cost(n, n * n))
                         item_tokens.append(n)
                         item_llm.append(llm)
+                        item_encoder.append(encoder)
         order = np.argsort(np.asarray(item_sample, dtype=np.int64), kind="stable")
         return cls(
             llm=costs[:, -1].copy(),
@@ -80,6 +85,8 @@ class SamplePool:
             item_cost=np.asarray(item_cost, dtype=np.float64)[order],
             item_tokens=np.asarray(item_tokens, dtype=np.float64)[order],
             item_llm_tokens=np.asarray(item_llm, dtype=np.float64)[order],
+            item_encoder=np.asarray(item_encoder, dtype=np.int64)[order],
+            encoder_names=packing.encoder_names,
             by_modality=by_modality,
             weights=np.array([m.weight for m in spec.modalities.values()]),
         )

@@ -20,8 +20,9 @@ there moves the figures here:
   ``OmniDataModule`` shapes them under pipeline parallelism (on their LLM cost under the joint pipeline, towards the
   1F1B cost profile, ``pipeline_order="ramp"``; with ``Scenario.pipeline_search``, refined by the loader's local
   search); encoder items (images, frames, clips) placed on stages and peers as the joint pipeline places them and
-  planned per insertion over the data-parallel ranks with long-short SP (``plan_encoder_work``; without a pipeline,
-  on top of each rank's LLM work on the micro-batch, as the runtime's resharder plans). ``Scenario.assume`` names
+  planned per insertion over the data-parallel ranks with long-short SP by the runtime resharder's own decision
+  (``plan_resharding``: each encoder's items in turn, moves and splits priced as the runtime prices them on a GPU;
+  without a pipeline, on top of each rank's LLM work on the micro-batch). ``Scenario.assume`` names
   capabilities the runtime lacks that a run may simulate instead (see ``ASSUMPTIONS``).
   Its ablations switch off multiplexing (encoders on stage 0's GPUs, still planned with LSSP), reordering (arrival
   order) or LSSP (``enc_sp=1``).
@@ -48,6 +49,7 @@ from omni_lightning.balance import allocation, reorder, reshard
 from omni_lightning.balance.pipeline_order import assign_encoder_items, lpt_ranks
 from omni_lightning.balance.pipeline_replay import Action, replay_pipeline
 from omni_lightning.balance.workload import WorkloadSpec
+from omni_lightning.models.config import ReferenceMLLMConfig
 from omni_lightning.models.flops import reference_cost_model
 from omni_lightning.sim.cluster import (
     Cluster,
@@ -64,6 +66,10 @@ from omni_lightning.sim.draws import SamplePool, StepDraw, draw_step
 from omni_lightning.sim.schedules import joint_pipeline, one_f_one_b
 
 _RESHARD_MIN_GAIN = 0.05  # the runtime resharder's default (runtime.reshard.Resharder's min_gain)
+# What the runtime's resharder prices a plan's traffic by on the GPUs simulated here: the default link of a CUDA
+# device (``link_cost="auto"``), whatever links the encoder group actually spans.
+_RESHARD_LINK = reshard.resolve_link("auto", "cuda")
+_ELEMENT_BYTES = 2  # bf16 parameters and activations
 
 __all__ = ["ASSUMPTIONS", "OmniOptions", "PlacementResult", "Scenario", "Simulation"]
 
@@ -157,6 +163,27 @@ def _split(cost: np.ndarray, tokens: np.ndarray, share: float, cp_max: int) -> n
         degree[over] *= 2
 
 
+def _traffic_of(config: ReferenceMLLMConfig, encoder: str) -> reshard.EncoderTraffic:
+    """What the runtime's resharder counts an item of ``encoder`` to move per stem token
+    (``runtime.step._encoder_traffic`` of the reference model's encoder)."""
+    shape = getattr(config, encoder)
+    return reshard.EncoderTraffic.of_encoder(width=shape.dim, layers=shape.n_layers, output_width=config.llm.dim,
+                                             tokens_per_output=getattr(shape, "merge", 1), element_bytes=_ELEMENT_BYTES)
+
+
+def _compute_of(plan: reshard.EncoderPlan, costs: np.ndarray) -> np.ndarray:
+    """Each rank's encoder compute under ``plan`` (``costs`` per item; a split item's share on each of its block's
+    ranks), without the traffic a priced plan adds to its ``rank_cost``."""
+    whole = plan.sp_degree == 1
+    compute = np.zeros(plan.rank_cost.size)
+    np.add.at(compute, plan.rank_of[whole], costs[whole])
+    degree = plan.sp_degree[~whole]
+    members = np.repeat(plan.sp_start[~whole], degree) + np.arange(degree.sum()) - np.repeat(degree.cumsum() - degree,
+                                                                                              degree)
+    np.add.at(compute, members, np.repeat(costs[~whole] / degree, degree))
+    return compute
+
+
 class Simulation:
     """One scenario: its priced sample pool and the steps every placement trains (the same for all)."""
 
@@ -189,6 +216,8 @@ class Simulation:
         # Each replica-step's stage and peer of every item (the joint pipeline's plan), by (step, replica, multiplex,
         # reorder).
         self._item_plans: dict[tuple[int, int, bool, bool], tuple[np.ndarray, np.ndarray]] = {}
+        # Each encoder's traffic per stem token, as the runtime's resharder prices it.
+        self.encoder_traffic = [_traffic_of(config, name) for name in self.pool.encoder_names]
 
     # ------------------------------------------------------------------------------------------------ helpers
     @property
@@ -363,14 +392,16 @@ class Simulation:
         LPT over the step (``lpt_ranks``, as ``JointEncoders._assign_peers``). With multiplexing off, every item is
         the first stage's. Then, per insertion (stage, peer, micro-batch), the resharder plans the items of that
         position of every data-parallel replica over the data-parallel ranks
-        (:func:`~omni_lightning.balance.reshard.plan_encoder_work`, long items split over ``enc_sp`` consecutive
+        (:func:`~omni_lightning.balance.reshard.plan_resharding`, long items split over ``enc_sp`` consecutive
         data-parallel ranks, which sit ``cp * tp`` GPUs apart; without a pipeline, on top of each GPU's share of its
-        micro-batch's LLM work), keeping each rank's own items unless that lowers the slowest rank's work by more
-        than 5% (the runtime resharder's ``min_gain``). Each insertion runs the
-        items planned there, whole or as their SP shares, at the micro-batch they belong to (with
-        ``even_encoder_slices``: each GPU's step of encoder work spread evenly over its insertions), and a stage
-        moves at the pace of its busiest peer. Not modelled: the resharder's collectives make the replicas wait
-        for each other at every insertion; each replica's pipeline is replayed on its own.
+        micro-batch's LLM work), each encoder's items in turn, priced as the runtime prices them on a GPU (its
+        default link for CUDA, NVLink, whatever links the items then cross, which the time counted here charges),
+        keeping each rank's own items unless that lowers the slowest rank's work by more than 5% (the runtime
+        resharder's ``min_gain``). Each insertion runs the items planned there, whole or as their SP shares, at
+        the micro-batch they belong to (with ``even_encoder_slices``: each GPU's step of encoder work spread evenly
+        over its insertions), and a stage moves at the pace of its busiest peer. Not modelled: the resharder's
+        collectives make the replicas wait for each other at every insertion; each replica's pipeline is replayed
+        on its own.
         """
         layout, pool = self.scenario.layout, self.pool
         pp, micro, peers = layout.pp, layout.micro_batches, layout.cp * layout.tp
@@ -432,24 +463,16 @@ class Simulation:
                 # Without a pipeline every GPU runs its encoders and then its share of the LLM on the micro-batch,
                 # and the resharder balances the two together.
                 base = llm_cost[:, key % micro] / peers if pp == 1 else np.zeros(replicas)
-                kept = np.bincount(replica[chunk], weights=costs, minlength=replicas)
-                home = reshard.EncoderPlan(replica[chunk].copy(), np.full(chunk.size, -1), np.ones(chunk.size,
-                                           dtype=np.int64), kept, 0)
-                # Where no plan could gain the runtime resharder's min_gain (its check of the loader's word, which
-                # needs each rank's totals only), nothing is planned and nothing moves: the plan would keep every
-                # item home anyway, and a step of many small items skips most of the planning.
-                plan = home
-                if reshard.resharding_may_pay(base, kept, exchange=0.0, min_gain=_RESHARD_MIN_GAIN):
-                    plan = reshard.plan_encoder_work(costs, replica[chunk], n_ranks=replicas, enc_sp=enc_sp,
-                                                     base=base)
-                    if (base + kept).max() <= (base + plan.rank_cost).max() * (1.0 + _RESHARD_MIN_GAIN):
-                        plan = home
+                plan = self._resharder_plan(items[chunk], replica[chunk], replicas, enc_sp, base)
+                # The plan's prices are the planner's; the time is the compute and the traffic over the links the
+                # items actually cross.
+                compute = _compute_of(plan, costs)
                 comm, tokens, big = self._encoder_traffic(plan, items[chunk], dp_gpu[replica[chunk]], dp_gpu)
-                f, b = self._split_work(plan.rank_cost, layout)
+                f, b = self._split_work(compute, layout)
                 enc_f[:, key] += f + comm / 2
                 enc_b[:, key] += b + comm / 2
                 enc_tokens[:, key] += tokens
-                enc_flops[:, key] += plan.rank_cost
+                enc_flops[:, key] += compute
                 largest = max(largest, big)
             shape = (replicas, pp, peers, micro)
             # A stage's peers meet at every TP/CP collective of the LLM: the stage runs at its busiest peer's pace.
@@ -482,6 +505,29 @@ class Simulation:
         return self._result(self._omni_name(options), steps, memory, imbalance,
                             f"items planned per insertion over {replicas} data-parallel ranks, {peers} peers "
                             f"splitting a rank's, enc_sp {enc_sp}{', even slices' if even else ''}")
+
+    def _resharder_plan(self, items: np.ndarray, owners: np.ndarray, n_ranks: int, enc_sp: int, base: np.ndarray
+                        ) -> reshard.EncoderPlan:
+        """Where the runtime's resharder encodes ``items`` (pool indices) loaded on ``owners``: each encoder's items
+        planned in turn (:func:`~omni_lightning.balance.reshard.plan_resharding`, their moves and splits priced as
+        the runtime prices them on a GPU), each on top of ``base`` and the encoders planned before it. The returned
+        plan covers every item; its ``rank_cost`` is each rank's priced encoder cost."""
+        pool = self.pool
+        costs = pool.item_cost[items]
+        rank_of, sp_start, sp_degree = owners.copy(), np.full(items.size, -1), np.ones(items.size, dtype=np.int64)
+        rank_cost, moved = np.zeros(n_ranks), 0
+        encoder_of = pool.item_encoder[items]
+        for encoder in np.unique(encoder_of).tolist():
+            mine = np.flatnonzero(encoder_of == encoder)
+            prices = reshard.item_prices(pool.item_tokens[items[mine]], self.encoder_traffic[encoder], _RESHARD_LINK,
+                                         enc_sp=enc_sp)
+            plan = reshard.plan_resharding(costs[mine], owners[mine], n_ranks=n_ranks, enc_sp=enc_sp, prices=prices,
+                                           base=base, min_gain=_RESHARD_MIN_GAIN)
+            rank_of[mine], sp_start[mine], sp_degree[mine] = plan.rank_of, plan.sp_start, plan.sp_degree
+            base = base + plan.rank_cost
+            rank_cost += plan.rank_cost
+            moved += plan.moved
+        return reshard.EncoderPlan(rank_of, sp_start, sp_degree, rank_cost, moved)
 
     def _stage_and_peer(self, llm_cost: np.ndarray, micro_batch: np.ndarray, costs: np.ndarray,
                         options: OmniOptions) -> tuple[np.ndarray, np.ndarray]:
@@ -659,7 +705,10 @@ class Simulation:
         degree = plan.sp_degree
         n = pool.item_tokens[items]
         out_bytes = 2 * pool.item_llm_tokens[items] * config.llm.dim * 2 / degree
-        ulysses = passes * 4 * (n / degree) * config.vision.dim * 2 * (degree - 1) / degree * config.vision.n_layers
+        shapes = [getattr(config, name) for name in pool.encoder_names]
+        width = np.array([shape.dim for shape in shapes], dtype=np.float64)[pool.item_encoder[items]]
+        layers = np.array([shape.n_layers for shape in shapes], dtype=np.float64)[pool.item_encoder[items]]
+        ulysses = passes * 4 * (n / degree) * width * _ELEMENT_BYTES * (degree - 1) / degree * layers
         # Every rank an item runs on: itself when whole, its SP block when split.
         first = np.where(degree == 1, plan.rank_of, plan.sp_start)
         block_intra = gpu_of[first] // node == gpu_of[first + degree - 1] // node
