@@ -8,7 +8,8 @@ the encoder stage runs it:
 * ``plan_reorder_group`` over all 512 ranks (one step, pp 8): ``ramp`` (the simulator's default) and ``search``
   (``OmniDataModule``'s default under pipeline parallelism; the rank searches only its own rank-steps,
   ``searched_rank=0``, as the loader does);
-* ``plan_encoder_work`` over the 512 ranks' items of the step with ``enc_sp`` 8;
+* ``plan_encoder_work`` over the 512 ranks' items of the step with ``enc_sp`` 8, moves and splits priced as the
+  runtime's resharder prices them on a GPU (all encoders' items in one call);
 * ``assign_encoder_items`` on the rank with the most encoder work (its 32 micro-batches over 8 stages);
 * ``refine_for_1f1b`` alone on that rank's ramp of micro-batches;
 * ``solve_pools`` (the disaggregated pools' sizing) for the workload's mix on 4096 GPUs.
@@ -64,6 +65,19 @@ def _timed(plan: Callable[[], Any], same: Callable[[Any, Any], bool]) -> tuple[A
 PP, SEQ_LEN = 8, 8192
 
 
+def _runtime_prices(pool: SamplePool, items: np.ndarray, traffic: list[reshard.EncoderTraffic], *, enc_sp: int
+                    ) -> reshard.ItemPrices:
+    """Each item's moves and splits priced as the runtime's resharder prices its encoder's items on a GPU (one call
+    over every encoder's items here, where the runtime plans each encoder's alone: an upper bound on its cost)."""
+    link = reshard.resolve_link("auto", "cuda")
+    move, split = np.zeros(items.size), np.zeros((items.size, max(enc_sp.bit_length() - 1, 0)))
+    for encoder, per_token in enumerate(traffic):
+        mine = pool.item_encoder[items] == encoder
+        priced = reshard.item_prices(pool.item_tokens[items[mine]], per_token, link, enc_sp=enc_sp)
+        move[mine], split[mine] = priced.move, priced.split
+    return reshard.ItemPrices(move, split, reshard.exchange_price(link))
+
+
 def _measure(path: str, ranks: int, m: int, search_evaluations: int) -> list[tuple[str, float, str, str]]:
     """Every planner on one drawn step of ``ranks`` ranks of workload ``path``: (planner, CPU s, evaluations,
     detail) rows."""
@@ -92,7 +106,9 @@ def _measure(path: str, ranks: int, m: int, search_evaluations: int) -> list[tup
 
     items, position = pool.items_of(ids)
     item_costs = pool.item_cost[items]
-    enc, seconds = _timed(lambda: reshard.plan_encoder_work(item_costs, owners[position], n_ranks=ranks, enc_sp=8),
+    prices = _runtime_prices(pool, items, sim.encoder_traffic, enc_sp=8)
+    enc, seconds = _timed(lambda: reshard.plan_encoder_work(item_costs, owners[position], n_ranks=ranks, enc_sp=8,
+                                                            prices=prices),
                           lambda a, b: np.array_equal(a.rank_cost, b.rank_cost))
     rows.append(("plan_encoder_work (enc_sp 8)", seconds, "-",
                  f"{items.size} items, {enc.items_split} split, max/mean {enc.imbalance:.3f}"))
