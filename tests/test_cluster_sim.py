@@ -201,7 +201,9 @@ def test_omni_prices_samples_and_encoder_work_as_the_runtime_does(monkeypatch: p
                                                                   multiplex: bool) -> None:
     """The loader balances each sample's whole cost (``OmniDataModule`` prices LLM and encoders); under the joint
     pipeline a step's micro-batches balance the LLM's alone. Without a pipeline, the resharder plans each GPU's
-    encoder work on top of its share of the micro-batch's LLM work; in a pipeline, the encoder work alone."""
+    encoder work on top of its share of the micro-batch's LLM work; in a pipeline, the encoder work alone (this
+    workload has one encoder; a second is planned on top of the first: see
+    test_omni_plans_each_encoders_items_in_turn_priced_as_the_runtime_resharder)."""
     from omni_lightning.sim import placements
 
     loader, bases = [], []

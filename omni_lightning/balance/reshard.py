@@ -481,7 +481,7 @@ def _place_whole_items(
                                              prices.move.tolist())
     whole = (sp_degree == 1).tolist()
     # A heap of (load, rank) with lazy deletion: a rank whose load changed is pushed again, and an entry whose load
-    # is no longer its rank's is dropped when it surfaces (loads only grow), so a pop is the least-loaded rank (on
+    # is no longer its rank's is dropped when it surfaces (loads only grow), so the top is the least-loaded rank (on
     # ties the lowest) in O(log ranks) instead of a linear removal per item.
     heap = [(load[r], r) for r in range(len(load))]
     heapq.heapify(heap)

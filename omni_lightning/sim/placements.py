@@ -395,7 +395,8 @@ class Simulation:
         (:func:`~omni_lightning.balance.reshard.plan_resharding`, long items split over ``enc_sp`` consecutive
         data-parallel ranks, which sit ``cp * tp`` GPUs apart; without a pipeline, on top of each GPU's share of its
         micro-batch's LLM work), each encoder's items in turn, priced as the runtime prices them on a GPU (its
-        default link for CUDA, NVLink, whatever links the items then cross, which the time counted here charges),
+        default link for CUDA, NVLink, whatever links the items then cross; the time counted here charges the
+        outputs' travel and the Ulysses traffic over those, by bandwidth),
         keeping each rank's own items unless that lowers the slowest rank's work by more than 5% (the runtime
         resharder's ``min_gain``). Each insertion runs the items planned there, whole or as their SP shares, at
         the micro-batch they belong to (with ``even_encoder_slices``: each GPU's step of encoder work spread evenly
@@ -464,8 +465,8 @@ class Simulation:
                 # and the resharder balances the two together.
                 base = llm_cost[:, key % micro] / peers if pp == 1 else np.zeros(replicas)
                 plan = self._resharder_plan(items[chunk], replica[chunk], replicas, enc_sp, base)
-                # The plan's prices are the planner's; the time is the compute and the traffic over the links the
-                # items actually cross.
+                # The plan's prices are the planner's; the time is the compute plus what _encoder_traffic charges
+                # over the links the items cross.
                 compute = _compute_of(plan, costs)
                 comm, tokens, big = self._encoder_traffic(plan, items[chunk], dp_gpu[replica[chunk]], dp_gpu)
                 f, b = self._split_work(compute, layout)
@@ -704,7 +705,7 @@ class Simulation:
         node = cluster.gpus_per_node
         degree = plan.sp_degree
         n = pool.item_tokens[items]
-        out_bytes = 2 * pool.item_llm_tokens[items] * config.llm.dim * 2 / degree
+        out_bytes = 2 * pool.item_llm_tokens[items] * config.llm.dim * _ELEMENT_BYTES / degree
         shapes = [getattr(config, name) for name in pool.encoder_names]
         width = np.array([shape.dim for shape in shapes], dtype=np.float64)[pool.item_encoder[items]]
         layers = np.array([shape.n_layers for shape in shapes], dtype=np.float64)[pool.item_encoder[items]]
