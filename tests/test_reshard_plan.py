@@ -247,6 +247,7 @@ def test_where_the_totals_say_resharding_cannot_pay_no_plan_gains_more_than_min_
 @given(seed=st.integers(0, 10_000), groups=st.integers(1, 4), enc_sp=st.sampled_from([1, 2, 4]),
        items=st.integers(1, 40), price_scale=st.sampled_from([0.0, 0.3, 10.0]),
        base_scale=st.sampled_from([0.0, 1.0, 10.0]), min_gain=st.sampled_from([0.0, 0.05, 0.2]))
+@example(seed=2, groups=1, enc_sp=4, items=15, price_scale=0.0, base_scale=10.0, min_gain=0.0)  # a rank left with 0
 def test_the_resharder_keeps_items_home_unless_its_priced_plan_gains_min_gain(
         seed: int, groups: int, enc_sp: int, items: int, price_scale: float, base_scale: float,
         min_gain: float) -> None:
@@ -268,7 +269,9 @@ def test_the_resharder_keeps_items_home_unless_its_priced_plan_gains_min_gain(
             assert priced.moved == 0 or peak_home <= float((base + priced.rank_cost).max()) * (1 + min_gain)
     else:
         assert float((base + plan.rank_cost).max()) * (1 + min_gain) < peak_home
-        np.testing.assert_allclose(plan.rank_cost, priced_load(plan, costs, owners, prices, n_ranks))
+        # rank_cost is each rank's load less its base: rounding of the order of the base's last bit.
+        np.testing.assert_allclose(plan.rank_cost, priced_load(plan, costs, owners, prices, n_ranks),
+                                   atol=1e-12 * float(base.max() + costs.sum()))
 
 
 def test_the_gain_a_plan_must_predict_covers_the_price_error_on_both_peaks() -> None:
