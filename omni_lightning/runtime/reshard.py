@@ -274,15 +274,17 @@ class Resharder:
         prices = None
         if self.traffic is not None and self.link is not None:
             prices = item_prices(item_lengths, self.traffic[name], self.link, enc_sp=self.enc_sp)
-        unbalanced = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, reshard=False)
-        plan = unbalanced if name in self.unmeasured else plan_resharding(
-            item_costs, owners, n_ranks=self.n_ranks, enc_sp=self.enc_sp, prices=prices, base=base,
-            min_gain=self.min_gain)
+        if name in self.unmeasured:
+            plan = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, reshard=False)
+        else:
+            plan = plan_resharding(item_costs, owners, n_ranks=self.n_ranks, enc_sp=self.enc_sp, prices=prices,
+                                   base=base, min_gain=self.min_gain)
         if plan.moved == 0:
             # Already about as even as resharding would make it (e.g. the loader balanced the samples): every rank
-            # encodes its own items and nothing travels.
+            # encodes its own items and nothing travels. The plan is the in-place one.
             work = float(item_costs[owners == self.rank].sum())
-            return EncoderStep(None, own, unbalanced.rank_cost, unbalanced.rank_cost, 0, 0, work), [1]
+            return EncoderStep(None, own, plan.rank_cost, plan.rank_cost, 0, 0, work), [1]
+        unbalanced = plan_encoder_work(item_costs, owners, n_ranks=self.n_ranks, reshard=False)
         exchange = plan_item_exchange(item_lengths, owners, plan, rank=self.rank, n_ranks=self.n_ranks,
                                       multiple=multiple)
         mine = (plan.sp_start <= self.rank) & (self.rank < plan.sp_start + plan.sp_degree)

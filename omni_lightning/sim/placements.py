@@ -218,6 +218,9 @@ class Simulation:
         self._item_plans: dict[tuple[int, int, bool, bool], tuple[np.ndarray, np.ndarray]] = {}
         # Each encoder's traffic per stem token, as the runtime's resharder prices it.
         self.encoder_traffic = [_traffic_of(config, name) for name in self.pool.encoder_names]
+        # Each encoder's attention width and depth, which its items' Ulysses traffic scales with.
+        self._encoder_width_layers = np.array([(getattr(config, name).dim, getattr(config, name).n_layers)
+                                               for name in self.pool.encoder_names], dtype=np.float64)
 
     # ------------------------------------------------------------------------------------------------ helpers
     @property
@@ -515,7 +518,8 @@ class Simulation:
         plan covers every item; its ``rank_cost`` is each rank's priced encoder cost."""
         pool = self.pool
         costs = pool.item_cost[items]
-        rank_of, sp_start, sp_degree = owners.copy(), np.full(items.size, -1), np.ones(items.size, dtype=np.int64)
+        rank_of, sp_start = owners.copy(), np.full(items.size, -1, dtype=np.int64)
+        sp_degree = np.ones(items.size, dtype=np.int64)
         rank_cost, moved = np.zeros(n_ranks), 0
         encoder_of = pool.item_encoder[items]
         for encoder in np.unique(encoder_of).tolist():
@@ -706,9 +710,7 @@ class Simulation:
         degree = plan.sp_degree
         n = pool.item_tokens[items]
         out_bytes = 2 * pool.item_llm_tokens[items] * config.llm.dim * _ELEMENT_BYTES / degree
-        shapes = [getattr(config, name) for name in pool.encoder_names]
-        width = np.array([shape.dim for shape in shapes], dtype=np.float64)[pool.item_encoder[items]]
-        layers = np.array([shape.n_layers for shape in shapes], dtype=np.float64)[pool.item_encoder[items]]
+        width, layers = self._encoder_width_layers[pool.item_encoder[items]].T
         ulysses = passes * 4 * (n / degree) * width * _ELEMENT_BYTES * (degree - 1) / degree * layers
         # Every rank an item runs on: itself when whole, its SP block when split.
         first = np.where(degree == 1, plan.rank_of, plan.sp_start)
