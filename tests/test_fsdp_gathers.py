@@ -1,4 +1,5 @@
-"""FSDP2 as the runtime applies it gathers each unit's weights no more often than ``fully_shard``'s defaults do."""
+"""FSDP2 as the runtime applies it gathers each unit's weights no more often than ``fully_shard``'s defaults do, and
+the forward's last block once a step."""
 
 from __future__ import annotations
 
@@ -50,12 +51,15 @@ def _count_gathers(rank: int, world_size: int, monkeypatch: pytest.MonkeyPatch) 
     # The root (embeddings, head, stems) stays gathered from the encoder stage through the forward, where
     # resharding it after each forward method gathered it for each and again for the backward. (FSDP may still
     # gather it again in the backward when the encoder stage's gradients arrive after those of the forward's inputs,
-    # which is when FSDP reduces and reshards a unit.) A block: once in the forward, once in the backward.
+    # which is when FSDP reduces and reshards a unit.) The forward's last block, whose backward runs first, stays
+    # gathered from its forward to its backward. Every other block: once in the forward, once in the backward.
     assert gathers.pop(("root", "FORWARD")) == steps
     assert gathers.pop(("root", "PRE_BACKWARD"), 0) <= steps
+    last = f"llm.layers.{len(model.llm.layers) - 1}"
+    assert gathers.pop((last, "FORWARD")) == steps
     blocks = {fqn for fqn, _ in gathers}
-    assert blocks and gathers == Counter({(fqn, state): steps for fqn in blocks
-                                          for state in ("FORWARD", "PRE_BACKWARD")})
+    assert len(blocks) == len(model.llm.layers) - 1 + sum(len(e.blocks) for e in model.encoders.values())
+    assert gathers == Counter({(fqn, state): steps for fqn in blocks for state in ("FORWARD", "PRE_BACKWARD")})
 
 
 def test_the_root_is_gathered_once_for_the_encoder_stage_and_forward(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -111,7 +111,10 @@ def parallelize_reference(
         return
     ignored = set(experts) or None
     if not stages:
-        apply_fsdp(model, fsdp_mesh, blocks=blocks, param_dtype=param_dtype, ignored_params=ignored)
+        # The forward runs the LLM's blocks last: its last block's backward comes first.
+        last = [*llm.layers.values()][-1:] if llm is not None else []
+        apply_fsdp(model, fsdp_mesh, blocks=blocks, param_dtype=param_dtype, kept_gathered=last,
+                   ignored_params=ignored)
         register_fsdp_forward_method(model, "encoder_stage")
         return
     in_stages = {id(e) for stage in stages for e in getattr(stage, "encoders", {}).values()}
