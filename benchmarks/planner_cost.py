@@ -69,7 +69,7 @@ def _runtime_prices(pool: SamplePool, items: np.ndarray, traffic: list[reshard.E
                     ) -> reshard.ItemPrices:
     """Each item's moves and splits priced as the runtime's resharder prices its encoder's items on a GPU (one call
     over every encoder's items here, where the runtime plans each encoder's alone: an upper bound on its cost)."""
-    link = reshard.resolve_link("auto", "cuda")
+    link = reshard.resolve_link("auto", "cuda", spans_nodes=True)  # 64-512 data-parallel ranks span nodes
     move, split = np.zeros(items.size), np.zeros((items.size, max(enc_sp.bit_length() - 1, 0)))
     for encoder, per_token in enumerate(traffic):
         mine = pool.item_encoder[items] == encoder

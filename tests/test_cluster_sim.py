@@ -304,12 +304,14 @@ def test_the_simulator_counts_each_encoders_traffic_as_the_runtime_resharder_doe
         assert _traffic_of(config, name) == _encoder_traffic(model.encoders[name], model.output_width(name), 2), name
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_omni_plans_each_encoders_items_in_turn_priced_as_the_runtime_resharder(monkeypatch: pytest.MonkeyPatch,
-                                                                                  pp: int) -> None:
+@pytest.mark.parametrize(("pp", "gpus_per_node", "link"), [(1, 8, reshard.GPU_NETWORK), (2, 8, reshard.GPU_NETWORK),
+                                                            (2, 64, reshard.GPU_NVLINK)])
+def test_omni_plans_each_encoders_items_in_turn_priced_as_the_runtime_resharder(
+        monkeypatch: pytest.MonkeyPatch, pp: int, gpus_per_node: int, link: reshard.LinkCost) -> None:
     """Per insertion, the simulator calls the runtime resharder's own decision (``plan_resharding``) once per
     encoder with items, in the model's encoder order, with that encoder's items alone, priced by its traffic over
-    the link the runtime prices on a GPU, each on top of the insertion's base and the encoders planned before it."""
+    the link the runtime prices on a GPU (the network for an encoder group spanning nodes, NVLink inside one), each
+    on top of the insertion's base and the encoders planned before it."""
     from omni_lightning.sim import placements
 
     calls: list[object] = []  # per insertion: its base, then (lengths, traffic, link, prices, costs, kwargs, plan)
@@ -317,9 +319,9 @@ def test_omni_plans_each_encoders_items_in_turn_priced_as_the_runtime_resharder(
     real_insertion = Simulation._resharder_plan
 
     def spy_insertion(self: Simulation, items: np.ndarray, owners: np.ndarray, n_ranks: int, enc_sp: int,
-                      base: np.ndarray) -> reshard.EncoderPlan:
+                      base: np.ndarray, link: reshard.LinkCost) -> reshard.EncoderPlan:
         calls.append(["insertion", np.array(base)])
-        return real_insertion(self, items, owners, n_ranks, enc_sp, base)
+        return real_insertion(self, items, owners, n_ranks, enc_sp, base, link)
 
     def spy_prices(lengths: np.ndarray, traffic: reshard.EncoderTraffic, link: reshard.LinkCost,
                    **kwargs: object) -> reshard.ItemPrices:
@@ -335,7 +337,7 @@ def test_omni_plans_each_encoders_items_in_turn_priced_as_the_runtime_resharder(
     monkeypatch.setattr(Simulation, "_resharder_plan", spy_insertion)
     monkeypatch.setattr(placements.reshard, "item_prices", spy_prices)
     monkeypatch.setattr(placements.reshard, "plan_resharding", spy_plan)
-    scenario = _scenario(pp=pp, enc_sp=2)
+    scenario = replace(_scenario(pp=pp, enc_sp=2), cluster=Cluster(gpus=64, gpus_per_node=gpus_per_node))
     sim = Simulation(replace(scenario, workload=load_workload("omni_mix")))
     sim.omni()
     traffic = {name: placements._traffic_of(sim.scenario.model.config, name) for name in ("vision", "audio")}
@@ -344,8 +346,8 @@ def test_omni_plans_each_encoders_items_in_turn_priced_as_the_runtime_resharder(
         if isinstance(call[0], str):
             base, last = call[1], -1
             continue
-        lengths, item_traffic, link, prices, costs, kwargs, plan = call
-        assert link == reshard.GPU_NVLINK and kwargs["prices"] is prices and kwargs["min_gain"] == 0.05
+        lengths, item_traffic, priced_over, prices, costs, kwargs, plan = call
+        assert priced_over == link and kwargs["prices"] is prices and kwargs["min_gain"] == 0.05
         (name,) = [name for name, t in traffic.items() if t == item_traffic]
         assert order.index(name) > last, "encoders planned out of the model's order"
         last = order.index(name)

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from omni_lightning.balance.cost import ModuleCost
-from omni_lightning.balance.reshard import plan_encoder_work, plan_item_exchange
+from omni_lightning.balance.reshard import GPU_NETWORK, GPU_NVLINK, plan_encoder_work, plan_item_exchange
 from omni_lightning.batch import BYTE_ROLES
 from omni_lightning.data.packing import DecodedSample, pack_samples
 from omni_lightning.models.config import ReferenceMLLMConfig
@@ -33,11 +33,11 @@ from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.module import initial_state_dict
 from omni_lightning.parallel.dims import ParallelDims
 from omni_lightning.parallel.fsdp import apply_fsdp
-from omni_lightning.parallel.layout import build_layout
+from omni_lightning.parallel.layout import build_layout, ranks_span_nodes
 from omni_lightning.parallel.settings import PipelineSettings, PlacementSettings
 from omni_lightning.runtime.loss import next_token_loss_sum
 from omni_lightning.runtime.reshard import Resharder
-from omni_lightning.runtime.step import Step, build_step
+from omni_lightning.runtime.step import Step, StepOptions, _reshard_pricing, build_step
 
 # The byte tokens' roles (ids 0-3) and their first text id.
 FIRST_TEXT_ID = BYTE_ROLES.first_free_id
@@ -159,6 +159,36 @@ def _built_step(dims: ParallelDims, *, reshard: bool, link: str) -> tuple[Refere
     set_model_state_dict(model, initial_state_dict(config, seed=3),
                          options=StateDictOptions(full_state_dict=True, strict=True))
     return model, step
+
+
+@pytest.mark.parametrize(("ranks", "per_node", "spans"), [([0, 1, 2, 3], 4, False), ([4, 6], 4, False),
+                                                      ([3, 4], 4, True), ([0, 8, 16], 8, True), ([5], 1, False)])
+def test_a_group_spans_nodes_where_its_ranks_do(ranks: list[int], per_node: int, spans: bool) -> None:
+    assert ranks_span_nodes(ranks, per_node) == spans
+
+
+def test_ranks_per_node_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        ranks_span_nodes([0], 0)
+
+
+def _check_link_of_the_encoder_group(rank: int, world: int) -> None:
+    """On a GPU, ``link_cost="auto"`` prices the resharder's traffic over NVLink where its encoder group sits on one
+    node and over the network where it spans nodes: the same choice on every rank."""
+    dims = ParallelDims(world_size=world, dp_shard=world)
+    for per_node, expected in ((world, GPU_NVLINK), (1, GPU_NETWORK), (None, GPU_NVLINK)):
+        layout = build_layout(dims, "cpu", pipeline=PipelineSettings(), placement=PlacementSettings(), reshard=True,
+                              ranks_per_node=per_node)
+        group = layout.meshes.encoder_group
+        assert layout.spans_nodes(group) == (expected is GPU_NETWORK)
+        model = ReferenceMLLM(ReferenceMLLMConfig.tiny())
+        pricing = _reshard_pricing(model, layout, torch.device("cuda"), StepOptions(param_dtype=torch.bfloat16), group)
+        assert pricing["link"] == expected
+        assert _reshard_pricing(model, layout, torch.device("cpu"), StepOptions(), group)["link"] != expected
+
+
+def test_the_resharder_prices_the_links_its_encoder_group_spans() -> None:
+    run_distributed(_check_link_of_the_encoder_group, 2)
 
 
 def _check_parity(rank: int, world: int, layout: dict[str, int], case: str, link: str) -> None:

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from omni_lightning.balance import reshard
 from omni_lightning.balance.reshard import (
+    CPU_GLOO,
+    GPU_NETWORK,
     GPU_NVLINK,
     EncoderPlan,
     EncoderTraffic,
@@ -22,6 +24,7 @@ from omni_lightning.balance.reshard import (
     plan_encoder_work,
     plan_resharding,
     resharding_may_pay,
+    resolve_link,
 )
 
 TRAFFIC = EncoderTraffic(stem_bytes=384.0, output_bytes=128.0, ulysses_bytes=6144.0, ulysses_messages=16)
@@ -127,6 +130,20 @@ def test_item_prices_count_bytes_both_ways_and_ulysses_per_member() -> None:
 def test_link_cost_rejects_nonsense(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="LinkCost"):
         LinkCost(**kwargs)
+
+
+def test_auto_prices_a_gpu_group_by_its_slowest_link() -> None:
+    """NVLink inside a node; a group spanning nodes crosses the network, slower per byte and per call. Gloo's price
+    is the host's, and a given link or ``compute_only`` is kept as it is."""
+    assert resolve_link("auto", "cuda") == GPU_NVLINK
+    assert resolve_link("auto", "cuda", spans_nodes=True) == GPU_NETWORK
+    assert GPU_NETWORK.bandwidth < GPU_NVLINK.bandwidth and GPU_NETWORK.latency > GPU_NVLINK.latency
+    assert resolve_link("auto", "cpu") == resolve_link("auto", "cpu", spans_nodes=True) == CPU_GLOO
+    mine = LinkCost(bandwidth=1.0, latency=0.0, flops_per_s=1.0)
+    assert resolve_link(mine, "cuda", spans_nodes=True) is mine
+    assert resolve_link("compute_only", "cuda", spans_nodes=True) is None
+    with pytest.raises(ValueError, match="link_cost"):
+        resolve_link("nvlink", "cuda")
 
 
 def test_prices_must_fit_the_items() -> None:

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
-    "CPU_GLOO", "GPU_NVLINK", "EncoderPlan", "EncoderTraffic", "ItemExchange", "ItemPrices", "LinkCost", "SplitChunk",
+    "CPU_GLOO", "GPU_NETWORK", "GPU_NVLINK", "EncoderPlan", "EncoderTraffic", "ItemExchange", "ItemPrices", "LinkCost",
+    "SplitChunk",
     "encoder_lower_bound", "exchange_price", "gain_beyond_price_error", "item_prices", "plan_encoder_work",
     "plan_item_exchange", "plan_resharding", "resolve_link", "resharding_may_pay", "split_lengths",
 ]
@@ -86,15 +87,21 @@ class LinkCost:
 CPU_GLOO = LinkCost(bandwidth=2.2e9, latency=2e-3, flops_per_s=3.5e10)
 # NCCL inside an NVLink node: ~100 GB/s achieved per rank in all-to-all, ~20 us a call, ~300 TFLOP/s in bf16.
 GPU_NVLINK = LinkCost(bandwidth=1e11, latency=2e-5, flops_per_s=3e14)
+# NCCL between nodes (InfiniBand or RoCE, one 200-400 Gb/s NIC per GPU): ~25 GB/s achieved per rank in all-to-all,
+# ~50 us a call; the same compute rate.
+GPU_NETWORK = LinkCost(bandwidth=2.5e10, latency=5e-5, flops_per_s=3e14)
 
 
-def resolve_link(link: LinkCost | str, device_type: str) -> LinkCost | None:
-    """The link a plan prices: ``link`` itself, the device's default for ``"auto"`` (:data:`GPU_NVLINK` on CUDA,
-    :data:`CPU_GLOO` else), or ``None`` for ``"compute_only"`` (traffic is free)."""
+def resolve_link(link: LinkCost | str, device_type: str, *, spans_nodes: bool = False) -> LinkCost | None:
+    """The link a plan prices: ``link`` itself, the device's default for ``"auto"``, or ``None`` for
+    ``"compute_only"`` (traffic is free). On CUDA the default is the group's slowest link: :data:`GPU_NVLINK` for a
+    group inside one node, :data:`GPU_NETWORK` for one whose ranks ``spans_nodes``; elsewhere :data:`CPU_GLOO`."""
     if isinstance(link, LinkCost):
         return link
     if link == "auto":
-        return GPU_NVLINK if device_type == "cuda" else CPU_GLOO
+        if device_type == "cuda":
+            return GPU_NETWORK if spans_nodes else GPU_NVLINK
+        return CPU_GLOO
     if link == "compute_only":
         return None
     raise ValueError(f"link_cost={link!r} must be a LinkCost, 'auto' or 'compute_only'")

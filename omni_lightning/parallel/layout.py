@@ -9,6 +9,7 @@ order; a second request returns the same group.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -250,10 +251,11 @@ class OmniLayout:
     this rank's LLM mesh and encoder groups; ``pool`` the encoder pool's groups (disaggregated only). ``reshard``:
     each step's encoder items are resharded over the encoder group. ``cost_model`` and ``packing`` are the model's,
     for the loader's plans. ``link_cost`` prices the resharder's and the loader's traffic: ``"auto"`` (the device's
-    default, :data:`~omni_lightning.balance.reshard.CPU_GLOO` or :data:`~omni_lightning.balance.reshard.GPU_NVLINK`),
+    default for the group's links, :func:`~omni_lightning.balance.reshard.resolve_link`),
     a :class:`~omni_lightning.balance.reshard.LinkCost`, or ``"compute_only"`` (moves are free to the plan).
     ``reshard_calibration_steps``: training batches (after the first) timed to price the resharder's plan in
-    measured seconds (0: it keeps ``cost_model``, or FLOPs).
+    measured seconds (0: it keeps ``cost_model``, or FLOPs). ``ranks_per_node``: how many consecutive global ranks
+    share a node (``None``: unknown, the job is taken as one node), for :meth:`spans_nodes`.
     """
 
     dims: ParallelDims
@@ -267,7 +269,14 @@ class OmniLayout:
     packing: PackingSpec | None = None
     link_cost: LinkCost | Literal["auto", "compute_only"] = "auto"
     reshard_calibration_steps: int = 0
+    ranks_per_node: int | None = None
     _created: dict[tuple[object, ...], Any] = field(default_factory=dict, repr=False)  # groups made on first use
+
+    def spans_nodes(self, group: dist.ProcessGroup | None) -> bool:
+        """Whether ``group``'s ranks sit on more than one node (so ``"auto"`` prices its traffic over the network)."""
+        if group is None or self.ranks_per_node is None:
+            return False
+        return ranks_span_nodes(dist.get_process_group_ranks(group), self.ranks_per_node)
 
     @property
     def is_encoder_rank(self) -> bool:
@@ -342,9 +351,18 @@ def new_reorder_groups(dp_groups: list[list[int]], dp_rank: int, size: int) -> t
 def build_layout(dims: ParallelDims, device_type: str, *, pipeline: PipelineSettings, placement: PlacementSettings,
                  reshard: bool, pool: PoolLayout | None = None, pool_enc_sp: int = 1,
                  link_cost: LinkCost | Literal["auto", "compute_only"] = "auto",
-                 reshard_calibration_steps: int = 0) -> OmniLayout:
+                 reshard_calibration_steps: int = 0, ranks_per_node: int | None = None) -> OmniLayout:
     """Create the job's groups (collective: every rank calls it with the same arguments) and this rank's layout."""
     meshes = build_meshes(dims, device_type, pool=pool)
     encoder_pool = build_encoder_pool(pool, pool_enc_sp, device_type) if pool is not None else None
     return OmniLayout(dims, meshes, pipeline, placement, dist.get_rank(), reshard, encoder_pool,
-                      link_cost=link_cost, reshard_calibration_steps=reshard_calibration_steps)
+                      link_cost=link_cost, reshard_calibration_steps=reshard_calibration_steps,
+                      ranks_per_node=ranks_per_node)
+
+
+def ranks_span_nodes(ranks: Iterable[int], ranks_per_node: int) -> bool:
+    """Whether global ``ranks`` sit on more than one node, where nodes hold ``ranks_per_node`` consecutive ranks
+    each (as Lightning and torchrun number them: node rank x ranks per node + local rank)."""
+    if ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node={ranks_per_node} must be at least 1")
+    return len({rank // ranks_per_node for rank in ranks}) > 1

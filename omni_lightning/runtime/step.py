@@ -454,7 +454,8 @@ def _resharder(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, o
     llm_cost = prices.llm if prices is not None else model.llm.cost()
     llm = {"llm": llm_cost, "llm_share": 1.0 / (layout.dims.cp * layout.dims.tp)} if on_llm else {}
     return Resharder(meshes.encoder_group, meshes.encoder_sp_blocks, _encoder_costs(model, layout),
-                     enc_sp=layout.dims.enc_sp, **llm, **_reshard_pricing(model, layout, device, options))
+                     enc_sp=layout.dims.enc_sp, **llm,
+                     **_reshard_pricing(model, layout, device, options, meshes.encoder_group))
 
 
 def _encoder_costs(model: ReferenceMLLM, layout: OmniLayout) -> dict[str, ModuleCost]:
@@ -465,10 +466,11 @@ def _encoder_costs(model: ReferenceMLLM, layout: OmniLayout) -> dict[str, Module
     return {name: encoder.cost() for name, encoder in model.encoders.items()}
 
 
-def _reshard_pricing(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, options: StepOptions
-                     ) -> dict[str, Any]:
-    """The resharder's ``traffic`` and ``link`` for this model and device (none under ``"compute_only"``)."""
-    link = resolve_link(layout.link_cost, device.type)
+def _reshard_pricing(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, options: StepOptions,
+                     group: dist.ProcessGroup) -> dict[str, Any]:
+    """The resharder's ``traffic`` and ``link`` for this model, device and encoder ``group`` (none under
+    ``"compute_only"``)."""
+    link = resolve_link(layout.link_cost, device.type, spans_nodes=layout.spans_nodes(group))
     if link is None:
         return {}
     element = torch.finfo(options.param_dtype or torch.float32).bits // 8
@@ -548,7 +550,7 @@ def _pool_step(model: ReferenceMLLM, layout: OmniLayout, device: torch.device, o
         if pool.group is not None and layout.reshard:
             resharder = Resharder(pool.group, pool.sp_blocks, _encoder_costs(model, layout),
                                   enc_sp=max(pool.sp_blocks, default=1),
-                                  **_reshard_pricing(model, layout, device, options))
+                                  **_reshard_pricing(model, layout, device, options, pool.group))
         worker = EncoderPoolWorker(pool.layout, pool.streams, LocalEncoders(model, resharder), model.packing,
                                    device=device, dtype=dtype)
         return PoolEncoderStep(model, worker, side, device)

@@ -68,7 +68,6 @@ from omni_lightning.sim.schedules import joint_pipeline, one_f_one_b
 _RESHARD_MIN_GAIN = 0.05  # the runtime resharder's default (runtime.reshard.Resharder's min_gain)
 # What the runtime's resharder prices a plan's traffic by on the GPUs simulated here: the default link of a CUDA
 # device (``link_cost="auto"``), whatever links the encoder group actually spans.
-_RESHARD_LINK = reshard.resolve_link("auto", "cuda")
 _ELEMENT_BYTES = 2  # bf16 parameters and activations
 
 __all__ = ["ASSUMPTIONS", "OmniOptions", "PlacementResult", "Scenario", "Simulation"]
@@ -398,8 +397,9 @@ class Simulation:
         (:func:`~omni_lightning.balance.reshard.plan_resharding`, long items split over ``enc_sp`` consecutive
         data-parallel ranks, which sit ``cp * tp`` GPUs apart; without a pipeline, on top of each GPU's share of its
         micro-batch's LLM work), each encoder's items in turn, priced as the runtime prices them on a GPU (its
-        default link for CUDA, NVLink, whatever links the items then cross; the time counted here charges the
-        outputs' travel and the Ulysses traffic over those, by bandwidth),
+        default link for the encoder group: NVLink inside a node, the network for a group spanning nodes, whatever
+        links the items then cross; the time counted here charges the outputs' travel and the Ulysses traffic over
+        those, by bandwidth),
         keeping each rank's own items unless that lowers the slowest rank's work by more than 5% (the runtime
         resharder's ``min_gain``). Each insertion runs the items planned there, whole or as their SP shares, at
         the micro-batch they belong to (with ``even_encoder_slices``: each GPU's step of encoder work spread evenly
@@ -421,6 +421,9 @@ class Simulation:
         slots /= slots.sum(axis=1, keepdims=True)
         # Data-parallel rank r's GPU at one (stage, peer) position; only which node it is on matters.
         dp_gpu = np.arange(replicas) * peers
+        # The link the runtime prices the resharder's plans by on a GPU: its default for the encoder group's nodes.
+        link = reshard.resolve_link("auto", "cuda",
+                                    spans_nodes=np.unique(dp_gpu // self.scenario.cluster.gpus_per_node).size > 1)
         makespans_of_steps, syncs, imbalance, memory, placed, drawn = [], [], [], 0.0, 0.0, 0.0
         for step, draw in enumerate(self.draws):
             llm_cost, llm_tokens = np.zeros((replicas, micro)), np.zeros((replicas, micro))
@@ -467,7 +470,7 @@ class Simulation:
                 # Without a pipeline every GPU runs its encoders and then its share of the LLM on the micro-batch,
                 # and the resharder balances the two together.
                 base = llm_cost[:, key % micro] / peers if pp == 1 else np.zeros(replicas)
-                plan = self._resharder_plan(items[chunk], replica[chunk], replicas, enc_sp, base)
+                plan = self._resharder_plan(items[chunk], replica[chunk], replicas, enc_sp, base, link)
                 # The plan's prices are the planner's; the time is the compute plus what _encoder_traffic charges
                 # over the links the items cross.
                 compute = _compute_of(plan, costs)
@@ -510,8 +513,8 @@ class Simulation:
                             f"items planned per insertion over {replicas} data-parallel ranks, {peers} peers "
                             f"splitting a rank's, enc_sp {enc_sp}{', even slices' if even else ''}")
 
-    def _resharder_plan(self, items: np.ndarray, owners: np.ndarray, n_ranks: int, enc_sp: int, base: np.ndarray
-                        ) -> reshard.EncoderPlan:
+    def _resharder_plan(self, items: np.ndarray, owners: np.ndarray, n_ranks: int, enc_sp: int, base: np.ndarray,
+                        link: reshard.LinkCost) -> reshard.EncoderPlan:
         """Where the runtime's resharder encodes ``items`` (pool indices) loaded on ``owners``: each encoder's items
         planned in turn (:func:`~omni_lightning.balance.reshard.plan_resharding`, their moves and splits priced as
         the runtime prices them on a GPU), each on top of ``base`` and the encoders planned before it. The returned
@@ -524,7 +527,7 @@ class Simulation:
         encoder_of = pool.item_encoder[items]
         for encoder in np.unique(encoder_of).tolist():
             mine = np.flatnonzero(encoder_of == encoder)
-            prices = reshard.item_prices(pool.item_tokens[items[mine]], self.encoder_traffic[encoder], _RESHARD_LINK,
+            prices = reshard.item_prices(pool.item_tokens[items[mine]], self.encoder_traffic[encoder], link,
                                          enc_sp=enc_sp)
             plan = reshard.plan_resharding(costs[mine], owners[mine], n_ranks=n_ranks, enc_sp=enc_sp, prices=prices,
                                            base=base, min_gain=_RESHARD_MIN_GAIN)

@@ -88,8 +88,9 @@ class OmniStrategy(ModelParallelStrategy):
         encoder_balance: deprecated name of ``encoder_reshard`` (warns once).
         link_cost: what moving bytes between ranks costs, so that the resharder moves and splits items, and
             ``OmniDataModule``'s reorder moves payloads, only where that pays:
-            ``"auto"`` (Gloo between CPU processes, NCCL over NVLink on GPUs:
-            :data:`~omni_lightning.balance.reshard.CPU_GLOO`, :data:`~omni_lightning.balance.reshard.GPU_NVLINK`), a
+            ``"auto"`` (Gloo between CPU processes; on GPUs NCCL over NVLink for a group inside a node, over the
+            network for one spanning nodes: :data:`~omni_lightning.balance.reshard.CPU_GLOO`,
+            :data:`~omni_lightning.balance.reshard.GPU_NVLINK`, :data:`~omni_lightning.balance.reshard.GPU_NETWORK`), a
             measured :class:`~omni_lightning.balance.reshard.LinkCost`, or ``"compute_only"`` (traffic is free).
         cost_model: what the model's modules cost on this hardware, for every plan: ``OmniDataModule``'s reorder
             (unless it is given its own) and the resharder's. Default: the model's training FLOPs
@@ -368,7 +369,8 @@ class OmniStrategy(ModelParallelStrategy):
         layout = build_layout(dims, self.root_device.type, pipeline=self.pipeline_settings,
                               placement=self.placement_settings, reshard=self.encoder_reshard, pool=pool,
                               pool_enc_sp=self._enc_sp, link_cost=self._link_cost,
-                              reshard_calibration_steps=self._reshard_calibration_steps)
+                              reshard_calibration_steps=self._reshard_calibration_steps,
+                              ranks_per_node=self.num_processes)
         layout.cost_model = self._cost_model
         if isinstance(module, OmniModule):  # what the data module's plans price and pack by
             layout.cost_model = self._cost_model if self._cost_model is not None else module.cost_model()
