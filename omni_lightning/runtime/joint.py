@@ -51,6 +51,7 @@ from omni_lightning.balance.pipeline_order import assign_encoder_items, lpt_rank
 from omni_lightning.batch import EncoderOutputs
 from omni_lightning.parallel.agreement import check_plans_agree
 from omni_lightning.parallel.attention import host_bounds
+from omni_lightning.parallel.coalesced import all_reduce_coalesced
 from omni_lightning.parallel.timing import ActionLog, timed, waiting
 from omni_lightning.parallel.transfer import to_device
 from omni_lightning.runtime.items import item_layout, select_items
@@ -494,16 +495,17 @@ class JointEncoders:
     def sync_gradients(self) -> None:
         """Sum the encoders' gradients over the pipeline ranks and their tensor-parallel peers (each encoded a part
         of every micro-batch); FSDP sums them over the data- and context-parallel ranks."""
+        grads = []
         for encoder in self.model.encoders.values():
             for param in encoder.parameters():
                 if not param.requires_grad:  # frozen: nothing to reduce
                     continue
                 if param.grad is None:  # no share of this encoder's work here this step; the others had some
                     param.grad = torch.zeros_like(param)
-                local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-                if self.peers is not None and self.peers.tp_group is not None:
-                    dist.all_reduce(local, group=self.peers.tp_group)
-                dist.all_reduce(local, group=self.group)
+                grads.append(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad)
+        if self.peers is not None and self.peers.tp_group is not None:
+            all_reduce_coalesced(grads, self.peers.tp_group)
+        all_reduce_coalesced(grads, self.group)
 
 
 def _item_order(rows: np.ndarray, owner: np.ndarray, pp: int) -> np.ndarray:
