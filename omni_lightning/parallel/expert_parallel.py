@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from omni_lightning.parallel.coalesced import all_reduce_coalesced
 from omni_lightning.parallel.transfer import to_device
 
 __all__ = ["ExpertCompute", "ExpertDispatcher", "apply_ep", "expert_major_order", "gather_rows", "row_share",
@@ -94,20 +95,22 @@ def apply_ep(experts: Iterable[nn.Module], ep_mesh: DeviceMesh, replica_group: d
     return sharded
 
 
-def sync_expert_gradients(model: nn.Module) -> None:
+def sync_expert_gradients(*roots: nn.Module) -> None:
     """Sum expert gradients over their replicas and divide by the data-parallel size (call before the optimizer
-    step, after the last accumulated backward)."""
-    for module in model.modules():
+    step, after the last accumulated backward), for every expert under ``roots``: one bucketed all-reduce per replica
+    group, not one per parameter."""
+    by_group: dict[tuple[dist.ProcessGroup | None, float], list[torch.Tensor]] = {}
+    for module in (m for root in roots for m in root.modules()):
         dispatcher = getattr(module, "dispatcher", None)
         if not isinstance(dispatcher, ExpertDispatcher):
             continue
-        for param in module.parameters():
-            if param.grad is None:
-                continue
-            local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-            if dispatcher.replica_group is not None:
-                dist.all_reduce(local, group=dispatcher.replica_group)
-            local.div_(dispatcher.gradient_divide)
+        by_group.setdefault((dispatcher.replica_group, dispatcher.gradient_divide), []).extend(
+            param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            for param in module.parameters() if param.grad is not None)
+    for (group, divide), grads in by_group.items():
+        if group is not None:
+            all_reduce_coalesced(grads, group)
+        torch._foreach_div_(grads, divide)
 
 
 def row_share(rows: int, peers: int, peer: int) -> tuple[int, int]:
@@ -168,13 +171,16 @@ def gather_rows(share: torch.Tensor, rows: int, group: dist.ProcessGroup) -> tor
     return _GatherRows.apply(share, rows, group)
 
 
-def sync_token_split_gradients(model: nn.Module) -> None:
-    """Sum the gradients of every module that split its tokens over tensor-parallel peers (its
-    ``token_split_group``) over those peers (call before the optimizer step, after the last accumulated backward)."""
-    for module in model.modules():
+def sync_token_split_gradients(*roots: nn.Module) -> None:
+    """Sum the gradients of every module under ``roots`` that split its tokens over tensor-parallel peers (its
+    ``token_split_group``) over those peers (call before the optimizer step, after the last accumulated backward):
+    one bucketed all-reduce per group."""
+    by_group: dict[dist.ProcessGroup, list[torch.Tensor]] = {}
+    for module in (m for root in roots for m in root.modules()):
         group = getattr(module, "token_split_group", None)
         if group is None:
             continue
-        for param in module.parameters():
-            if param.grad is not None:
-                dist.all_reduce(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad, group=group)
+        by_group.setdefault(group, []).extend(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                                              for param in module.parameters() if param.grad is not None)
+    for group, grads in by_group.items():
+        all_reduce_coalesced(grads, group)

@@ -87,9 +87,8 @@ class Step(Protocol):
 
 def _sync_moe_gradients(model: ReferenceMLLM) -> None:
     """Experts' gradients summed over their replicas, MoE layers' over the tensor-parallel peers splitting tokens."""
-    for layer in model.moe_layers:
-        sync_expert_gradients(layer)
-        sync_token_split_gradients(layer)
+    sync_expert_gradients(*model.moe_layers)
+    sync_token_split_gradients(*model.moe_layers)
 
 
 def _whole_aux(model: ReferenceMLLM, aux: torch.Tensor) -> torch.Tensor:
