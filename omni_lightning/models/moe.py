@@ -16,15 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from omni_lightning.parallel.expert_parallel import ExpertCompute, gather_rows, split_rows
+from omni_lightning.parallel.local import local_tensor
 
 __all__ = ["GroupedExperts", "MoEFeedForward", "combine_experts"]
-
-
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 class GroupedExperts(nn.Module):
@@ -61,7 +57,7 @@ class GroupedExperts(nn.Module):
     def compute(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Run the experts held here on ``rows`` sorted by (local) expert, ``counts`` rows each."""
         # Expert weights stay fp32 outside FSDP's mixed-precision policy: compute in the activations' dtype.
-        w1, w3, w2 = (_local(w).to(rows.dtype) for w in (self.w1, self.w3, self.w2))
+        w1, w3, w2 = (local_tensor(w).to(rows.dtype) for w in (self.w1, self.w3, self.w2))
         outputs = []
         # Every local expert runs, even on zero rows, so its weights always get a (possibly zero) gradient.
         for expert, part in enumerate(rows.split(counts.tolist())):

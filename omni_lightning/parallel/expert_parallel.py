@@ -29,9 +29,10 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from omni_lightning.parallel.coalesced import all_reduce_coalesced
+from omni_lightning.parallel.local import local_tensor
 from omni_lightning.parallel.transfer import to_device
 
 __all__ = ["ExpertCompute", "ExpertDispatcher", "apply_ep", "expert_major_order", "gather_rows", "row_share",
@@ -105,8 +106,7 @@ def sync_expert_gradients(*roots: nn.Module) -> None:
         if not isinstance(dispatcher, ExpertDispatcher):
             continue
         by_group.setdefault((dispatcher.replica_group, dispatcher.gradient_divide), []).extend(
-            param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-            for param in module.parameters() if param.grad is not None)
+            local_tensor(param.grad) for param in module.parameters() if param.grad is not None)
     for (group, divide), grads in by_group.items():
         if group is not None:
             all_reduce_coalesced(grads, group)
@@ -180,7 +180,7 @@ def sync_token_split_gradients(*roots: nn.Module) -> None:
         group = getattr(module, "token_split_group", None)
         if group is None:
             continue
-        by_group.setdefault(group, []).extend(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-                                              for param in module.parameters() if param.grad is not None)
+        by_group.setdefault(group, []).extend(local_tensor(param.grad) for param in module.parameters()
+                                              if param.grad is not None)
     for group, grads in by_group.items():
         all_reduce_coalesced(grads, group)

@@ -43,7 +43,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from omni_lightning.balance.cost import CostModel, ModuleCost
 from omni_lightning.balance.digest import plan_digest
@@ -52,6 +51,7 @@ from omni_lightning.batch import EncoderOutputs
 from omni_lightning.parallel.agreement import check_plans_agree
 from omni_lightning.parallel.attention import host_bounds
 from omni_lightning.parallel.coalesced import all_reduce_coalesced
+from omni_lightning.parallel.local import local_tensor
 from omni_lightning.parallel.timing import ActionLog, timed, waiting
 from omni_lightning.parallel.transfer import to_device
 from omni_lightning.runtime.items import item_layout, select_items
@@ -502,7 +502,7 @@ class JointEncoders:
                     continue
                 if param.grad is None:  # no share of this encoder's work here this step; the others had some
                     param.grad = torch.zeros_like(param)
-                grads.append(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad)
+                grads.append(local_tensor(param.grad))
         if self.peers is not None and self.peers.tp_group is not None:
             all_reduce_coalesced(grads, self.peers.tp_group)
         all_reduce_coalesced(grads, self.group)

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from omni_lightning.balance.pipeline_order import lpt_ranks
 from omni_lightning.parallel.coalesced import all_reduce_coalesced
 from omni_lightning.parallel.compat import all_gather_single
+from omni_lightning.parallel.local import local_tensor
 from omni_lightning.parallel.transfer import to_device
 
 __all__ = ["SamplePeers", "gather_peer_outputs", "split_items", "sum_over_tensor_parallel_peers"]
@@ -95,6 +95,6 @@ def sum_over_tensor_parallel_peers(encoders: Iterable[nn.Module], peers: SampleP
     before the optimizer step)."""
     if peers is None or peers.tp_group is None:
         return
-    all_reduce_coalesced([param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+    all_reduce_coalesced([local_tensor(param.grad)
                           for encoder in encoders for param in encoder.parameters()
                           if param.requires_grad and param.grad is not None], peers.tp_group)

@@ -10,8 +10,9 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+
+from omni_lightning.parallel.local import local_tensor
 
 __all__ = ["NonFiniteGuard", "NonFinitePolicy"]
 
@@ -86,7 +87,7 @@ def _nonfinite(value: Any, device: torch.device) -> Tensor:
 @torch.no_grad()  # DTensor.to_local outside autograd is an attribute read, not a ~20 us autograd function
 def _any_nonfinite_grad(params: list[Tensor], device: torch.device) -> Tensor:
     """1 if this rank's part of any gradient holds a NaN or an infinity, else 0 (an int32 scalar on ``device``)."""
-    local = [g for g in (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params) if g.numel()]
+    local = [g for g in (local_tensor(p.grad) for p in params) if g.numel()]
     if not local:  # an FSDP rank may hold an empty shard of every gradient
         return torch.zeros((), dtype=torch.int32, device=device)
     # One fused kernel per device and dtype instead of a Python loop over every gradient. The 2-norm first: it is

@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from omni_lightning.balance.cost import ModuleCost
@@ -45,14 +44,11 @@ from omni_lightning.models.flops import TRAIN, TRAIN_FIRST_LAYER, attention_pair
 from omni_lightning.models.lora import lora_layer_plan
 from omni_lightning.models.moe import combine_experts
 from omni_lightning.parallel.expert_parallel import gather_rows, split_rows
+from omni_lightning.parallel.local import local_tensor
 
 __all__ = ["FusedExperts", "Qwen3VLMoeTextAdapter", "Qwen3VLVisionAdapter", "RoutedMoE"]
 
 _POSITION_COLUMNS = 4
-
-
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 class Qwen3VLVisionAdapter(Qwen2VLVisionAdapter):
@@ -147,7 +143,7 @@ class FusedExperts(nn.Module):
 
     def compute(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The experts held here on ``rows`` sorted by (local) expert, ``counts`` rows each."""
-        gate_up, down = (_local(w).to(rows.dtype) for w in (self.gate_up_proj, self.down_proj))
+        gate_up, down = (local_tensor(w).to(rows.dtype) for w in (self.gate_up_proj, self.down_proj))
         outputs = []
         # Every local expert runs, even on zero rows, so its weights always get a (possibly zero) gradient.
         for expert, part in enumerate(rows.split(counts.tolist())):
