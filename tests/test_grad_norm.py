@@ -15,21 +15,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from built_step import built_step
 from device_discipline import device_syncs
 from distributed import run_distributed
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from omni_lightning.data.packing import DecodedSample, pack_samples
-from omni_lightning.models.config import ReferenceMLLMConfig
-from omni_lightning.models.mllm import ReferenceMLLM
-from omni_lightning.module import initial_state_dict
 from omni_lightning.parallel.dims import ParallelDims
 from omni_lightning.parallel.grad_norm import clip_grad_norm_
-from omni_lightning.parallel.layout import build_layout
-from omni_lightning.parallel.settings import PipelineSettings, PlacementSettings
 from omni_lightning.runtime.loss import next_token_loss_sum, vocab_parallel_loss
-from omni_lightning.runtime.step import build_step
 
 
 def _full(grad: torch.Tensor) -> torch.Tensor:
@@ -38,16 +32,9 @@ def _full(grad: torch.Tensor) -> torch.Tensor:
 
 def _check_clip(rank: int, world: int, degrees: dict[str, int], max_norm: float,
                 monkeypatch: pytest.MonkeyPatch) -> None:
-    config = ReferenceMLLMConfig.tiny()
-    layout = build_layout(ParallelDims(world_size=world, **degrees), "cpu", pipeline=PipelineSettings(),
-                          placement=PlacementSettings(), reshard=False)
-    with torch.device("meta"):
-        model = ReferenceMLLM(config)
-    step = build_step(model, layout, device=torch.device("cpu"))
-    model.to_empty(device="cpu")
-    set_model_state_dict(model, initial_state_dict(config, seed=3),
-                         options=StateDictOptions(full_state_dict=True, strict=True))
-    rng = np.random.default_rng(layout.dp_rank)
+    dims = ParallelDims(world_size=world, **degrees)
+    model, step = built_step(dims, reshard=False, link="auto")
+    rng = np.random.default_rng(dims.local_rank_in("dp", rank))
     batch = pack_samples([DecodedSample("s", rng.integers(4, 256, 12).astype(np.int32),
                                         [rng.integers(0, 256, (28, 28, 3), dtype=np.uint8)],
                                         rng.standard_normal((8, 80)).astype(np.float16))])

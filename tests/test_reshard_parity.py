@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from autograd_graph import backward_node_kinds
+from built_step import built_step
 from distributed import run_distributed
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
@@ -37,7 +37,7 @@ from omni_lightning.parallel.layout import build_layout, ranks_span_nodes
 from omni_lightning.parallel.settings import PipelineSettings, PlacementSettings
 from omni_lightning.runtime.loss import next_token_loss_sum
 from omni_lightning.runtime.reshard import Resharder
-from omni_lightning.runtime.step import Step, StepOptions, _reshard_pricing, build_step
+from omni_lightning.runtime.step import StepOptions, _reshard_pricing
 
 # The byte tokens' roles (ids 0-3) and their first text id.
 FIRST_TEXT_ID = BYTE_ROLES.first_free_id
@@ -147,20 +147,6 @@ def _reference(case: str, world: int, state: dict[str, torch.Tensor]) -> tuple[f
     return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def _built_step(dims: ParallelDims, *, reshard: bool, link: str) -> tuple[ReferenceMLLM, Step]:
-    """The tiny model at seed 3, parallelized for ``dims``, and its step, as a job builds them."""
-    config = ReferenceMLLMConfig.tiny()
-    layout = build_layout(dims, "cpu", pipeline=PipelineSettings(), placement=PlacementSettings(), reshard=reshard,
-                          link_cost=link)
-    with torch.device("meta"):
-        model = ReferenceMLLM(config)
-    step = build_step(model, layout, device=torch.device("cpu"))
-    model.to_empty(device="cpu")
-    set_model_state_dict(model, initial_state_dict(config, seed=3),
-                         options=StateDictOptions(full_state_dict=True, strict=True))
-    return model, step
-
-
 @pytest.mark.parametrize(("ranks", "per_node", "spans"), [([0, 1, 2, 3], 4, False), ([4, 6], 4, False),
                                                       ([3, 4], 4, True), ([0, 8, 16], 8, True), ([5], 1, False)])
 def test_a_group_spans_nodes_where_its_ranks_do(ranks: list[int], per_node: int, spans: bool) -> None:
@@ -194,7 +180,7 @@ def test_the_resharder_prices_the_links_its_encoder_group_spans() -> None:
 def _check_parity(rank: int, world: int, layout: dict[str, int], case: str, link: str) -> None:
     config = ReferenceMLLMConfig.tiny()
     dims = ParallelDims(world_size=world, **layout)
-    model, step = _built_step(dims, reshard=True, link=link)
+    model, step = built_step(dims, reshard=True, link=link)
     meshes = step.meshes
 
     dp_rank = dims.local_rank_in("dp", rank)
@@ -337,7 +323,7 @@ def _check_home_plan_runs_as_without_resharding(rank: int, world: int) -> None:
     graphs, outputs = [], []
     for reshard in (False, True):
         dims = ParallelDims(world_size=world, dp_shard=world, enc_sp=2 if reshard else 1)
-        _, step = _built_step(dims, reshard=reshard, link="compute_only")
+        _, step = built_step(dims, reshard=reshard, link="compute_only")
         step.source.start([pack_samples(_rank_samples("even", rank))], train=True)
         encoded = step.source.outputs(0)
         graphs.append(backward_node_kinds(t for out in encoded.values() for t in out))
