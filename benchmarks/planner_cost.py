@@ -7,7 +7,8 @@ the encoder stage runs it:
 
 * ``plan_reorder_group`` over all 512 ranks (one step, pp 8): ``ramp`` (the simulator's default) and ``search``
   (``OmniDataModule``'s default under pipeline parallelism; the rank searches only its own rank-steps,
-  ``searched_rank=0``, as the loader does);
+  ``searched_rank=0``, as the loader does); and under the joint pipeline, two steps planned together, where the
+  group's plan competes with one balanced step by step (8 tensor-parallel peers a stage);
 * ``plan_encoder_work`` over the 512 ranks' items of the step with ``enc_sp`` 8, moves and splits priced as the
   runtime's resharder prices them on a GPU (all encoders' items in one call);
 * ``assign_encoder_items`` on the rank with the most encoder work (its 32 micro-batches over 8 stages);
@@ -104,6 +105,8 @@ def _measure(path: str, ranks: int, m: int, search_evaluations: int) -> list[tup
         rows.append((f"plan_reorder_group ({order})", seconds, f"{plan.evaluations:,}",
                      f"{ids.size} samples, {len(plan.leftover)} left over, max/mean {plan.imbalance:.3f}"))
 
+    rows.append(_joint_group_row(pool, draw, ranks, m))
+
     items, position = pool.items_of(ids)
     item_costs = pool.item_cost[items]
     prices = _runtime_prices(pool, items, sim.encoder_traffic, enc_sp=8)
@@ -147,6 +150,28 @@ def _measure(path: str, ranks: int, m: int, search_evaluations: int) -> list[tup
     rows.append(("solve_pools (4096 GPUs)", seconds, "-",
                  f"{choice.encoder_gpus} encoder GPUs" if choice else "no layout fits"))
     return rows
+
+
+def _joint_group_row(pool: SamplePool, first: Any, ranks: int, m: int) -> tuple[str, float, str, str]:
+    """``plan_reorder_group`` as the loader runs it under the joint pipeline: two steps planned together (the
+    drawn one and a second draw), on each sample's whole cost with micro-batches balanced on its LLM cost, the
+    group's plan competing with the step-by-step one on the joint pipeline's model."""
+    second = draw_step(pool, ranks=ranks, micro_batches=m, seq_len=SEQ_LEN, rng=np.random.default_rng([0, 1, 1]),
+                       concentration=None)
+    ids = np.concatenate([*first.samples, *second.samples])  # each rank's reads of step 0 come before step 1's
+    owners = np.concatenate([np.full(s.size, r) for draw in (first, second) for r, s in enumerate(draw.samples)])
+    llm = pool.llm[ids]
+    config = reorder.ReorderConfig(steps=2, micro_batches=m, token_budget=SEQ_LEN, pp=PP, pipeline_order="search",
+                                   encoder_peers=8)
+
+    def group() -> reorder.GroupPlan:
+        return reorder.plan_reorder_group(llm + pool.encoder[ids], pool.tokens[ids], owners, np.zeros(ids.size),
+                                          n_ranks=ranks, config=config, seed=0, epoch=0, group_index=0,
+                                          micro_batch_costs=llm, searched_rank=0)
+
+    plan, seconds = _timed(group, lambda a, b: a.micro_batches == b.micro_batches)
+    return ("plan_reorder_group (joint, 2 steps)", seconds, f"{plan.evaluations:,}",
+            f"{ids.size} samples, {len(plan.leftover)} left over, max/mean {plan.imbalance:.3f}")
 
 
 def main() -> None:

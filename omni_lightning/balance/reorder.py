@@ -13,17 +13,24 @@ search on a 1F1B replay of the predicted costs. Bins of one step are finally mat
 most of their payload bytes, which keeps the exchange small. With ``ReorderConfig.link`` the exchange is priced too
 (each rank's payload bytes out and in, and the collective, on the group's first step, which waits for it), and the
 plan falls back to keeping every sample where it was read when balancing would not pay for its exchange.
+
+Under the joint encoder-LLM pipeline a step's cost is not the sum of its samples' costs: the stages' encoder
+insertions run side by side, so a few huge images cost one step about what one of them does, and spread over all the
+group's steps they stall every step. There plans are compared on a model of the joint pipeline's step
+(:mod:`~omni_lightning.balance.joint_group`), and a second plan, each step balanced on the samples read for it,
+competes with the group's.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
 
 from omni_lightning.balance.budget import WorkBudget
+from omni_lightning.balance.joint_group import joint_group_time, joint_step_times
 from omni_lightning.balance.pipeline_order import (
     lpt_split,
     one_f_one_b_makespans,
@@ -43,12 +50,15 @@ __all__ = [
     "lower_bound",
     "PipelineOrder",
     "PIPELINE_ORDERS",
+    "STEP_LOCAL_MIN_GAIN",
 ]
 
 
 PipelineOrder = Literal["disttrain", "ramp", "search"]
 PIPELINE_ORDERS: tuple[str, ...] = ("disttrain", "ramp", "search")
 _NEIGHBOURS = 4  # swap partners priced per sample of the heavier bin, on either side of the ideal cost
+STEP_LOCAL_MIN_GAIN = 0.02
+"""How much shorter, under the joint pipeline's model, the step-by-step plan must be to replace the group's."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,9 @@ class ReorderConfig:
             (a :class:`~omni_lightning.balance.budget.WorkBudget`: every rank stops at the same plan).
         search_evaluations: most candidates the 1F1B search may evaluate for one rank-step
             (:func:`~omni_lightning.balance.pipeline_order.refine_for_1f1b`).
+        encoder_peers: under the joint pipeline, the ranks of a stage that share a micro-batch's encoder items
+            out between them (its tensor- and context-parallel peers), for the model that compares plans
+            (:func:`~omni_lightning.balance.joint_group.joint_step_times`).
     """
 
     steps: int
@@ -88,9 +101,10 @@ class ReorderConfig:
     link: LinkCost | None = None
     balance_evaluations: int = 4_000_000
     search_evaluations: int = 2_000_000
+    encoder_peers: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("steps", "micro_batches", "pp"):
+        for name in ("steps", "micro_batches", "pp", "encoder_peers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.token_budget is not None and self.token_budget < 1:
@@ -177,6 +191,14 @@ def plan_reorder_group(
             every rank's). Which samples each rank trains, and which are left over, do not depend on the search, so
             a rank that plans its group only to train its own part need not search the others' (a rank-step's
             search costs about a second at pp 8 with 32 micro-batches); theirs keep the split, unsearched.
+
+    Under the joint pipeline (``pp > 1`` with ``micro_batch_costs``) the group's plan competes with one that
+    balances each step on its own reads, both priced on
+    :func:`~omni_lightning.balance.joint_group.joint_step_times` (their exchange included, per unit of the work
+    they place, as samples left over wait for the next group); the second replaces the first where it is shorter
+    by more than :data:`STEP_LOCAL_MIN_GAIN`. Its balancing shares the first's budget, and only the plan kept is
+    searched. The choice depends on which samples each rank-step holds, never on a search, so every rank makes it
+    alike.
     """
     costs = np.asarray(costs, dtype=np.float64)
     split_costs = costs if micro_batch_costs is None else np.asarray(micro_batch_costs, dtype=np.float64)
@@ -191,56 +213,125 @@ def plan_reorder_group(
             f"a sample of {int(tokens.max())} tokens exceeds the micro-batch token budget {budget}; apply the "
             "max_seq_len policy (truncate/drop/error) before planning"
         )
+    owners = np.asarray(owners, dtype=np.int64)
+    nbytes = np.asarray(nbytes, dtype=np.int64)
+    balanced = _balanced_plan(costs, split_costs, tokens, owners, nbytes, n_ranks=n_ranks, config=config,
+                              seed=seed, epoch=epoch, group_index=group_index)
+    candidates = [balanced]
+    total = float(costs.sum())
+    joint = config.pp > 1 and micro_batch_costs is not None
+    if joint and config.steps > 1:
+        candidates.append(_step_local_plan(costs, split_costs, tokens, owners, nbytes, n_ranks=n_ranks,
+                                           config=config, seed=seed, epoch=epoch, group_index=group_index))
+
+    def step_times(plan: GroupPlan) -> np.ndarray:
+        if not joint:
+            return plan.step_cost
+        return joint_step_times(plan.micro_batches, split_costs, costs - split_costs, pp=config.pp,
+                                forward_share=config.forward_share, encoder_peers=config.encoder_peers)
+
+    def priced(plan: GroupPlan) -> float:
+        """The group's time, its exchange included, per unit of the work it trains: samples a plan leaves over
+        wait for the next group, which then takes longer."""
+        added = 0.0 if config.link is None else exchange_cost(plan, owners, nbytes, config.link)
+        placed = total - float(costs[plan.leftover].sum())
+        return joint_group_time(step_times(plan) + added) * (total / placed if placed > 0 else 1.0)
+
+    times = [priced(plan) for plan in candidates]
+    # The model leaves out the resharder and where a sample's items go: the step-by-step plan must win beyond that.
+    best, best_time = balanced, times[0]
+    if len(times) > 1 and times[1] * (1 + STEP_LOCAL_MIN_GAIN) < times[0]:
+        best, best_time = candidates[1], times[1]
+    if config.link is None:
+        return _searched(best, split_costs, tokens, config, searched_rank)
+    # Ranks step together, so a group lasts the sum over its steps of the slowest rank's step. A plan that moves
+    # samples must beat keeping each where it was read by more than 1%; one that moves none (bins matched to the
+    # ranks that hold them) must still be no slower than the naive split, which can arrange a rank's own samples
+    # over its steps better than bins packed for the whole group do.
+    home = plan_in_place(costs, tokens, owners, n_ranks=n_ranks, config=config)
+    home_time = priced(home)
+    if home_time <= best_time * 1.01 if best.samples_moved else home_time < best_time:
+        return home
+    return _searched(best, split_costs, tokens, config, searched_rank)
+
+
+def _balanced_plan(costs: np.ndarray, split_costs: np.ndarray, tokens: np.ndarray, owners: np.ndarray,
+                   nbytes: np.ndarray, *, n_ranks: int, config: ReorderConfig, seed: int, epoch: int,
+                   group_index: int) -> GroupPlan:
+    """LPT over the group's ``ranks x steps`` bins, each bin split into micro-batches (in their 1F1B run order,
+    not yet searched) and matched to the rank holding most of its payload bytes."""
     n_bins = n_ranks * config.steps
-    capacity = None if budget is None else budget * config.micro_batches
+    capacity = None if config.token_budget is None else config.token_budget * config.micro_batches
     tie_break = np.random.default_rng([seed, epoch, group_index]).permutation(costs.size)
     # Descending cost; the seeded permutation decides among equal costs.
     order = tie_break[np.argsort(-costs[tie_break], kind="stable")]
-
     balance_budget = WorkBudget(config.balance_evaluations)
-    members, leftover = _assign_bins(order, costs, tokens, n_bins, capacity, np.asarray(owners), n_ranks,
-                                     balance_budget)
-    evaluations = balance_budget.used
-
+    members, leftover = _assign_bins(order, costs, tokens, n_bins, capacity, owners, n_ranks, balance_budget)
     micro: list[list[list[int]]] = []
     for b in range(n_bins):
         split, spilled = _split_bin(members[b], split_costs, tokens, config)
         micro.append(split)
         leftover.extend(spilled)
-
     # Bins of a step are interchangeable: give each to the rank that already holds most of its payload bytes.
-    owners = np.asarray(owners, dtype=np.int64)
-    nbytes = np.asarray(nbytes, dtype=np.int64)
     plan: list[list[list[list[int]]]] = [[[] for _ in range(config.steps)] for _ in range(n_ranks)]
     step_cost = np.zeros((n_ranks, config.steps))
     moved = moved_bytes = 0
     for step in range(config.steps):
         step_bins = list(range(step * n_ranks, (step + 1) * n_ranks))
         for b, rank in zip(step_bins, _match_bins_to_ranks(step_bins, members, owners, nbytes, n_ranks), strict=True):
-            search = config.pipeline_order == "search" and searched_rank in (None, rank)
-            search_budget = WorkBudget(config.search_evaluations)  # per rank-step: a rank searches only its own
-            plan[rank][step] = _order_bin(micro[b], split_costs, tokens, config, search, search_budget)
-            evaluations += search_budget.used
-            placed = sorted(s for mb in micro[b] for s in mb)  # one order, whichever ranks were searched
+            plan[rank][step] = micro[b]
+            placed = [s for mb in micro[b] for s in mb]
             step_cost[rank, step] = costs[placed].sum() if placed else 0.0
             away = [s for s in placed if owners[s] != rank]
             moved += len(away)
             moved_bytes += int(nbytes[away].sum()) if away else 0
-    balanced = GroupPlan(plan, step_cost, sorted(leftover), moved, moved_bytes, evaluations)
-    if config.link is None:
-        return balanced
-    # Ranks step together, so a group lasts the sum over its steps of the slowest rank's step. A plan that moves
-    # samples must beat keeping each where it was read by more than 1%; one that moves none (bins matched to the
-    # ranks that hold them) must still be no slower than the naive split, which can arrange a rank's own samples
-    # over its steps better than bins packed for the whole group do.
-    home = plan_in_place(costs, tokens, owners, n_ranks=n_ranks, config=config)
-    home_time = home.step_cost.max(axis=0).sum()
-    if not moved:
-        return home if home_time < step_cost.max(axis=0).sum() else balanced
-    priced = balanced.step_cost + exchange_cost(balanced, owners, nbytes, config.link)
-    if home_time <= priced.max(axis=0).sum() * 1.01:
-        return home
-    return balanced
+    return GroupPlan(plan, step_cost, sorted(leftover), moved, moved_bytes, balance_budget.used)
+
+
+def _step_local_plan(costs: np.ndarray, split_costs: np.ndarray, tokens: np.ndarray, owners: np.ndarray,
+                     nbytes: np.ndarray, *, n_ranks: int, config: ReorderConfig, seed: int, epoch: int,
+                     group_index: int) -> GroupPlan:
+    """Each step balanced over the ranks on its own samples: each rank's reads in arrival order, cut into
+    ``steps`` runs of about equal tokens, as they were read step by step. It keeps the mix of samples the reads
+    gave each step, which under the joint pipeline can beat spreading the group's largest samples over all its
+    steps (see :mod:`~omni_lightning.balance.joint_group`). The steps share the balancing budget of one group."""
+    read_step = np.zeros(costs.size, dtype=np.int64)
+    for rank in range(n_ranks):
+        mine = np.flatnonzero(owners == rank)
+        before = np.cumsum(tokens[mine]) - tokens[mine]
+        read_step[mine] = before * config.steps // max(int(tokens[mine].sum()), 1)
+    one_step = replace(config, steps=1, balance_evaluations=config.balance_evaluations // config.steps)
+    plan: list[list[list[list[int]]]] = [[] for _ in range(n_ranks)]
+    step_cost = np.zeros((n_ranks, config.steps))
+    leftover: list[int] = []
+    moved = moved_bytes = evaluations = 0
+    for step in range(config.steps):
+        ids = np.flatnonzero(read_step == step)
+        part = _balanced_plan(costs[ids], split_costs[ids], tokens[ids], owners[ids], nbytes[ids], n_ranks=n_ranks,
+                              config=one_step, seed=seed, epoch=epoch, group_index=group_index)
+        for rank in range(n_ranks):
+            plan[rank].append([ids[mb].tolist() for mb in part.micro_batches[rank][0]])
+        step_cost[:, step] = part.step_cost[:, 0]
+        leftover.extend(ids[part.leftover].tolist())
+        moved, moved_bytes = moved + part.samples_moved, moved_bytes + part.bytes_moved
+        evaluations += part.evaluations
+    return GroupPlan(plan, step_cost, sorted(leftover), moved, moved_bytes, evaluations)
+
+
+def _searched(plan: GroupPlan, split_costs: np.ndarray, tokens: np.ndarray, config: ReorderConfig,
+              searched_rank: int | None) -> GroupPlan:
+    """``plan`` with its micro-batches refined by the 1F1B search (``pipeline_order="search"``): every rank's, or
+    ``searched_rank``'s only, each rank-step spending at most ``config.search_evaluations``."""
+    if config.pp <= 1 or config.pipeline_order != "search":
+        return plan
+    for rank, rank_steps in enumerate(plan.micro_batches):
+        if searched_rank not in (None, rank):
+            continue
+        for step, batches in enumerate(rank_steps):
+            budget = WorkBudget(config.search_evaluations)
+            rank_steps[step] = _order_bin(batches, split_costs, tokens, config, True, budget)
+            plan.evaluations += budget.used
+    return plan
 
 
 def exchange_cost(plan: GroupPlan, owners: np.ndarray, nbytes: np.ndarray, link: LinkCost) -> np.ndarray:

@@ -81,6 +81,8 @@ class ReorderSettings:
             refined by a search).
         llm_micro_batches: balance a step's micro-batches on their LLM cost alone: under the joint pipeline the
             encoder work of a micro-batch is spread over every stage and does not shape the pipeline.
+        encoder_peers: under the joint pipeline, the ranks of a stage that split its encoder items between them
+            (``ReorderConfig.encoder_peers``).
         link: prices the payload exchange (``ReorderConfig.link``); ``None``: compute alone.
         plan_ahead: read, plan and exchange the next group on a background thread while the current one trains, so
             that planning is off the step's critical path; ``False`` does it on the training thread between groups.
@@ -97,6 +99,7 @@ class ReorderSettings:
     pp: int = 1
     pipeline_order: PipelineOrder = "disttrain"
     llm_micro_batches: bool = False
+    encoder_peers: int = 1
     link: LinkCost | None = None
     plan_ahead: bool = True
 
@@ -669,6 +672,7 @@ class ReorderedStream:
             pp=self.settings.pp,
             pipeline_order=self.settings.pipeline_order,
             link=self.settings.link,
+            encoder_peers=self.settings.encoder_peers,
         )
         features = gathered[valid, self._features].astype(np.float64)
         costs = features @ self.cost_model.coefficients

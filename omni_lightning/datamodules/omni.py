@@ -202,7 +202,8 @@ class OmniDataModule(WebDataModule):
                 # micro-batch): they get even ones.
                 order = self.pipeline_order if pipeline.schedule == "1F1B" else "disttrain"
                 self.settings = replace(self.settings, pipeline_order=order,
-                                        llm_micro_batches=pipeline.encoders == "joint")
+                                        llm_micro_batches=pipeline.encoders == "joint",
+                                        encoder_peers=layout.dims.tp * layout.dims.cp)
             if stage == "fit" and pipeline.encoders == "first_stage":
                 self.relay_group = layout.relay_group()
         elif stage == "fit" and self.trainer is not None:

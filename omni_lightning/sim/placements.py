@@ -653,7 +653,8 @@ class Simulation:
         step of its group than the one it was read in. ``plan_reorder_group`` runs over the group on each sample's
         whole cost, LLM and encoders, as the runtime's loader prices it (under the joint pipeline a rank-step's
         micro-batches are balanced on their LLM cost alone and shaped for 1F1B as ``Scenario.pipeline_search``
-        says), samples whole; with
+        says, and the group's plan competes with one balanced step by step on the joint pipeline's model, with the
+        stage's context- and tensor-parallel peers as ``OmniDataModule`` gives them), samples whole; with
         ``--assume cp_sample_split``, after splitting any sequence whose LLM cost exceeds a micro-batch's fair share
         into context-parallel pieces (at most the balance group's size).
         Unbalanced: what each rank read in this step, in arrival order, whole.
@@ -692,7 +693,8 @@ class Simulation:
             micro_batch_costs=cost[piece_read] * piece_share if joint else None,
             config=reorder.ReorderConfig(steps=len(planned), micro_batches=layout.micro_batches,
                                          token_budget=layout.seq_len, pp=layout.pp,
-                                         pipeline_order="search" if self.scenario.pipeline_search else "ramp"),
+                                         pipeline_order="search" if self.scenario.pipeline_search else "ramp",
+                                         encoder_peers=layout.cp * layout.tp),
             seed=self.scenario.seed, epoch=first // layout.group_steps, group_index=group)
         pieces = list(zip(piece_read.tolist(), piece_share.tolist(), strict=True))
         for k in planned:
