@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 
 from omni_lightning.balance import reorder
 from omni_lightning.balance.joint_group import joint_group_time, joint_step_times
-from omni_lightning.balance.pipeline_order import one_f_one_b_makespans
 from omni_lightning.balance.reorder import GroupPlan, ReorderConfig, exchange_cost, plan_reorder_group
 from omni_lightning.balance.reshard import LinkCost
 
@@ -16,23 +15,28 @@ from omni_lightning.balance.reshard import LinkCost
 def test_a_step_is_its_llm_1f1b_plus_the_least_its_encoders_take_side_by_side() -> None:
     llm = np.array([3.0, 5.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0])
     encoder = np.array([0.0, 8.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
-    plan = [[[[0], [1, 2]], [[3, 4, 5], [6, 7]]]]  # one rank, two steps
-    times = joint_step_times(plan, llm, encoder, pp=2, forward_share=0.4, encoder_peers=2)
-    # A stage's LLM work is split over its 2 peers; each sample's encoders run on one of the 4 (stage, peer) ranks.
-    first = one_f_one_b_makespans(np.array([[3.0, 6.0]]), 2, forward_share=0.4)[0] / 2 + 8.0  # its largest sample
-    second = one_f_one_b_makespans(np.array([[4.0, 2.0]]), 2, forward_share=0.4)[0] / 2 + 5.0 / 4  # an even share
+    members = [[[0, 1, 2], [3, 4, 5, 6, 7]]]  # one rank, two steps of two micro-batches
+    times = joint_step_times(members, llm, encoder, pp=2, micro_batches=2, encoder_peers=2)
+    # 1F1B: the work and pp - 1 of the largest micro-batch (its largest sample, 5, or an even share), over pp; a
+    # stage's LLM work split over its 2 peers; each sample's encoders on one of the 4 (stage, peer) ranks.
+    first = (9.0 + 5.0) / 2 / 2 + 8.0  # its largest encoder sample
+    second = (6.0 + 3.0) / 2 / 2 + 5.0 / 4  # an even share, on both counts
     np.testing.assert_allclose(times, [[first, second]])
     assert joint_group_time(times) == times.max(axis=0).sum()
 
 
 def test_huge_samples_of_one_step_stall_it_once_and_spread_over_steps_stall_each() -> None:
     llm, encoder = np.ones(4), np.array([10.0, 10.0, 0.0, 0.0])
-    together = [[[[0], [1]], [[2], [3]]]]
-    spread = [[[[0], [2]], [[1], [3]]]]
     for peers in (1, 2):
-        kept = joint_group_time(joint_step_times(together, llm, encoder, pp=2, encoder_peers=peers))
-        apart = joint_group_time(joint_step_times(spread, llm, encoder, pp=2, encoder_peers=peers))
+        kept = joint_group_time(joint_step_times([[[0, 1], [2, 3]]], llm, encoder, pp=2, micro_batches=2,
+                                                 encoder_peers=peers))
+        apart = joint_group_time(joint_step_times([[[0, 2], [1, 3]]], llm, encoder, pp=2, micro_batches=2,
+                                                  encoder_peers=peers))
         assert np.isclose(apart - kept, 10.0)
+
+
+def _members(plan: GroupPlan) -> list[list[list[int]]]:
+    return [[[s for mb in step for s in mb] for step in rank] for rank in plan.micro_batches]
 
 
 def _reads(n_ranks: int, steps: int, per_step: int, huge_per_rank: int) -> tuple[np.ndarray, ...]:
@@ -62,7 +66,8 @@ def test_the_joint_pipeline_keeps_a_groups_huge_images_in_the_step_that_read_the
     assert steps_with_huge(joint) == {0}
 
     def modelled(plan: GroupPlan) -> float:
-        return joint_group_time(joint_step_times(plan.micro_batches, llm, costs - llm, pp=2, encoder_peers=2))
+        return joint_group_time(joint_step_times(_members(plan), llm, costs - llm, pp=2, micro_batches=3,
+                                                 encoder_peers=2))
 
     assert modelled(joint) < 0.6 * modelled(summed)
 
@@ -108,12 +113,13 @@ def test_the_kept_plan_is_never_longer_in_the_model_than_the_groups_own(
         assert samples(plan(rank)) == samples(kept)
 
     def modelled(of: GroupPlan) -> float:
-        times = joint_step_times(of.micro_batches, llm, costs - llm, pp=pp, encoder_peers=peers)
+        times = joint_step_times(_members(of), llm, costs - llm, pp=pp, micro_batches=micro_batches,
+                                 encoder_peers=peers)
         added = 0.0 if link is None else exchange_cost(of, owners, nbytes, link)
         placed = costs.sum() - costs[of.leftover].sum()
         return joint_group_time(times + added) * (costs.sum() / placed if placed > 0 else 1.0)
 
-    group_plan = reorder._balanced_plan(costs, llm, tokens, owners, nbytes, n_ranks=n_ranks, config=config, seed=seed,
-                                        epoch=1, group_index=0)
-    # The kept plan was searched; the search only shortens each step's LLM pipeline.
+    bins = reorder._balanced_bins(costs, tokens, owners, nbytes, n_ranks=n_ranks, config=config, seed=seed,
+                                  epoch=1, group_index=0)
+    group_plan = reorder._split(bins, costs, llm, tokens, owners, nbytes, config)
     assert modelled(kept) <= modelled(group_plan) * 1.01 + 1e-9

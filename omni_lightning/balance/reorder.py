@@ -215,51 +215,70 @@ def plan_reorder_group(
         )
     owners = np.asarray(owners, dtype=np.int64)
     nbytes = np.asarray(nbytes, dtype=np.int64)
-    balanced = _balanced_plan(costs, split_costs, tokens, owners, nbytes, n_ranks=n_ranks, config=config,
-                              seed=seed, epoch=epoch, group_index=group_index)
-    candidates = [balanced]
     total = float(costs.sum())
     joint = config.pp > 1 and micro_batch_costs is not None
-    if joint and config.steps > 1:
-        candidates.append(_step_local_plan(costs, split_costs, tokens, owners, nbytes, n_ranks=n_ranks,
-                                           config=config, seed=seed, epoch=epoch, group_index=group_index))
 
-    def step_times(plan: GroupPlan) -> np.ndarray:
-        if not joint:
-            return plan.step_cost
-        return joint_step_times(plan.micro_batches, split_costs, costs - split_costs, pp=config.pp,
-                                forward_share=config.forward_share, encoder_peers=config.encoder_peers)
-
-    def priced(plan: GroupPlan) -> float:
+    def priced(members: list[list[list[int]]], leftover: list[int]) -> float:
         """The group's time, its exchange included, per unit of the work it trains: samples a plan leaves over
         wait for the next group, which then takes longer."""
-        added = 0.0 if config.link is None else exchange_cost(plan, owners, nbytes, config.link)
-        placed = total - float(costs[plan.leftover].sum())
-        return joint_group_time(step_times(plan) + added) * (total / placed if placed > 0 else 1.0)
+        if joint:
+            times = joint_step_times(members, split_costs, costs - split_costs, pp=config.pp,
+                                     micro_batches=config.micro_batches, encoder_peers=config.encoder_peers)
+        else:
+            times = np.array([[costs[step].sum() for step in rank] for rank in members]).reshape(n_ranks, -1)
+        if config.link is not None:
+            times = times + exchange_cost(_one_batch_a_step(members), owners, nbytes, config.link)
+        placed = total - float(costs[leftover].sum())
+        return joint_group_time(times) * (total / placed if placed > 0 else 1.0)
 
-    times = [priced(plan) for plan in candidates]
-    # The model leaves out the resharder and where a sample's items go: the step-by-step plan must win beyond that.
-    best, best_time = balanced, times[0]
-    if len(times) > 1 and times[1] * (1 + STEP_LOCAL_MIN_GAIN) < times[0]:
-        best, best_time = candidates[1], times[1]
+    bins = _balanced_bins(costs, tokens, owners, nbytes, n_ranks=n_ranks, config=config, seed=seed, epoch=epoch,
+                          group_index=group_index)
+    if joint and config.steps > 1:
+        local = _step_local_bins(costs, tokens, owners, nbytes, n_ranks=n_ranks, config=config, seed=seed,
+                                 epoch=epoch, group_index=group_index)
+        # The model leaves out the resharder and where a sample's items go: the step-by-step plan must win beyond
+        # that. Only the plan kept is split into micro-batches.
+        if priced(local.members, local.leftover) * (1 + STEP_LOCAL_MIN_GAIN) < priced(bins.members, bins.leftover):
+            bins = replace(local, evaluations=local.evaluations + bins.evaluations)
+        else:
+            bins.evaluations += local.evaluations
+    balanced = _split(bins, costs, split_costs, tokens, owners, nbytes, config)
     if config.link is None:
-        return _searched(best, split_costs, tokens, config, searched_rank)
+        return _searched(balanced, split_costs, tokens, config, searched_rank)
     # Ranks step together, so a group lasts the sum over its steps of the slowest rank's step. A plan that moves
     # samples must beat keeping each where it was read by more than 1%; one that moves none (bins matched to the
     # ranks that hold them) must still be no slower than the naive split, which can arrange a rank's own samples
     # over its steps better than bins packed for the whole group do.
     home = plan_in_place(costs, tokens, owners, n_ranks=n_ranks, config=config)
-    home_time = priced(home)
-    if home_time <= best_time * 1.01 if best.samples_moved else home_time < best_time:
+    home_time = priced(_step_members(home), home.leftover)
+    balanced_time = priced(_step_members(balanced), balanced.leftover)
+    if home_time <= balanced_time * 1.01 if balanced.samples_moved else home_time < balanced_time:
         return home
-    return _searched(best, split_costs, tokens, config, searched_rank)
+    return _searched(balanced, split_costs, tokens, config, searched_rank)
 
 
-def _balanced_plan(costs: np.ndarray, split_costs: np.ndarray, tokens: np.ndarray, owners: np.ndarray,
-                   nbytes: np.ndarray, *, n_ranks: int, config: ReorderConfig, seed: int, epoch: int,
-                   group_index: int) -> GroupPlan:
-    """LPT over the group's ``ranks x steps`` bins, each bin split into micro-batches (in their 1F1B run order,
-    not yet searched) and matched to the rank holding most of its payload bytes."""
+@dataclass
+class _Bins:
+    """The samples each ``[rank][step]`` trains, before their split into micro-batches; those that fit nowhere;
+    the balancing evaluations spent."""
+
+    members: list[list[list[int]]]
+    leftover: list[int]
+    evaluations: int
+
+
+def _step_members(plan: GroupPlan) -> list[list[list[int]]]:
+    return [[[s for mb in step for s in mb] for step in rank] for rank in plan.micro_batches]
+
+
+def _one_batch_a_step(members: list[list[list[int]]]) -> GroupPlan:
+    """``members`` as a plan of one micro-batch a step, for what depends only on which samples a rank trains."""
+    return GroupPlan([[[step] for step in rank] for rank in members], np.zeros(0), [], 0, 0)
+
+
+def _balanced_bins(costs: np.ndarray, tokens: np.ndarray, owners: np.ndarray, nbytes: np.ndarray, *, n_ranks: int,
+                   config: ReorderConfig, seed: int, epoch: int, group_index: int) -> _Bins:
+    """LPT over the group's ``ranks x steps`` bins, each matched to the rank holding most of its payload bytes."""
     n_bins = n_ranks * config.steps
     capacity = None if config.token_budget is None else config.token_budget * config.micro_batches
     tie_break = np.random.default_rng([seed, epoch, group_index]).permutation(costs.size)
@@ -267,30 +286,17 @@ def _balanced_plan(costs: np.ndarray, split_costs: np.ndarray, tokens: np.ndarra
     order = tie_break[np.argsort(-costs[tie_break], kind="stable")]
     balance_budget = WorkBudget(config.balance_evaluations)
     members, leftover = _assign_bins(order, costs, tokens, n_bins, capacity, owners, n_ranks, balance_budget)
-    micro: list[list[list[int]]] = []
-    for b in range(n_bins):
-        split, spilled = _split_bin(members[b], split_costs, tokens, config)
-        micro.append(split)
-        leftover.extend(spilled)
     # Bins of a step are interchangeable: give each to the rank that already holds most of its payload bytes.
-    plan: list[list[list[list[int]]]] = [[[] for _ in range(config.steps)] for _ in range(n_ranks)]
-    step_cost = np.zeros((n_ranks, config.steps))
-    moved = moved_bytes = 0
+    matched: list[list[list[int]]] = [[[] for _ in range(config.steps)] for _ in range(n_ranks)]
     for step in range(config.steps):
         step_bins = list(range(step * n_ranks, (step + 1) * n_ranks))
         for b, rank in zip(step_bins, _match_bins_to_ranks(step_bins, members, owners, nbytes, n_ranks), strict=True):
-            plan[rank][step] = micro[b]
-            placed = [s for mb in micro[b] for s in mb]
-            step_cost[rank, step] = costs[placed].sum() if placed else 0.0
-            away = [s for s in placed if owners[s] != rank]
-            moved += len(away)
-            moved_bytes += int(nbytes[away].sum()) if away else 0
-    return GroupPlan(plan, step_cost, sorted(leftover), moved, moved_bytes, balance_budget.used)
+            matched[rank][step] = members[b]
+    return _Bins(matched, leftover, balance_budget.used)
 
 
-def _step_local_plan(costs: np.ndarray, split_costs: np.ndarray, tokens: np.ndarray, owners: np.ndarray,
-                     nbytes: np.ndarray, *, n_ranks: int, config: ReorderConfig, seed: int, epoch: int,
-                     group_index: int) -> GroupPlan:
+def _step_local_bins(costs: np.ndarray, tokens: np.ndarray, owners: np.ndarray, nbytes: np.ndarray, *,
+                     n_ranks: int, config: ReorderConfig, seed: int, epoch: int, group_index: int) -> _Bins:
     """Each step balanced over the ranks on its own samples: each rank's reads in arrival order, cut into
     ``steps`` runs of about equal tokens, as they were read step by step. It keeps the mix of samples the reads
     gave each step, which under the joint pipeline can beat spreading the group's largest samples over all its
@@ -301,21 +307,39 @@ def _step_local_plan(costs: np.ndarray, split_costs: np.ndarray, tokens: np.ndar
         before = np.cumsum(tokens[mine]) - tokens[mine]
         read_step[mine] = before * config.steps // max(int(tokens[mine].sum()), 1)
     one_step = replace(config, steps=1, balance_evaluations=config.balance_evaluations // config.steps)
-    plan: list[list[list[list[int]]]] = [[] for _ in range(n_ranks)]
-    step_cost = np.zeros((n_ranks, config.steps))
+    members: list[list[list[int]]] = [[] for _ in range(n_ranks)]
     leftover: list[int] = []
-    moved = moved_bytes = evaluations = 0
+    evaluations = 0
     for step in range(config.steps):
         ids = np.flatnonzero(read_step == step)
-        part = _balanced_plan(costs[ids], split_costs[ids], tokens[ids], owners[ids], nbytes[ids], n_ranks=n_ranks,
-                              config=one_step, seed=seed, epoch=epoch, group_index=group_index)
+        part = _balanced_bins(costs[ids], tokens[ids], owners[ids], nbytes[ids], n_ranks=n_ranks, config=one_step,
+                              seed=seed, epoch=epoch, group_index=group_index)
         for rank in range(n_ranks):
-            plan[rank].append([ids[mb].tolist() for mb in part.micro_batches[rank][0]])
-        step_cost[:, step] = part.step_cost[:, 0]
+            members[rank].append(ids[part.members[rank][0]].tolist())
         leftover.extend(ids[part.leftover].tolist())
-        moved, moved_bytes = moved + part.samples_moved, moved_bytes + part.bytes_moved
         evaluations += part.evaluations
-    return GroupPlan(plan, step_cost, sorted(leftover), moved, moved_bytes, evaluations)
+    return _Bins(members, leftover, evaluations)
+
+
+def _split(bins: _Bins, costs: np.ndarray, split_costs: np.ndarray, tokens: np.ndarray, owners: np.ndarray,
+           nbytes: np.ndarray, config: ReorderConfig) -> GroupPlan:
+    """Each rank-step of ``bins`` split into micro-batches (in their 1F1B run order, not yet searched)."""
+    n_ranks = len(bins.members)
+    plan: list[list[list[list[int]]]] = [[] for _ in range(n_ranks)]
+    step_cost = np.zeros((n_ranks, config.steps))
+    leftover = list(bins.leftover)
+    moved = moved_bytes = 0
+    for rank, rank_steps in enumerate(bins.members):
+        for step, members in enumerate(rank_steps):
+            split, spilled = _split_bin(members, split_costs, tokens, config)
+            plan[rank].append(split)
+            leftover.extend(spilled)
+            placed = [s for mb in split for s in mb]
+            step_cost[rank, step] = costs[placed].sum() if placed else 0.0
+            away = [s for s in placed if owners[s] != rank]
+            moved += len(away)
+            moved_bytes += int(nbytes[away].sum()) if away else 0
+    return GroupPlan(plan, step_cost, sorted(leftover), moved, moved_bytes, bins.evaluations)
 
 
 def _searched(plan: GroupPlan, split_costs: np.ndarray, tokens: np.ndarray, config: ReorderConfig,
