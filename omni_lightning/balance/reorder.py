@@ -353,7 +353,9 @@ def _searched(plan: GroupPlan, split_costs: np.ndarray, tokens: np.ndarray, conf
             continue
         for step, batches in enumerate(rank_steps):
             budget = WorkBudget(config.search_evaluations)
-            rank_steps[step] = _order_bin(batches, split_costs, tokens, config, True, budget)
+            rank_steps[step] = refine_for_1f1b(batches, split_costs, tokens, pp=config.pp,
+                                               forward_share=config.forward_share,
+                                               token_budget=config.token_budget, budget=budget)
             plan.evaluations += budget.used
     return plan
 
@@ -585,16 +587,6 @@ def _split_bin(
     if len(ramp_spilled) <= len(spilled) and spans[1] < spans[0]:
         return ramp, ramp_spilled
     return batches, spilled
-
-
-def _order_bin(batches: list[list[int]], costs: np.ndarray, tokens: np.ndarray, config: ReorderConfig,
-               search: bool, budget: WorkBudget) -> list[list[int]]:
-    """A bin's micro-batches from :func:`_split_bin`, already in their 1F1B run order, refined on the 1F1B step
-    of their costs when ``search`` (spending at most ``budget``)."""
-    if config.pp <= 1 or not search:
-        return batches
-    return refine_for_1f1b(batches, costs, tokens, pp=config.pp, forward_share=config.forward_share,
-                           token_budget=config.token_budget, budget=budget)
 
 
 def _match_bins_to_ranks(
