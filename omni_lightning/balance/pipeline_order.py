@@ -31,6 +31,7 @@ __all__ = [
     "joint_1f1b_orders",
     "assign_encoder_items",
     "lpt_ranks",
+    "turned_peers",
     "stage_shares_of",
     "JOINT_ITEM_EVALUATIONS",
 ]
@@ -471,6 +472,17 @@ def lpt_ranks(costs: np.ndarray, loads: np.ndarray, ranks: np.ndarray) -> np.nda
     for load, negative in heap:
         loads[-negative] = load
     return owner
+
+
+def turned_peers(peer: np.ndarray, replica: int, peers: int) -> np.ndarray:
+    """Peer labels of one data-parallel replica's items, turned by its index: ``(peer + replica) % peers`` (pure).
+
+    Peers that split their items by LPT from equal loads put the largest item on the same peer in every replica
+    (ties go to the higher rank), so each peer position's data-parallel group, over which the resharder balances,
+    would hold every replica's largest items and have nowhere to spread them. Turned by the replica, those items
+    land on different positions. Peers of one replica are alike, so its own step is the same either way.
+    """
+    return (np.asarray(peer, dtype=np.int64) + replica) % peers
 
 
 def _joint_durations(program: tuple[tuple[int, str, int, int, tuple[int, ...]], ...], llm: np.ndarray,

@@ -193,7 +193,7 @@ class _Share:
         else:
             cost = encoder.cost()
             self.owner = split_items(cost.linear * tokens + cost.quadratic * tokens.astype(np.float64) ** 2,
-                                     peers.size)
+                                     peers.size, peers.replica)
             mine = np.flatnonzero(self.owner == peers.rank)
         if mine.size == tokens.size:  # every item is this peer's: the inputs as they are, no copy
             self.own_inputs: tuple[torch.Tensor, ...] | None = inputs if mine.size else None

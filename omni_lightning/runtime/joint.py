@@ -8,13 +8,13 @@ pipeline ranks, balanced over the step; under 1F1B the plan models the step with
 the large items where it is shortest (:func:`~omni_lightning.balance.pipeline_order.assign_encoder_items`), so that an
 image too large for one stage's slack goes where the schedule has room for it, not merely where there was least
 encoder work so far. Shares travel to stage 0, and their gradients back, point to point and
-asynchronously, so no stage waits for another's encoder work unless stage 0 would otherwise have it late. Under
-tensor parallelism a stage's TP peers hold the same micro-batches: they split the stage's items between them (LPT
-over the step), all-gather the outputs at the insertion (they reach it together, as they do every TP collective),
-and each backpropagates its own items from the share's gradient, which every peer of stage 0 holds whole. With an
-resharder, a stage's data-parallel peers (the same stage of other replicas, in step with it through the
-stage's FSDP collectives) also plan each insertion's items together, long ones split with sequence parallelism,
-exactly as the encoders do without a pipeline (:mod:`omni_lightning.runtime.reshard`).
+asynchronously, so no stage waits for another's encoder work unless stage 0 would otherwise have it late. Under tensor
+parallelism a stage's TP peers hold the same micro-batches: they split the stage's items between them (LPT at each
+insertion, encoder by encoder, the labels turned by the replica), all-gather the outputs at the insertion (they reach it
+together, as they do every TP collective), and each backpropagates its own items from the share's gradient, which every
+peer of stage 0 holds whole. With a resharder, a stage's data-parallel peers (the same stage of other replicas, in step
+with it through the stage's FSDP collectives) also plan each insertion's items together, long ones split with sequence
+parallelism, exactly as the encoders do without a pipeline (:mod:`omni_lightning.runtime.reshard`).
 
 *When* (uniform on-demand insertion), for 1F1B with ``p`` stages: just before its forward of micro-batch ``m``,
 stage ``s > 0`` encodes its share of micro-batch ``m + s + 1`` (the forward wave reaches stage 0's forward of that
@@ -55,7 +55,7 @@ from omni_lightning.parallel.local import local_tensor
 from omni_lightning.parallel.timing import ActionLog, timed, waiting
 from omni_lightning.parallel.transfer import to_device
 from omni_lightning.runtime.items import item_layout, select_items
-from omni_lightning.runtime.peers import SamplePeers
+from omni_lightning.runtime.peers import SamplePeers, split_items
 from omni_lightning.runtime.reshard import EncoderStep, Resharder
 
 __all__ = ["JointEncoders", "share_items"]
@@ -246,19 +246,22 @@ class JointEncoders:
         the end of the step, so there balancing the work is all there is to it. Either way stage 0 gets
         none of the last ``lag`` micro-batches' items, whose encoder backward would follow its last LLM backward
         and lengthen the step, while the other stages are done with their LLM work by then and absorb it.
-        Within a stage, its tensor-parallel peers split its items by LPT over the step (:meth:`_assign_peers`)."""
+        Within a stage, its tensor-parallel peers split its items of each insertion by LPT (:meth:`_assign_peers`)."""
         self._plan_stages(micro_batches)
         self._assign_peers(len(micro_batches))
 
     def _assign_peers(self, n: int) -> None:
-        """Which tensor-parallel peer of the owning stage encodes each item: longest first onto the peer with the
-        least of that stage's encoder work so far this step (the same on every peer)."""
-        loads = np.zeros((self.pp, self.tp))
+        """Which tensor-parallel peer of the owning stage encodes each item: at each insertion, encoder by encoder
+        (the peers all-gather each encoder's outputs there, so each such gather waits for the busiest peer), longest
+        first onto the least-loaded peer, as :class:`~omni_lightning.runtime.encoders.LocalEncoders` splits them
+        (:func:`~omni_lightning.runtime.peers.split_items`: the same on every peer, the labels turned by the
+        replica)."""
+        replica = self.peers.replica if self.peers is not None else 0
         for m in range(n):
             for items in self._items[m]:
                 for rank in range(self.pp):
                     mine = np.flatnonzero(items.owner == rank)
-                    items.peer[mine] = lpt_ranks(items.costs[mine], loads[rank], np.arange(self.tp))
+                    items.peer[mine] = split_items(items.costs[mine], self.tp, replica)
 
     def _plan_stages(self, micro_batches: list[dict[str, Any]]) -> None:
         n = len(micro_batches)

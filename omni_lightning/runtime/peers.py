@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from omni_lightning.balance.pipeline_order import lpt_ranks
+from omni_lightning.balance.pipeline_order import lpt_ranks, turned_peers
 from omni_lightning.parallel.coalesced import all_reduce_coalesced
 from omni_lightning.parallel.compat import all_gather_single
 from omni_lightning.parallel.local import local_tensor
@@ -32,11 +32,14 @@ __all__ = ["SamplePeers", "gather_peer_outputs", "split_items", "sum_over_tensor
 
 @dataclass(frozen=True)
 class SamplePeers:
-    """This rank's context- and tensor-parallel peers (``group``: all of them), which hold the same samples."""
+    """This rank's context- and tensor-parallel peers (``group``: all of them), which hold the same samples, and
+    ``replica``, their data-parallel index, which turns their items' peer labels
+    (:func:`~omni_lightning.balance.pipeline_order.turned_peers`)."""
 
     group: dist.ProcessGroup
     cp_group: dist.ProcessGroup | None
     tp_group: dist.ProcessGroup | None
+    replica: int = 0
 
     @property
     def size(self) -> int:
@@ -47,9 +50,11 @@ class SamplePeers:
         return dist.get_rank(self.group)
 
 
-def split_items(costs: np.ndarray, peers: int) -> np.ndarray:
-    """The peer that encodes each item (pure, identical on every peer): longest first onto the least-loaded."""
-    return lpt_ranks(np.asarray(costs, dtype=np.float64), np.zeros(peers), np.arange(peers))
+def split_items(costs: np.ndarray, peers: int, replica: int = 0) -> np.ndarray:
+    """The peer that encodes each item (pure, identical on every peer): longest first onto the least-loaded, the
+    labels turned by the peers' data-parallel index ``replica``."""
+    return turned_peers(lpt_ranks(np.asarray(costs, dtype=np.float64), np.zeros(peers), np.arange(peers)), replica,
+                        peers)
 
 
 def gather_peer_outputs(own: torch.Tensor, owner: np.ndarray, outputs_per_item: list[int],

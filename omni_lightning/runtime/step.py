@@ -428,7 +428,7 @@ def sample_peers(meshes: OmniMeshes) -> SamplePeers | None:
         return None
     cp, tp = meshes.get("cp"), meshes.get("tp")
     return SamplePeers(peers.get_group(), cp.get_group() if cp is not None else None,
-                       tp.get_group() if tp is not None else None)
+                       tp.get_group() if tp is not None else None, replica=meshes.local_rank("dp"))
 
 
 def _parallelize(model: ReferenceMLLM, meshes: OmniMeshes, options: StepOptions,

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from omni_lightning.balance import allocation, reorder, reshard
-from omni_lightning.balance.pipeline_order import assign_encoder_items, lpt_ranks
+from omni_lightning.balance.pipeline_order import assign_encoder_items, lpt_ranks, turned_peers
 from omni_lightning.balance.pipeline_replay import Action, replay_pipeline
 from omni_lightning.balance.workload import WorkloadSpec
 from omni_lightning.models.config import ReferenceMLLMConfig
@@ -390,10 +390,10 @@ class Simulation:
         The loader's plan (:meth:`_omni_micro_batches`) gives each data-parallel replica its micro-batches of
         whole samples. In each replica, the joint pipeline places every item of the step on a pipeline stage
         (:func:`~omni_lightning.balance.pipeline_order.assign_encoder_items`, as ``JointEncoders`` does, on the
-        item's cost over the stage's context- and tensor-parallel peers), and the stage's peers split its items by
-        LPT over the step (``lpt_ranks``, as ``JointEncoders._assign_peers``). With multiplexing off, every item is
-        the first stage's. Then, per insertion (stage, peer, micro-batch), the resharder plans the items of that
-        position of every data-parallel replica over the data-parallel ranks
+        item's cost over the stage's context- and tensor-parallel peers), and the stage's peers split its items of
+        each micro-batch and encoder by LPT, their labels turned by the replica (:meth:`_stage_and_peer`). With
+        multiplexing off, every item is the first stage's. Then, per insertion (stage, peer, micro-batch), the
+        resharder plans the items of that position of every data-parallel replica over the data-parallel ranks
         (:func:`~omni_lightning.balance.reshard.plan_resharding`, long items split over ``enc_sp`` consecutive
         data-parallel ranks, which sit ``cp * tp`` GPUs apart; without a pipeline, on top of each GPU's share of its
         micro-batch's LLM work), each encoder's items in turn, priced as the runtime prices them on a GPU (its
@@ -452,7 +452,8 @@ class Simulation:
                     # LSSP does not change where items go before the resharder: its ablation reuses omni's.
                     key = (step, r, options.multiplex, options.reorder)
                     if key not in self._item_plans:
-                        self._item_plans[key] = self._stage_and_peer(llm_cost[r], mb, pool.item_cost[items], options)
+                        self._item_plans[key] = self._stage_and_peer(llm_cost[r], mb, pool.item_cost[items],
+                                                                     pool.item_encoder[items], options, r)
                     stage, peer = self._item_plans[key]
                     all_items.append(items)
                     all_replica.append(np.full(items.size, r))
@@ -538,9 +539,11 @@ class Simulation:
         return reshard.EncoderPlan(rank_of, sp_start, sp_degree, rank_cost, moved)
 
     def _stage_and_peer(self, llm_cost: np.ndarray, micro_batch: np.ndarray, costs: np.ndarray,
-                        options: OmniOptions) -> tuple[np.ndarray, np.ndarray]:
-        """The pipeline stage and the context/tensor-parallel peer that encode each item of a replica's step, as
-        ``JointEncoders`` plans them."""
+                        encoder: np.ndarray, options: OmniOptions, replica: int) -> tuple[np.ndarray, np.ndarray]:
+        """The pipeline stage and the context/tensor-parallel peer that encode each item of data-parallel replica
+        ``replica``'s step, as the runtime plans them (``JointEncoders._assign_peers``, ``LocalEncoders``): a
+        stage's peers split its items of each micro-batch and encoder by LPT (``split_items``), the labels turned by
+        the replica (``turned_peers``)."""
         layout = self.scenario.layout
         pp, peers = layout.pp, layout.cp * layout.tp
         if options.multiplex and pp > 1:
@@ -548,15 +551,14 @@ class Simulation:
         else:
             stage = np.zeros(costs.size, dtype=np.int64)
         peer = np.zeros(costs.size, dtype=np.int64)
-        loads = np.zeros((pp, peers))
-        # Each (micro-batch, stage)'s items in index order, micro-batch by micro-batch and stage by stage: one sort,
+        # The items of each (micro-batch, encoder, stage) in index order, in the runtime's order of those: one sort,
         # not a scan of every item for each of them.
-        position = micro_batch * pp + stage
+        position = (micro_batch * (int(encoder.max(initial=0)) + 1) + encoder) * pp + stage
         by_position = np.argsort(position, kind="stable")
         for mine in np.split(by_position, np.flatnonzero(np.diff(position[by_position])) + 1):
             if mine.size:
-                peer[mine] = lpt_ranks(costs[mine], loads[stage[mine[0]]], np.arange(peers))
-        return stage, peer
+                peer[mine] = lpt_ranks(costs[mine], np.zeros(peers), np.arange(peers))
+        return stage, turned_peers(peer, replica, peers)
 
     @staticmethod
     def _omni_name(options: OmniOptions) -> str:
