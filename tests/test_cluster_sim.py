@@ -357,3 +357,31 @@ def test_omni_plans_each_encoders_items_in_turn_priced_as_the_runtime_resharder(
         seen.append(name)
         moved += plan.moved
     assert set(seen) == {"vision", "audio"} and moved
+
+
+@pytest.mark.parametrize("multiplex", [True, False])
+def test_omni_splits_a_stages_items_between_its_peers_as_the_runtime_does(monkeypatch: pytest.MonkeyPatch,
+                                                                         multiplex: bool) -> None:
+    """Each stage's items of a micro-batch and encoder go to its cp * tp peers as ``split_items`` sends them
+    (``JointEncoders._assign_peers``, ``LocalEncoders``): LPT from equal loads, the labels turned by the replica."""
+    from omni_lightning.runtime.peers import split_items
+
+    plans = []
+    real = Simulation._stage_and_peer
+
+    def spy(self: Simulation, llm_cost: np.ndarray, micro_batch: np.ndarray, costs: np.ndarray,
+            encoder: np.ndarray, options: OmniOptions, replica: int) -> tuple[np.ndarray, np.ndarray]:
+        stage, peer = real(self, llm_cost, micro_batch, costs, encoder, options, replica)
+        plans.append((micro_batch, costs, encoder, replica, stage, peer))
+        return stage, peer
+
+    monkeypatch.setattr(Simulation, "_stage_and_peer", spy)
+    sim = Simulation(replace(_scenario(), max_groups=None))
+    sim.omni(OmniOptions(multiplex=multiplex))
+    peers = sim.scenario.layout.tp * sim.scenario.layout.cp
+    assert {replica for *_, replica, _, _ in plans} == set(range(sim.ranks))
+    for micro_batch, costs, encoder, replica, stage, peer in plans:
+        assert (stage > 0).any() == multiplex
+        for m, e, s in {(int(m), int(e), int(s)) for m, e, s in zip(micro_batch, encoder, stage, strict=True)}:
+            mine = np.flatnonzero((micro_batch == m) & (encoder == e) & (stage == s))
+            np.testing.assert_array_equal(peer[mine], split_items(costs[mine], peers, replica))
