@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from omni_lightning.balance.calibration import fit_joint_calibration
 from omni_lightning.balance.cost import (
@@ -115,6 +117,63 @@ def test_an_encoder_the_steps_did_not_run_is_priced_from_flops_at_the_measured_r
                                                    encoder_forward=0.3), flops=FLOPS)
     rate = (features[:, 4:] @ TRUE.coefficients[4:]).sum() / (features[:, 4:] @ FLOPS.coefficients[4:]).sum()
     np.testing.assert_allclose(few.cost_model.coefficients[:4], FLOPS.coefficients[:4] * rate, rtol=1e-9)
+
+
+def _text_micro_batches(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Features of ``n`` text-only micro-batches of one to four sequences of random lengths."""
+    return np.stack([feature_matrix([SampleMeta("text", int(rng.integers(8, 400)), merge=MERGE)
+                                     for _ in range(int(rng.integers(1, 5)))]).sum(axis=0) for _ in range(n)])
+
+
+def test_a_coefficient_the_measurements_zero_takes_the_priors_shape() -> None:
+    """Times that grow faster with attention pairs than any positive per-token cost explains (noise on a few steps)
+    drive the per-token coefficient to zero; with FLOPs as the prior the LLM keeps FLOPs' ratio of the two, scaled to
+    the measured seconds, so a micro-batch of many short sequences is not priced as nearly free."""
+    features = _text_micro_batches(np.random.default_rng(3), 8)
+    tokens, pairs = features[:, 4], features[:, 5]
+    seconds = (1e-8 * pairs - 2e-8 * tokens).tolist()
+    assert min(seconds) > 0
+    free = fit_cost_model_to_features(features, seconds, modules=["llm"])
+    assert free.llm.linear == 0 and free.llm.quadratic > 0
+    shaped = fit_cost_model_to_features(features, seconds, modules=["llm"], prior=FLOPS)
+    assert shaped.llm.linear > 0
+    assert shaped.llm.quadratic / shaped.llm.linear == pytest.approx(FLOPS.llm.quadratic / FLOPS.llm.linear)
+    flops_seconds = features[:, 4:] @ FLOPS.coefficients[4:]
+    scale = float(flops_seconds @ np.asarray(seconds) / (flops_seconds @ flops_seconds))  # least squares, one unknown
+    np.testing.assert_allclose(shaped.llm.linear, scale * FLOPS.llm.linear, rtol=1e-9)
+    with pytest.raises(ValueError, match="the prior's modules"):
+        fit_cost_model_to_features(features, seconds, modules=["llm"], prior=CostModel(llm=FLOPS.llm))
+
+
+def test_the_joint_calibration_never_prices_a_token_or_pair_at_zero() -> None:
+    """The joint pipeline's fit (which CI once saw give the LLM zero seconds per token on two timed steps) keeps both
+    of the LLM's coefficients positive on the same times."""
+    features = _text_micro_batches(np.random.default_rng(4), 8)
+    llm = 1e-8 * features[:, 5] - 2e-8 * features[:, 4]
+    stage = [action for m in range(8) for action in (("F", m, llm[m] / 6), ("B", m, llm[m] / 3))]
+    figures = fit_joint_calibration(features, [stage, stage], flops=FLOPS)
+    assert figures.cost_model.llm.linear > 0 and figures.cost_model.llm.quadratic > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), noise=st.floats(0.0, 0.5), micro_batches=st.integers(6, 16))
+def test_fitted_modules_never_keep_one_coefficient_at_zero(seed: int, noise: float, micro_batches: int) -> None:
+    """Whatever the noise on the times, each fitted module's two coefficients are both positive or both zero where
+    the prior's are positive; times that a positive model explains exactly are explained exactly, by that model where
+    the features determine it."""
+    rng = np.random.default_rng(seed)
+    features = np.stack([feature_matrix(g).sum(axis=0) for g in _metas(rng, micro_batches)])
+    modules = [name for i, name in enumerate(FLOPS.modules) if features[:, 2 * i].any()]
+    exact = features @ TRUE.coefficients
+    noisy = (exact * rng.uniform(1 - noise, 1 + noise, exact.size)).tolist()
+    fitted = fit_cost_model_to_features(features, noisy, modules=modules, prior=FLOPS)
+    for name in modules:
+        coefficients = np.array([fitted.module(name).linear, fitted.module(name).quadratic])
+        assert (coefficients > 0).all() or not coefficients.any(), (name, coefficients)
+    explained = fit_cost_model_to_features(features, exact.tolist(), modules=modules, prior=FLOPS)
+    np.testing.assert_allclose(features @ explained.coefficients, exact, rtol=1e-6)
+    if np.linalg.matrix_rank(features / np.maximum(features.max(axis=0), 1)) == 2 * len(modules):
+        np.testing.assert_allclose(explained.coefficients, TRUE.coefficients, rtol=1e-6)
 
 
 def test_joint_calibration_rejects_malformed_records() -> None:

@@ -73,8 +73,9 @@ def fit_joint_calibration(features: np.ndarray, actions: Sequence[Sequence[tuple
 
     The LLM's coefficients are fitted (:func:`~omni_lightning.balance.cost.fit_cost_model_to_features`) to each
     micro-batch's forward and backward time summed over the stages, the encoders' to its encoder forward and
-    backward time summed over the ranks. Raises ``ValueError`` on malformed input or where the steps cannot
-    determine the LLM's coefficients (fewer than two micro-batches, no LLM time).
+    backward time summed over the ranks; a module whose fit zeroes one of its two coefficients (a few noisy steps
+    rarely separate them) is fitted in ``flops``' shape instead. Raises ``ValueError`` on malformed input or where
+    the steps cannot determine the LLM's coefficients (fewer than two micro-batches, no LLM time).
     """
     table = np.asarray(features, dtype=np.float64)
     encoders = flops.encoder_names
@@ -100,11 +101,12 @@ def fit_joint_calibration(features: np.ndarray, actions: Sequence[Sequence[tuple
     if not stage_seconds.all():
         raise ValueError(f"every stage must have recorded LLM time to calibrate from; seconds per stage: "
                          f"{stage_seconds.tolist()}")
-    fitted = fit_cost_model_to_features(table, llm_seconds.tolist(), modules=["llm"], encoders=encoders)
+    fitted = fit_cost_model_to_features(table, llm_seconds.tolist(), modules=["llm"], encoders=encoders, prior=flops)
     measured = [name for i, name in enumerate(encoders) if table[:, 2 * i : 2 * i + 2].any()]
     encoder_seconds = seconds["E"] + seconds["EB"]
     if measured and encoder_seconds.any() and n >= 2 * len(measured):
-        encoder_fit = fit_cost_model_to_features(table, encoder_seconds.tolist(), modules=measured, encoders=encoders)
+        encoder_fit = fit_cost_model_to_features(table, encoder_seconds.tolist(), modules=measured, encoders=encoders,
+                                                 prior=flops)
     else:
         measured, encoder_fit = [], fitted
     llm = 2 * len(encoders)

@@ -285,6 +285,7 @@ def fit_cost_model(
     modules: Sequence[str] | None = None,
     encoders: Sequence[str] = DEFAULT_ENCODERS,
     spec: PackingSpec = DEFAULT_PACKING,
+    prior: CostModel | None = None,
 ) -> CostModel:
     """Calibrate a :class:`CostModel` (in seconds) with ``encoders`` and the LLM from measured step times.
 
@@ -298,6 +299,9 @@ def fit_cost_model(
     that no measured sample uses (its coefficients would be arbitrary: fit without it).
     If the features do not determine every coefficient (e.g. every image has the same size, so patches and
     pairs are proportional), the fit still predicts the measured shapes but a warning is logged.
+    ``prior`` (a cost model of the same modules, e.g. FLOPs') gives each module the ratio of its two coefficients to
+    fall back on where the measurements drive one of them to zero (see
+    :func:`~omni_lightning.balance.cost_fit.fit_coefficients`).
     """
     names = (*encoders, "llm")
     modules = checked_modules(names if modules is None else modules, names)
@@ -312,12 +316,13 @@ def fit_cost_model(
             raise ValueError(f"measurement {i} has no samples: a step's time needs the samples it processed")
         sums[i] = feature_matrix(samples, encoders, spec).sum(axis=0)
         times[i] = checked_seconds(seconds, i)
-    return _from_coefficients(fit_coefficients(sums, times, modules, names), names)
+    return _from_coefficients(fit_coefficients(sums, times, modules, names, prior=_prior(prior, names)), names)
 
 
 def fit_cost_model_to_features(features: np.ndarray, seconds: Sequence[float], *,
                                modules: Sequence[str] | None = None,
-                               encoders: Sequence[str] = DEFAULT_ENCODERS) -> CostModel:
+                               encoders: Sequence[str] = DEFAULT_ENCODERS,
+                               prior: CostModel | None = None) -> CostModel:
     """Calibrate a :class:`CostModel` (in seconds) from measured work described by its features.
 
     ``features[i]`` holds the features (:func:`feature_names` of ``encoders``) of what
@@ -334,7 +339,16 @@ def fit_cost_model_to_features(features: np.ndarray, seconds: Sequence[float], *
         raise ValueError("features must be finite and non-negative (token and attention-pair counts)")
     check_enough_measurements(len(seconds), modules)
     times = np.array([checked_seconds(t, i) for i, t in enumerate(seconds)])
-    return _from_coefficients(fit_coefficients(sums, times, modules, names), names)
+    return _from_coefficients(fit_coefficients(sums, times, modules, names, prior=_prior(prior, names)), names)
+
+
+def _prior(prior: CostModel | None, names: tuple[str, ...]) -> np.ndarray | None:
+    """``prior``'s coefficients in the fit's layout; raises ``ValueError`` where its modules are not ``names``."""
+    if prior is None:
+        return None
+    if prior.modules != names:
+        raise ValueError(f"the prior's modules {list(prior.modules)} must be the fit's {list(names)}")
+    return prior.coefficients
 
 
 def _from_coefficients(coefficients: np.ndarray, names: tuple[str, ...]) -> CostModel:

@@ -94,34 +94,81 @@ def checked_seconds(seconds: object, i: int) -> float:
     return float(seconds)
 
 
-def fit_coefficients(sums: np.ndarray, times: np.ndarray, modules: tuple[str, ...], names: tuple[str, ...]
-                     ) -> np.ndarray:
+def fit_coefficients(sums: np.ndarray, times: np.ndarray, modules: tuple[str, ...], names: tuple[str, ...], *,
+                     prior: np.ndarray | None = None) -> np.ndarray:
     """Coefficients (``linear, quadratic`` per module of ``names``) by non-negative least squares of ``times`` on
-    the ``modules`` columns of the feature sums ``sums`` (both checked already); the other modules' are zero."""
+    the ``modules`` columns of the feature sums ``sums`` (both checked already); the other modules' are zero.
+
+    ``prior`` (coefficients laid out as the result's, e.g. FLOPs) gives each module a shape to fall back on: a module
+    whose fit leaves a coefficient at zero where ``prior``'s is positive keeps ``prior``'s ratio of its two
+    coefficients, scaled by the fit. A zero there says the measurements cannot separate the module's two terms (a
+    few noisy steps whose tokens and attention pairs grow together), not that the work is free: priced by the other
+    term alone, a micro-batch of many short sequences would look almost free next to one long sequence.
+    """
     if not times.any():
         raise ValueError("every measured time is zero: nothing to calibrate the cost model against")
-    columns = [2 * names.index(m) + k for m in modules for k in (0, 1)]
-    a = sums[:, columns]
-    scale = np.abs(a).max(axis=0)
-    if unused := [m for i, m in enumerate(modules) if not scale[2 * i : 2 * i + 2].any()]:
+    if unused := [m for m in modules if not sums[:, _columns(m, names)].any()]:
         raise ValueError(
             f"no measured sample has {' or '.join(unused)} work, so its coefficients cannot be fitted; "
             f"pass modules= without {unused}"
         )
+    shaped: list[str] = []
+    while True:
+        coefficients = _fit_shaped(sums, times, modules, names, shaped, prior)
+        if prior is None:
+            break
+        lost = [m for m in modules if m not in shaped
+                and ((coefficients[_columns(m, names)] == 0) & (prior[_columns(m, names)] > 0)).any()]
+        if not lost:
+            break
+        logger.info("cost model fit: the measurements set a coefficient of %s to zero; fitting %s in the prior's "
+                    "shape instead", lost, "it" if len(lost) == 1 else "them")
+        shaped += lost
+    residual = np.linalg.norm(sums @ coefficients - times) / np.linalg.norm(times)
+    logger.debug("cost model fit on %d steps: relative residual %.3g", len(times), residual)
+    return coefficients
+
+
+def _columns(module: str, names: tuple[str, ...]) -> list[int]:
+    """The feature columns (tokens, attention pairs) of ``module``."""
+    return [2 * names.index(module), 2 * names.index(module) + 1]
+
+
+def _fit_shaped(sums: np.ndarray, times: np.ndarray, modules: tuple[str, ...], names: tuple[str, ...],
+                shaped: list[str], prior: np.ndarray | None) -> np.ndarray:
+    """:func:`fit_coefficients`'s solve: two free coefficients per module, one scale of ``prior``'s for those in
+    ``shaped``."""
+    designs = []
+    for module in modules:
+        columns = _columns(module, names)
+        if module in shaped:
+            designs.append(sums[:, columns] @ prior[columns])
+        else:
+            designs += [sums[:, column] for column in columns]
+    a = np.column_stack(designs)
+    scale = np.abs(a).max(axis=0)
+    # A module's columns all zero is rejected above; one of its two columns may be zero (pairs of a module that
+    # never saw attention), which the fit leaves at zero.
+    scale[scale == 0] = 1.0
     # Columns scaled to a common range: summed pairs (~1e8 and up) and tokens (~1e3) would otherwise make the
     # least-squares sub-problems badly conditioned.
     a_scaled = a / scale
-    t_scale = times.max()
-    if np.linalg.matrix_rank(a_scaled) < len(columns):
+    if np.linalg.matrix_rank(a_scaled) < a.shape[1]:
         logger.warning(
             "cost model fit: the measured features do not determine all %d coefficients (e.g. tokens and "
             "attention pairs proportional); predictions away from the measured shapes may be off",
-            len(columns),
+            a.shape[1],
         )
+    t_scale = times.max()
     x = _nnls(a_scaled, times / t_scale) * t_scale / scale
-
     coefficients = np.zeros(2 * len(names))
-    coefficients[columns] = x
-    residual = np.linalg.norm(sums @ coefficients - times) / np.linalg.norm(times)
-    logger.debug("cost model fit on %d steps: relative residual %.3g", len(times), residual)
+    i = 0
+    for module in modules:
+        columns = _columns(module, names)
+        if module in shaped:
+            coefficients[columns] = x[i] * prior[columns]
+            i += 1
+        else:
+            coefficients[columns] = x[i : i + 2]
+            i += 2
     return coefficients
