@@ -364,7 +364,7 @@ def test_omni_splits_a_stages_items_between_its_peers_as_the_runtime_does(monkey
                                                                          multiplex: bool) -> None:
     """Each stage's items of a micro-batch and encoder go to its cp * tp peers as ``split_items`` sends them
     (``JointEncoders._assign_peers``, ``LocalEncoders``): LPT from equal loads, the labels turned by the replica."""
-    from omni_lightning.runtime.peers import split_items
+    from omni_lightning.balance.pipeline_order import split_items
 
     plans = []
     real = Simulation._stage_and_peer

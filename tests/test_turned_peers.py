@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from omni_lightning.balance.pipeline_order import split_items
 from omni_lightning.balance.reshard import plan_resharding
-from omni_lightning.runtime.peers import split_items
 
 
 @settings(max_examples=80, deadline=None)

@@ -32,6 +32,7 @@ __all__ = [
     "assign_encoder_items",
     "lpt_ranks",
     "turned_peers",
+    "split_items",
     "stage_shares_of",
     "JOINT_ITEM_EVALUATIONS",
 ]
@@ -483,6 +484,14 @@ def turned_peers(peer: np.ndarray, replica: int, peers: int) -> np.ndarray:
     land on different positions. Peers of one replica are alike, so its own step is the same either way.
     """
     return (np.asarray(peer, dtype=np.int64) + replica) % peers
+
+
+def split_items(costs: np.ndarray, peers: int, replica: int = 0) -> np.ndarray:
+    """The peer that encodes each item of peers that hold the same samples (pure, identical on every peer): longest
+    first onto the least-loaded, the labels turned by the peers' data-parallel index ``replica``
+    (:func:`turned_peers`)."""
+    return turned_peers(lpt_ranks(np.asarray(costs, dtype=np.float64), np.zeros(peers), np.arange(peers)), replica,
+                        peers)
 
 
 def _joint_durations(program: tuple[tuple[int, str, int, int, tuple[int, ...]], ...], llm: np.ndarray,

@@ -22,13 +22,14 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from omni_lightning.balance.pipeline_order import split_items
 from omni_lightning.batch import GROUP_WORK_KEY, Encoded, EncoderOutputs, PackedBatch
 from omni_lightning.models.mllm import ReferenceMLLM
 from omni_lightning.parallel.attention import host_bounds
 from omni_lightning.parallel.transfer import to_device
 from omni_lightning.runtime.calibration import ResharderCalibrator
 from omni_lightning.runtime.items import item_layout, select_items
-from omni_lightning.runtime.peers import SamplePeers, gather_peer_outputs, split_items, sum_over_tensor_parallel_peers
+from omni_lightning.runtime.peers import SamplePeers, gather_peer_outputs, sum_over_tensor_parallel_peers
 from omni_lightning.runtime.reshard import EncoderStep, Resharder
 
 __all__ = ["EncoderSource", "LocalEncoders"]

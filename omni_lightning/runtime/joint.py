@@ -46,7 +46,7 @@ from torch import nn
 
 from omni_lightning.balance.cost import CostModel, ModuleCost
 from omni_lightning.balance.digest import plan_digest
-from omni_lightning.balance.pipeline_order import assign_encoder_items, lpt_ranks, stage_shares_of
+from omni_lightning.balance.pipeline_order import assign_encoder_items, lpt_ranks, split_items, stage_shares_of
 from omni_lightning.batch import EncoderOutputs
 from omni_lightning.parallel.agreement import check_plans_agree
 from omni_lightning.parallel.attention import host_bounds
@@ -55,7 +55,7 @@ from omni_lightning.parallel.local import local_tensor
 from omni_lightning.parallel.timing import ActionLog, timed, waiting
 from omni_lightning.parallel.transfer import to_device
 from omni_lightning.runtime.items import item_layout, select_items
-from omni_lightning.runtime.peers import SamplePeers, split_items
+from omni_lightning.runtime.peers import SamplePeers
 from omni_lightning.runtime.reshard import EncoderStep, Resharder
 
 __all__ = ["JointEncoders", "share_items"]
@@ -254,7 +254,7 @@ class JointEncoders:
         """Which tensor-parallel peer of the owning stage encodes each item: at each insertion, encoder by encoder
         (the peers all-gather each encoder's outputs there, so each such gather waits for the busiest peer), longest
         first onto the least-loaded peer, as :class:`~omni_lightning.runtime.encoders.LocalEncoders` splits them
-        (:func:`~omni_lightning.runtime.peers.split_items`: the same on every peer, the labels turned by the
+        (:func:`~omni_lightning.balance.pipeline_order.split_items`: the same on every peer, the labels turned by the
         replica)."""
         replica = self.peers.replica if self.peers is not None else 0
         for m in range(n):

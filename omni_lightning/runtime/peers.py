@@ -21,13 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from omni_lightning.balance.pipeline_order import lpt_ranks, turned_peers
 from omni_lightning.parallel.coalesced import all_reduce_coalesced
 from omni_lightning.parallel.compat import all_gather_single
 from omni_lightning.parallel.local import local_tensor
 from omni_lightning.parallel.transfer import to_device
 
-__all__ = ["SamplePeers", "gather_peer_outputs", "split_items", "sum_over_tensor_parallel_peers"]
+__all__ = ["SamplePeers", "gather_peer_outputs", "sum_over_tensor_parallel_peers"]
 
 
 @dataclass(frozen=True)
@@ -48,13 +47,6 @@ class SamplePeers:
     @property
     def rank(self) -> int:
         return dist.get_rank(self.group)
-
-
-def split_items(costs: np.ndarray, peers: int, replica: int = 0) -> np.ndarray:
-    """The peer that encodes each item (pure, identical on every peer): longest first onto the least-loaded, the
-    labels turned by the peers' data-parallel index ``replica``."""
-    return turned_peers(lpt_ranks(np.asarray(costs, dtype=np.float64), np.zeros(peers), np.arange(peers)), replica,
-                        peers)
 
 
 def gather_peer_outputs(own: torch.Tensor, owner: np.ndarray, outputs_per_item: list[int],

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from omni_lightning.balance import allocation, reorder, reshard
-from omni_lightning.balance.pipeline_order import assign_encoder_items, lpt_ranks, turned_peers
+from omni_lightning.balance.pipeline_order import assign_encoder_items, split_items
 from omni_lightning.balance.pipeline_replay import Action, replay_pipeline
 from omni_lightning.balance.workload import WorkloadSpec
 from omni_lightning.models.config import ReferenceMLLMConfig
@@ -557,8 +557,8 @@ class Simulation:
         by_position = np.argsort(position, kind="stable")
         for mine in np.split(by_position, np.flatnonzero(np.diff(position[by_position])) + 1):
             if mine.size:
-                peer[mine] = lpt_ranks(costs[mine], np.zeros(peers), np.arange(peers))
-        return stage, turned_peers(peer, replica, peers)
+                peer[mine] = split_items(costs[mine], peers, replica)
+        return stage, peer
 
     @staticmethod
     def _omni_name(options: OmniOptions) -> str:
