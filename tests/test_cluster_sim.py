@@ -14,7 +14,7 @@ from omni_lightning.sim import one_f_one_b_bubble, replay_pipeline
 from omni_lightning.sim.cluster import Cluster, Layout
 from omni_lightning.sim.placements import OmniOptions, Scenario, Simulation
 from omni_lightning.sim.presets import PRESETS, model_spec
-from omni_lightning.sim.report import image_text_mix, simulate_main
+from omni_lightning.sim.report import image_text_mix, placements, simulate_main
 from omni_lightning.sim.schedules import joint_pipeline, one_f_one_b
 
 LONG_TAIL = "vlm_dynres"  # long-tailed native-resolution images: most cost in the ViT
@@ -268,6 +268,19 @@ def test_cli_prints_the_table_and_ends_with_the_speedups(capsys: pytest.CaptureF
     assert PRESETS["omni-a"].model.name in lines[0]
     assert any(line.startswith("whole-sample bound") for line in lines)
     assert any(line.startswith("speedup vs coupled per step: ") for line in lines)
+
+
+def test_the_rows_are_the_same_computed_in_forked_processes(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--jobs`` shares the rows out to forked processes; every figure is what one process prints."""
+    argv = ["--workload", LONG_TAIL, "--gpus", "64", "--preset", "omni-a", "--steps", "1", "--groups", "1",
+            "--seq-len", "4096"]
+    printed = []
+    for jobs in ("1", "3"):
+        simulate_main([*argv, "--jobs", jobs])
+        printed.append([line for line in capsys.readouterr().out.splitlines() if not line.startswith("(")])
+    assert printed[0] == printed[1]
+    with pytest.raises(ValueError, match="jobs=0"):
+        placements(Simulation(_scenario()), jobs=0)
 
 
 def test_every_data_parallel_rank_is_simulated_by_default_and_a_sample_only_leaves_out_stragglers() -> None:

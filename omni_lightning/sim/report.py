@@ -1,18 +1,23 @@
 """``omni-lightning simulate``: the placements side by side, the ablation, an optional image:text sweep.
 
-    omni-lightning simulate --workload FILE --gpus N [--preset NAME] [--sweep] [--tp 8 --pp 8 ...]
+    omni-lightning simulate --workload FILE --gpus N [--preset NAME] [--sweep] [--jobs J] [--tp 8 --pp 8 ...]
 
 Prints the scenario, one row per placement (step time, ratio to omni, max/mean per-GPU compute, memory per GPU or
 OOM), the ablation rows (omni with multiplexing, reordering or LSSP off), and with ``--sweep`` the step times at
 image:text 1:9 ... 9:1 with the disaggregated pools sized once for the workload's own mix. The last two lines are
 ``omni max/mean: Z`` and ``predicted speedup vs coupled: X, vs disaggregated: Y`` (``oom`` where a baseline does
-not fit).
+not fit). The placements are independent and deterministic: ``--jobs`` computes them in that many forked
+processes side by side, which changes no figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
 from omni_lightning.balance.workload import WorkloadSpec, load_workload
@@ -20,9 +25,15 @@ from omni_lightning.sim.cluster import Cluster
 from omni_lightning.sim.placements import ASSUMPTIONS, OmniOptions, PlacementResult, Scenario, Simulation
 from omni_lightning.sim.presets import PRESETS, preset_for
 
-__all__ = ["format_speedups", "image_text_mix", "simulate_main"]
+__all__ = ["default_jobs", "format_speedups", "image_text_mix", "placements", "simulate_main"]
 
 SWEEP = ((1, 9), (3, 7), (5, 5), (7, 3), (9, 1))
+# The rows, by name, as the processes of ``--jobs`` share them out, the longest first: omni's ablation without LSSP
+# reuses omni's loader and item plans, so the two run in one process.
+_ABLATIONS = {"no multiplexing": OmniOptions(multiplex=False), "no reordering": OmniOptions(reorder=False),
+              "no LSSP": OmniOptions(lssp=False)}
+_TASKS = (("omni", "no LSSP"), ("no multiplexing",), ("no reordering",), ("disaggregated",), ("coupled",))
+_forked: Simulation | None = None  # what forked processes compute on (copied, not pickled, into them)
 _LAYOUT_FLAGS = ("tp", "pp", "cp", "micro_batches", "seq_len", "enc_sp", "recompute", "reorder_group",
                  "group_steps")
 
@@ -59,6 +70,50 @@ def _row(result: PlacementResult, omni: PlacementResult) -> str:
             f"{result.detail}")
 
 
+def _placement(sim: Simulation, name: str) -> PlacementResult:
+    if name == "coupled":
+        return sim.coupled()
+    if name == "disaggregated":
+        return sim.disaggregated()
+    return sim.omni(_ABLATIONS.get(name, OmniOptions()))
+
+
+def _rows_of(sim: Simulation, names: Sequence[str]) -> list[PlacementResult]:
+    return [_placement(sim, name) for name in names]
+
+
+def _forked_rows(names: Sequence[str]) -> list[PlacementResult]:
+    return _rows_of(_forked, names)
+
+
+def default_jobs() -> int:
+    """The CPUs this process may run on (at most one per group of rows), where processes can be forked; else 1."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cpus, len(_TASKS)))
+
+
+def placements(sim: Simulation, jobs: int = 1) -> dict[str, PlacementResult]:
+    """Every row of the report by name (``"coupled"``, ``"disaggregated"``, ``"omni"`` and its ablations
+    ``"no multiplexing"``, ``"no reordering"``, ``"no LSSP"``), computed in ``jobs`` forked processes (1: this one).
+    The same figures either way: each placement is a pure function of the simulation's scenario."""
+    global _forked
+    if jobs < 1:
+        raise ValueError(f"jobs={jobs} must be at least 1")
+    if jobs == 1:
+        results = [_rows_of(sim, task) for task in _TASKS]
+    else:
+        _forked = sim
+        try:
+            with ProcessPoolExecutor(min(jobs, len(_TASKS)), mp_context=multiprocessing.get_context("fork")) as pool:
+                results = list(pool.map(_forked_rows, _TASKS))
+        finally:
+            _forked = None
+    return {name: result for task, rows in zip(_TASKS, results, strict=True)
+            for name, result in zip(task, rows, strict=True)}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-lightning simulate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,6 +138,8 @@ def _parser() -> argparse.ArgumentParser:
                              "replica_encoder_plan (encoder items planned over every GPU of a reorder group; implies "
                              "even slices), even_encoder_slices (encoder work spread evenly over the insertions)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=None, help="processes computing the rows side by side (default: "
+                        "the CPUs this process may use, at most 5; the figures are the same for any number)")
     for flag in _LAYOUT_FLAGS:
         kind = str if flag == "recompute" else int
         parser.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None, help="override the preset layout")
@@ -97,7 +154,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def simulate_main(argv: list[str]) -> None:
     """``omni-lightning simulate`` (see the module docstring)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.jobs is not None and args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: at least one process computes the rows")
     started = time.perf_counter()
     preset = PRESETS[args.preset] if args.preset else preset_for(args.gpus)
     overrides = {flag: getattr(args, flag) for flag in _LAYOUT_FLAGS if getattr(args, flag) is not None}
@@ -117,13 +177,15 @@ def simulate_main(argv: list[str]) -> None:
           if args.concentration else sim.sampling_note)
     print(f"omni assumes: {', '.join(sorted(args.assume))} (capabilities the runtime does not have)" if args.assume
           else "omni as the runtime runs it (no --assume)")
-    coupled, disaggregated, omni = sim.coupled(), sim.disaggregated(), sim.omni()
+    jobs = default_jobs() if args.jobs is None else args.jobs
+    rows = placements(sim, jobs)
+    coupled, disaggregated, omni = rows["coupled"], rows["disaggregated"], rows["omni"]
     print(f"{'placement':<28}{'step s':>9}{'vs omni':>9}{'max/mean':>10}{'GiB/GPU':>9}  detail")
     for result in (coupled, disaggregated, omni):
         print(_row(result, omni))
     print("ablation: omni with one mechanism off")
-    for options in (OmniOptions(multiplex=False), OmniOptions(reorder=False), OmniOptions(lssp=False)):
-        print(_row(sim.omni(options), omni))
+    for name in _ABLATIONS:
+        print(_row(rows[name], omni))
     if not (coupled.oom or omni.oom):
         per_step = [c / o for c, o in zip(coupled.per_step_s, omni.per_step_s, strict=True)]
         print(f"speedup vs coupled per step: {min(per_step):.3f} to {max(per_step):.3f} over {len(per_step)} steps "
@@ -132,7 +194,8 @@ def simulate_main(argv: list[str]) -> None:
         _sweep(scenario, sim)
     print(f"whole-sample bound on max/mean over data-parallel ranks (largest sample or the mean, over the mean): "
           f"{sim.whole_sample_bound:.3f}")
-    print(f"({time.perf_counter() - started:.1f} s)")
+    print(f"({time.perf_counter() - started:.1f} s, the rows in {min(jobs, len(_TASKS))} process"
+          f"{'es' if min(jobs, len(_TASKS)) > 1 else ''})")
     print(f"omni max/mean: {omni.imbalance:.3f}")
     print(format_speedups(coupled, disaggregated, omni))
 
