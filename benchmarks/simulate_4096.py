@@ -1,7 +1,9 @@
 """How long ``omni-lightning simulate --gpus 4096`` takes on every workload spec, shared and adversarial.
 
-Runs the command as a user would, one process per spec, one after another, and records its wall-clock and CPU
-seconds (the process's own user + system time) beside the machine's load average, since this machine is shared.
+Runs the command as a user would, one spec after another, with its default ``--jobs`` (on Linux, forked processes
+computing the report's rows side by side, one per CPU, at most 5; the report's timing line says how many), and
+records its wall-clock and CPU seconds (user + system time of the command and the processes it forked) beside the
+machine's load average, since this machine is shared.
 Each run's whole output goes to ``results/simulate_4096_<spec>.txt``; the table to ``results/simulate_4096.txt``.
 
     python benchmarks/simulate_4096.py [--workload FILE ...] [--gpus 4096]

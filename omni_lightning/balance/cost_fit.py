@@ -114,16 +114,24 @@ def fit_coefficients(sums: np.ndarray, times: np.ndarray, modules: tuple[str, ..
         )
     shaped: list[str] = []
     while True:
-        coefficients = _fit_shaped(sums, times, modules, names, shaped, prior)
+        coefficients, determined = _fit_shaped(sums, times, modules, names, shaped, prior)
         if prior is None:
             break
+        # A term whose share of the largest measured time is at round-off level is a zero the solver left unclamped.
+        negligible = sums.max(axis=0) * coefficients <= 1e-12 * times.max()
         lost = [m for m in modules if m not in shaped
-                and ((coefficients[_columns(m, names)] == 0) & (prior[_columns(m, names)] > 0)).any()]
+                and (negligible[_columns(m, names)] & (prior[_columns(m, names)] > 0)).any()]
         if not lost:
             break
         logger.info("cost model fit: the measurements set a coefficient of %s to zero; fitting %s in the prior's "
                     "shape instead", lost, "it" if len(lost) == 1 else "them")
         shaped += lost
+    if not determined:
+        logger.warning(
+            "cost model fit: the measured features do not determine all %d coefficients (e.g. tokens and "
+            "attention pairs proportional); predictions away from the measured shapes may be off",
+            2 * len(modules) - len(shaped),
+        )
     residual = np.linalg.norm(sums @ coefficients - times) / np.linalg.norm(times)
     logger.debug("cost model fit on %d steps: relative residual %.3g", len(times), residual)
     return coefficients
@@ -135,9 +143,9 @@ def _columns(module: str, names: tuple[str, ...]) -> list[int]:
 
 
 def _fit_shaped(sums: np.ndarray, times: np.ndarray, modules: tuple[str, ...], names: tuple[str, ...],
-                shaped: list[str], prior: np.ndarray | None) -> np.ndarray:
+                shaped: list[str], prior: np.ndarray | None) -> tuple[np.ndarray, bool]:
     """:func:`fit_coefficients`'s solve: two free coefficients per module, one scale of ``prior``'s for those in
-    ``shaped``."""
+    ``shaped``. Returns the coefficients and whether the measurements determine every unknown."""
     designs = []
     for module in modules:
         columns = _columns(module, names)
@@ -147,18 +155,12 @@ def _fit_shaped(sums: np.ndarray, times: np.ndarray, modules: tuple[str, ...], n
             designs += [sums[:, column] for column in columns]
     a = np.column_stack(designs)
     scale = np.abs(a).max(axis=0)
-    # A module's columns all zero is rejected above; one of its two columns may be zero (pairs of a module that
-    # never saw attention), which the fit leaves at zero.
+    # A module's columns all zero is rejected above; one of its two columns may be zero (no measured item had
+    # attention pairs), whose coefficient the solve leaves at zero (with a prior, the module then takes its shape).
     scale[scale == 0] = 1.0
     # Columns scaled to a common range: summed pairs (~1e8 and up) and tokens (~1e3) would otherwise make the
     # least-squares sub-problems badly conditioned.
     a_scaled = a / scale
-    if np.linalg.matrix_rank(a_scaled) < a.shape[1]:
-        logger.warning(
-            "cost model fit: the measured features do not determine all %d coefficients (e.g. tokens and "
-            "attention pairs proportional); predictions away from the measured shapes may be off",
-            a.shape[1],
-        )
     t_scale = times.max()
     x = _nnls(a_scaled, times / t_scale) * t_scale / scale
     coefficients = np.zeros(2 * len(names))
@@ -171,4 +173,4 @@ def _fit_shaped(sums: np.ndarray, times: np.ndarray, modules: tuple[str, ...], n
         else:
             coefficients[columns] = x[i : i + 2]
             i += 2
-    return coefficients
+    return coefficients, bool(np.linalg.matrix_rank(a_scaled) == a.shape[1])

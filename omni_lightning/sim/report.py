@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -87,11 +88,11 @@ def _forked_rows(names: Sequence[str]) -> list[PlacementResult]:
 
 
 def default_jobs() -> int:
-    """The CPUs this process may run on (at most one per group of rows), where processes can be forked; else 1."""
-    if "fork" not in multiprocessing.get_all_start_methods():
+    """The CPUs this process may run on (at most one per group of rows) on Linux; elsewhere 1, since forking a
+    process that has imported torch is safe on Linux alone."""
+    if sys.platform != "linux":
         return 1
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cpus, len(_TASKS)))
+    return max(1, min(len(os.sched_getaffinity(0)), len(_TASKS)))
 
 
 def placements(sim: Simulation, jobs: int = 1) -> dict[str, PlacementResult]:
@@ -101,14 +102,20 @@ def placements(sim: Simulation, jobs: int = 1) -> dict[str, PlacementResult]:
     global _forked
     if jobs < 1:
         raise ValueError(f"jobs={jobs} must be at least 1")
+    if jobs > 1 and sys.platform != "linux":
+        raise ValueError(f"jobs={jobs}: the rows are computed in forked processes on Linux only")
     if jobs == 1:
         results = [_rows_of(sim, task) for task in _TASKS]
     else:
         _forked = sim
+        pool = ProcessPoolExecutor(min(jobs, len(_TASKS)), mp_context=multiprocessing.get_context("fork"))
         try:
-            with ProcessPoolExecutor(min(jobs, len(_TASKS)), mp_context=multiprocessing.get_context("fork")) as pool:
-                results = list(pool.map(_forked_rows, _TASKS))
+            results = list(pool.map(_forked_rows, _TASKS))
+        except BaseException:
+            pool.shutdown(cancel_futures=True)  # the first failure ends the run, not the last row
+            raise
         finally:
+            pool.shutdown()
             _forked = None
     return {name: result for task, rows in zip(_TASKS, results, strict=True)
             for name, result in zip(task, rows, strict=True)}
@@ -138,8 +145,9 @@ def _parser() -> argparse.ArgumentParser:
                              "replica_encoder_plan (encoder items planned over every GPU of a reorder group; implies "
                              "even slices), even_encoder_slices (encoder work spread evenly over the insertions)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--jobs", type=int, default=None, help="processes computing the rows side by side (default: "
-                        "the CPUs this process may use, at most 5; the figures are the same for any number)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="processes computing the rows side by side (default: on Linux the CPUs this process may "
+                             "use, at most 5, elsewhere 1; the figures are the same for any number)")
     for flag in _LAYOUT_FLAGS:
         kind = str if flag == "recompute" else int
         parser.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None, help="override the preset layout")
@@ -158,6 +166,8 @@ def simulate_main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     if args.jobs is not None and args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: at least one process computes the rows")
+    if args.jobs is not None and args.jobs > 1 and sys.platform != "linux":
+        parser.error(f"--jobs {args.jobs}: the rows are computed in forked processes on Linux only")
     started = time.perf_counter()
     preset = PRESETS[args.preset] if args.preset else preset_for(args.gpus)
     overrides = {flag: getattr(args, flag) for flag in _LAYOUT_FLAGS if getattr(args, flag) is not None}
