@@ -95,15 +95,22 @@ def default_jobs() -> int:
     return max(1, min(len(os.sched_getaffinity(0)), len(_TASKS)))
 
 
+def _jobs_problem(jobs: int) -> str | None:
+    """Why ``jobs`` processes cannot compute the rows here, or ``None``."""
+    if jobs < 1:
+        return "at least one process computes the rows"
+    if jobs > 1 and sys.platform != "linux":
+        return "the rows are computed in forked processes on Linux only"
+    return None
+
+
 def placements(sim: Simulation, jobs: int = 1) -> dict[str, PlacementResult]:
     """Every row of the report by name (``"coupled"``, ``"disaggregated"``, ``"omni"`` and its ablations
     ``"no multiplexing"``, ``"no reordering"``, ``"no LSSP"``), computed in ``jobs`` forked processes (1: this one).
     The same figures either way: each placement is a pure function of the simulation's scenario."""
     global _forked
-    if jobs < 1:
-        raise ValueError(f"jobs={jobs} must be at least 1")
-    if jobs > 1 and sys.platform != "linux":
-        raise ValueError(f"jobs={jobs}: the rows are computed in forked processes on Linux only")
+    if problem := _jobs_problem(jobs):
+        raise ValueError(f"jobs={jobs}: {problem}")
     if jobs == 1:
         results = [_rows_of(sim, task) for task in _TASKS]
     else:
@@ -164,10 +171,9 @@ def simulate_main(argv: list[str]) -> None:
     """``omni-lightning simulate`` (see the module docstring)."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.jobs is not None and args.jobs < 1:
-        parser.error(f"--jobs {args.jobs}: at least one process computes the rows")
-    if args.jobs is not None and args.jobs > 1 and sys.platform != "linux":
-        parser.error(f"--jobs {args.jobs}: the rows are computed in forked processes on Linux only")
+    jobs = min(default_jobs() if args.jobs is None else args.jobs, len(_TASKS))
+    if problem := _jobs_problem(jobs):
+        parser.error(f"--jobs {args.jobs}: {problem}")
     started = time.perf_counter()
     preset = PRESETS[args.preset] if args.preset else preset_for(args.gpus)
     overrides = {flag: getattr(args, flag) for flag in _LAYOUT_FLAGS if getattr(args, flag) is not None}
@@ -187,7 +193,6 @@ def simulate_main(argv: list[str]) -> None:
           if args.concentration else sim.sampling_note)
     print(f"omni assumes: {', '.join(sorted(args.assume))} (capabilities the runtime does not have)" if args.assume
           else "omni as the runtime runs it (no --assume)")
-    jobs = default_jobs() if args.jobs is None else args.jobs
     rows = placements(sim, jobs)
     coupled, disaggregated, omni = rows["coupled"], rows["disaggregated"], rows["omni"]
     print(f"{'placement':<28}{'step s':>9}{'vs omni':>9}{'max/mean':>10}{'GiB/GPU':>9}  detail")
@@ -204,8 +209,7 @@ def simulate_main(argv: list[str]) -> None:
         _sweep(scenario, sim)
     print(f"whole-sample bound on max/mean over data-parallel ranks (largest sample or the mean, over the mean): "
           f"{sim.whole_sample_bound:.3f}")
-    print(f"({time.perf_counter() - started:.1f} s, the rows in {min(jobs, len(_TASKS))} process"
-          f"{'es' if min(jobs, len(_TASKS)) > 1 else ''})")
+    print(f"({time.perf_counter() - started:.1f} s, the rows in {jobs} process{'es' if jobs > 1 else ''})")
     print(f"omni max/mean: {omni.imbalance:.3f}")
     print(format_speedups(coupled, disaggregated, omni))
 
